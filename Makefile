@@ -1,0 +1,57 @@
+# inboxd — `make run` and `make test` do their own set-up on a fresh Debian/Ubuntu machine.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+CONFIG ?= config/inboxd.yaml
+PYTEST_ARGS ?=
+
+.PHONY: run test setup setup-test system-deps lint soak clean
+
+run: setup
+	$(BIN)/inboxd run -c $(CONFIG)
+
+test: setup-test
+	@bash .ci/journald.sh
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: setup-test
+	$(BIN)/ruff check daemon tests bench
+	$(BIN)/mypy
+
+soak: setup-test
+	@bash .ci/journald.sh
+	$(BIN)/python -m pytest -m soak -p no:cacheprovider $(PYTEST_ARGS)
+
+setup: $(VENV)/.runtime-installed
+setup-test: $(VENV)/.test-installed
+
+# systemd-python compiles against libsystemd: install its headers when we can, else say how.
+system-deps:
+	@if ! pkg-config --exists libsystemd 2>/dev/null || ! command -v gcc >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing libsystemd-dev, pkg-config and gcc (needed to build systemd-python)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      libsystemd-dev pkg-config gcc python3-dev >/dev/null; \
+	  else \
+	    echo "systemd-python needs the libsystemd headers. Install them, then re-run make:"; \
+	    echo "  sudo apt-get install libsystemd-dev pkg-config gcc python3-dev"; \
+	    exit 1; \
+	  fi; \
+	fi
+
+$(VENV)/bin/python:
+	$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+	  { echo "inboxd needs Python >= 3.11 (found $$($(PYTHON) --version))"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.runtime-installed: pyproject.toml | system-deps $(VENV)/bin/python
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.test-installed: pyproject.toml | system-deps $(VENV)/bin/python
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(VENV)/.runtime-installed $@
+
+clean:
+	rm -rf var .pytest_cache .mypy_cache .ruff_cache

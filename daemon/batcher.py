@@ -1,0 +1,70 @@
+"""Stage 4: preprocess cache → one forming batch of at most ``batch.max_size`` items.
+
+The batch closes when it is full or ``batch.max_delay_ms`` after its first item arrived,
+whichever comes first: an idle daemon answers one file after at most that delay, a busy one
+fills batches from the cache without waiting at all.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from daemon.item import WorkItem
+from daemon.preprocess_cache import PreprocessCache
+from daemon.stats import HighWater, Window
+
+
+class Batcher:
+    name = "batch"
+
+    def __init__(
+        self,
+        cache: PreprocessCache,
+        max_size: int,
+        max_delay_ms: float,
+        clock: Callable[[], float] = time.monotonic,
+        sizes: Window | None = None,
+    ) -> None:
+        self.cache = cache
+        self.sizes = sizes or Window()
+        self.max_size = max_size
+        self.max_delay_s = max_delay_ms / 1000
+        self.clock = clock
+        self.forming = 0
+        self._high_water = HighWater()
+
+    @property
+    def size(self) -> int:
+        return self.forming
+
+    @property
+    def capacity(self) -> int:
+        return self.max_size
+
+    @property
+    def high_water(self) -> int:
+        return self._high_water.value
+
+    def configure(self, max_size: int, max_delay_ms: float) -> None:
+        self.max_size = max_size
+        self.max_delay_s = max_delay_ms / 1000
+
+    async def next_batch(self) -> list[WorkItem]:
+        batch = [await self.cache.get()]
+        deadline_s = self.clock() + self.max_delay_s
+        self.forming = 1
+        while len(batch) < self.max_size:
+            item = self.cache.take_nowait()
+            if item is not None:
+                batch.append(item)
+                self.forming = len(batch)
+                continue
+            remaining_s = deadline_s - self.clock()
+            if remaining_s <= 0:
+                break
+            await self.cache.wait_arrival(remaining_s)
+        self._high_water.saw(len(batch))
+        self.sizes.add(len(batch))
+        self.forming = 0
+        return batch

@@ -1,0 +1,74 @@
+"""The unit of work that travels down the pipeline: one claimed file."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+
+class PermanentError(Exception):
+    """The input itself is bad (not an image, truncated, too large): retrying cannot help."""
+
+
+class TransientError(Exception):
+    """Something around the input failed (disk full, file locked, CUDA OOM): try again later."""
+
+
+@dataclass(slots=True)
+class DecodedImage:
+    pixels: npt.NDArray[np.uint8]  # H×W×3, RGB, already resized and cropped
+    width: int  # of the source image, after EXIF rotation
+    height: int
+    format: str | None
+    mode: str
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.pixels.nbytes)
+
+
+@dataclass(slots=True)
+class WorkItem:
+    inbox: Path  # the inbox folder the file was found in
+    rel: str  # path relative to that inbox, "/"-separated
+    key: str  # the name under results/, done/ and failed/ (rel, or inbox-name/rel)
+    claimed_path: Path  # where the file lives while we own it: <inbox>/.processing/<instance>/rel
+    noticed_s: float = field(default_factory=time.monotonic)
+    attempts: int = 0
+    errors: list[str] = field(default_factory=list)  # one per failed attempt, max_attempts at most
+    sha256: str | None = None
+    size_bytes: int | None = None
+    image: DecodedImage | None = None
+    image_info: dict[str, Any] = field(default_factory=dict)  # kept after the pixels are freed
+    # Monotonic stage stamps, turned into per-stage timings in the result.
+    enqueued_s: float = 0.0
+    dequeued_s: float = 0.0
+    preprocessed_s: float = 0.0
+    inferred_s: float = 0.0
+    inference_ms: float = 0.0
+
+    def timings_ms(self, now_s: float) -> dict[str, float]:
+        def ms(start: float, end: float) -> float:
+            return round(max(0.0, end - start) * 1000, 3)
+
+        return {
+            "queue_wait": ms(self.enqueued_s, self.dequeued_s),
+            "preprocess": ms(self.dequeued_s, self.preprocessed_s),
+            "batch_wait": ms(self.preprocessed_s, self.inferred_s) - round(self.inference_ms, 3),
+            "inference": round(self.inference_ms, 3),
+            "total": ms(self.noticed_s, now_s),
+        }
+
+    def reset_for_retry(self) -> None:
+        """Drop everything derived from the file so the next attempt starts clean."""
+        self.image = None
+        self.sha256 = None
+        self.size_bytes = None
+
+
+Prediction = dict[str, Any]

@@ -1,0 +1,123 @@
+"""Stage 6: the result writer. Model outcomes → durable JSON results → the source moved on.
+
+A batch's results are written together: each JSON is fsynced, renamed into place, and each
+results folder fsynced once, and only then do the sources move (so durability costs one
+directory fsync per batch, not per file, and no source ever moves before its result is safe).
+The hand-off from the model worker holds one batch: the model infers batch n+1 while batch n is
+being written, and waits if writing falls behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from daemon import __version__
+from daemon.config import Config
+from daemon.inference import Outcome
+from daemon.item import TransientError, WorkItem
+from daemon.lifecycle import Lifecycle
+from daemon.model import Classification, Model
+from daemon.outcomes import Outcomes, RunIO, utc_now
+from daemon.stats import HighWater
+
+HANDOFF_BATCHES = 1
+
+
+class ResultWriter:
+    name = "write_handoff"
+
+    def __init__(
+        self,
+        config: Config,
+        model: Model,
+        lifecycle: Lifecycle,
+        outcomes: Outcomes,
+        run_io: RunIO[Any],
+        clock: Any,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.lifecycle = lifecycle
+        self.outcomes = outcomes
+        self.run_io = run_io
+        self.clock = clock
+        self.handoff: asyncio.Queue[list[Outcome]] = asyncio.Queue(maxsize=HANDOFF_BATCHES)
+        self._high_water = HighWater()
+
+    @property
+    def size(self) -> int:
+        return self.handoff.qsize()
+
+    @property
+    def capacity(self) -> int:
+        return HANDOFF_BATCHES
+
+    @property
+    def high_water(self) -> int:
+        return self._high_water.value
+
+    async def submit(self, outcomes: list[Outcome]) -> None:
+        await self.handoff.put(outcomes)
+        self._high_water.saw(self.handoff.qsize())
+
+    async def run(self) -> None:
+        while True:
+            batch = await self.handoff.get()
+            try:
+                await self._write(batch)
+            finally:
+                self.handoff.task_done()
+
+    async def _write(self, batch: list[Outcome]) -> None:
+        good: list[tuple[WorkItem, Classification]] = []
+        for item, outcome in batch:
+            if isinstance(outcome, Classification):
+                good.append((item, outcome))
+            else:
+                await self.outcomes.error(item, outcome)
+        if not good:
+            return
+        documents = [(item.key, self.document(item, result)) for item, result in good]
+        try:
+            await self.run_io(lambda: self.lifecycle.write_results(documents))
+        except OSError as exc:
+            for item, _ in good:
+                await self.outcomes.error(
+                    item, TransientError(f"cannot write the result: {exc.strerror or exc}")
+                )
+            return
+        moved = await self.run_io(lambda: [self._finish_source(item) for item, _ in good])
+        for (item, _), problem in zip(good, moved, strict=True):
+            if problem is None:
+                self.outcomes.completed(item)
+            else:
+                # The result is durable; the retry finds it by sha256 and only moves the file.
+                await self.outcomes.error(
+                    item, TransientError(f"cannot move the source after success: {problem}")
+                )
+
+    def _finish_source(self, item: WorkItem) -> OSError | None:
+        try:
+            self.lifecycle.finish_success(item.claimed_path, item.key, item.inbox / item.rel)
+        except OSError as exc:
+            return exc
+        return None
+
+    def document(self, item: WorkItem, result: Classification) -> dict[str, Any]:
+        image = item.image_info
+        return {
+            "source": item.key,
+            "sha256": item.sha256,
+            "size_bytes": item.size_bytes,
+            "model": self.model.name,
+            "device": str(self.model.device),
+            "precision": self.model.precision,
+            "top_k": result.top_k,
+            "image": image,
+            "timings_ms": item.timings_ms(self.clock()),
+            "attempts": item.attempts + 1,
+            "instance": self.config.instance,
+            "completed_at": utc_now(),
+            "inboxd_version": __version__,
+        }
