@@ -94,7 +94,8 @@ class Watcher:
 
     # -- noticing one path -------------------------------------------------------------------
 
-    def notice(self, path: Path, inbox: Path) -> None:
+    def notice(self, path: Path, inbox: Path) -> bool | None:
+        """Offer one path to the event buffer: True admitted, None known, False deferred."""
         admitted = self.buffer.offer(path, inbox, self.clock())
         if admitted:
             self.stats.counters.accepted += 1
@@ -103,6 +104,7 @@ class Watcher:
         elif admitted is False:
             self.stats.counters.deferred += 1
             self.backlog_on_disk = True
+        return admitted
 
     def wanted(self, path: Path, inbox: Path) -> bool:
         try:
@@ -118,8 +120,8 @@ class Watcher:
     # -- scanning ----------------------------------------------------------------------------
 
     async def scan(self) -> int:
-        """Walk every inbox and notice what is there; stop early once the buffer is full (the
-        rest stays on disk and is counted when a later scan reaches it). Returns paths seen."""
+        """Walk every inbox and notice what is there; stop at the first path the full buffer
+        defers (the rest stays on disk for a later scan). Returns the paths seen."""
         self.backlog_on_disk = False
         seen = 0
         for inbox in self.inboxes:
@@ -130,10 +132,8 @@ class Watcher:
                     await asyncio.sleep(0)
                 if path in self.buffer:
                     continue
-                self.notice(path, inbox)
-                if self.buffer.full():
-                    self.backlog_on_disk = True
-                    return seen
+                if self.notice(path, inbox) is False:
+                    return seen  # deferred: the rest waits on disk for the next scan
         self.scans_completed += 1
         self._check_inbox_identity()
         return seen

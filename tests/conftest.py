@@ -1,0 +1,159 @@
+"""Shared fixtures: configs in temp folders, the real daemon as a subprocess, waiting helpers.
+
+Waiting is always for an outcome (a file, a log record, an exit) with a deadline, never a
+fixed sleep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from PIL import Image
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+
+def wait_until(predicate: Callable[[], Any], timeout_s: float = 30, what: str = "") -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what or predicate}")
+        time.sleep(0.02)
+
+
+def write_config(root: Path, **sections: Any) -> Path:
+    """A config with every folder under ``root``; ``sections`` override keys (dicts merge)."""
+    config: dict[str, Any] = {
+        "inbox": {"paths": [str(root / "inbox")], "settle_ms": 50, "rescan_interval_s": 5},
+        "results_dir": str(root / "results"),
+        "done_dir": str(root / "done"),
+        "failed_dir": str(root / "failed"),
+        "stats": {"interval_s": 1},
+        "shutdown": {"grace_s": 20},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            config[key] = {**config[key], **value}
+        else:
+            config[key] = value
+    path = root / "inboxd.yaml"
+    path.write_text(yaml.safe_dump(config))
+    (root / "inbox").mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def make_image(path: Path, size: tuple[int, int] = (64, 48), color: tuple[int, int, int] = (200, 30, 30),
+               fmt: str | None = None) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, color).save(path, format=fmt)
+    return path
+
+
+def drop(source: Path, inbox: Path, name: str | None = None) -> Path:
+    """Drop a file as well-behaved writers do: write a hidden temp, then rename into place."""
+    target = inbox / (name or source.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.part")
+    tmp.write_bytes(source.read_bytes())
+    os.rename(tmp, target)
+    return target
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+class DaemonProcess:
+    """``python -m daemon run`` as a child process, its stderr collected line by line."""
+
+    def __init__(self, config: Path, *extra: str, env: dict[str, str] | None = None,
+                 command: str = "run") -> None:
+        self.config = config
+        self.lines: list[str] = []
+        self._lock = threading.Lock()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "daemon", command, "-c", str(config), *extra],
+            cwd=config.parent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._lock:
+                self.lines.append(line.rstrip("\n"))
+
+    def output(self) -> str:
+        with self._lock:
+            return "\n".join(self.lines)
+
+    def records(self, event: str) -> list[str]:
+        with self._lock:
+            return [line for line in self.lines if f"[{event}]" in line]
+
+    def wait_for(self, event: str, timeout_s: float = 120, count: int = 1) -> list[str]:
+        def seen() -> list[str] | None:
+            if self.proc.poll() is not None and len(self.records(event)) < count:
+                raise AssertionError(f"daemon exited {self.proc.returncode}:\n{self.output()}")
+            found = self.records(event)
+            return found if len(found) >= count else None
+
+        return wait_until(seen, timeout_s, f"{count}× [{event}]")  # type: ignore[no-any-return]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        code = self.proc.wait(timeout_s)
+        self._reader.join(5)
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+def last_stats(lines: list[str]) -> dict[str, str]:
+    """The KEY=value fields of the last stats line a daemon printed."""
+    line = lines[-1]
+    fields = {}
+    for token in line.split():
+        key, sep, value = token.partition("=")
+        if sep and key.isupper():
+            fields[key] = value
+    return fields
+
+
+@pytest.fixture
+def daemon_factory() -> Iterator[Callable[..., DaemonProcess]]:
+    started: list[DaemonProcess] = []
+
+    def start(config: Path, *extra: str, **kwargs: Any) -> DaemonProcess:
+        process = DaemonProcess(config, *extra, **kwargs)
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        process.kill()

@@ -1,0 +1,74 @@
+"""Fakes for the model and watcher boundaries, for unit tests that need neither to be real."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import torch
+import watchfiles
+
+from daemon.model import Classification
+from daemon.preprocess import PreprocessSpec
+
+# An image whose top-left red value is this makes the fake model raise, as a real model might
+# on one pathological input.
+POISON_RED = 13
+
+
+class FakeModel:
+    """Classifies an image as its top-left red value: fast, deterministic, no weights."""
+
+    name = "fake"
+    device = torch.device("cpu")
+    precision = "fp32"
+    on_gpu = False
+    spec = PreprocessSpec(resize=8, crop=8, interpolation="nearest", mean=(0.5,) * 3,
+                          std=(0.5,) * 3)
+
+    def __init__(self, oom_above_batch: int | None = None) -> None:
+        self.oom_above_batch = oom_above_batch
+        self.batch_sizes: list[int] = []
+
+    def classify(self, images: Sequence[npt.NDArray[np.uint8]]) -> list[Classification]:
+        self.batch_sizes.append(len(images))
+        if self.oom_above_batch is not None and len(images) > self.oom_above_batch:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        if any(int(image[0, 0, 0]) == POISON_RED for image in images):
+            raise RuntimeError("simulated model failure")
+        return [Classification([{"label": f"red{int(image[0, 0, 0])}",
+                                 "index": int(image[0, 0, 0]), "score": 1.0}])
+                for image in images]
+
+    def warm_up(self, batch_size: int) -> float:
+        return 0.0
+
+    def memory_fields(self) -> dict[str, int]:
+        return {}
+
+
+class ScriptedWatch:
+    """Stands in for ``watchfiles.awatch``: yields the change sets a test pushes."""
+
+    def __init__(self) -> None:
+        self.changes: asyncio.Queue[set[tuple[watchfiles.Change, str]]] = asyncio.Queue()
+        self.started = asyncio.Event()
+
+    def push(self, *paths: Path) -> None:
+        self.changes.put_nowait({(watchfiles.Change.added, str(p)) for p in paths})
+
+    async def __call__(self, *paths: Path, recursive: bool,
+                       stop_event: asyncio.Event) -> AsyncIterator[set[tuple[watchfiles.Change, str]]]:
+        self.started.set()
+        while not stop_event.is_set():
+            get = asyncio.ensure_future(self.changes.get())
+            stop = asyncio.ensure_future(stop_event.wait())
+            await asyncio.wait({get, stop}, return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            if get.done():
+                yield get.result()
+            else:
+                get.cancel()

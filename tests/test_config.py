@@ -1,0 +1,84 @@
+"""Config: defaults, validation with YAML line numbers, exit status 78."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from daemon.config import DEFAULT_CONFIG_PATH, EX_CONFIG, ConfigError, load_config, parse_config
+
+
+def test_embedded_default_is_valid_and_resolves_under_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = load_config(DEFAULT_CONFIG_PATH)
+    assert config.inbox.paths == [tmp_path / "var" / "inbox"]
+    assert config.results_dir == tmp_path / "var" / "results"
+    assert config.capacity.queue == 2
+    assert config.processing_dir(config.inbox.paths[0]) == (
+        tmp_path / "var" / "inbox" / ".processing" / "default"
+    )
+
+
+def test_every_error_is_reported_with_its_line_and_key_path() -> None:
+    text = """\
+inbox:
+  paths: [in]
+  settle_ms: -5
+capacity:
+  queue: 0
+  event_bufer: 10
+batch:
+  max_size: many
+"""
+    with pytest.raises(ConfigError) as caught:
+        parse_config(text, "bad.yaml")
+    problems = caught.value.problems
+    assert len(problems) == 4, problems
+    joined = "\n".join(problems)
+    assert "line 3: inbox.settle_ms" in joined
+    assert "line 5: capacity.queue" in joined
+    assert "line 6: capacity.event_bufer: Extra inputs are not permitted" in joined
+    assert "line 8: batch.max_size" in joined
+    assert str(caught.value).startswith("bad.yaml: line")
+
+
+def test_yaml_syntax_error_names_the_line() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config("inbox:\n  paths: [a\nqueue: 1\n", "broken.yaml")
+    assert "line " in caught.value.problems[0]
+    assert "invalid YAML" in caught.value.problems[0]
+
+
+def test_several_inboxes_need_distinct_folder_names() -> None:
+    with pytest.raises(ConfigError, match="distinct folder names"):
+        parse_config("inbox: {paths: [a/in, b/in]}", "x.yaml")
+
+
+@pytest.mark.parametrize("command", ["check-config", "run", "once"])
+def test_bad_config_exits_78_with_line_numbers(tmp_path: Path, command: str) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("capacity:\n  queue: -1\nsurprise: true\n")
+    done = subprocess.run([sys.executable, "-m", "daemon", command, "-c", str(bad)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == EX_CONFIG
+    assert "line 2: capacity.queue" in done.stderr
+    assert "line 3: surprise" in done.stderr
+
+
+def test_missing_config_file_is_a_config_error(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "daemon", "check-config", "-c",
+                           str(tmp_path / "nope.yaml")], capture_output=True, text=True)
+    assert done.returncode == EX_CONFIG
+    assert "cannot read the config file" in done.stderr
+
+
+def test_check_config_accepts_the_embedded_default() -> None:
+    done = subprocess.run([sys.executable, "-m", "daemon", "check-config"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "OK" in done.stdout

@@ -1,0 +1,149 @@
+"""End to end: the real daemon process, real watchfiles on real folders, the real model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import (
+    drop,
+    last_stats,
+    make_image,
+    read_json,
+    wait_until,
+    write_config,
+)
+
+
+def test_dropped_photo_gets_a_result_and_moves_to_done(tmp_path: Path, daemon_factory) -> None:
+    config = write_config(tmp_path)
+    daemon = daemon_factory(config)
+    daemon.wait_for("ready")
+    from tests.photos import photo_paths
+
+    cat = photo_paths()["chelsea"]
+    drop(cat, tmp_path / "inbox", "pets/cat.png")
+
+    result_path = tmp_path / "results" / "pets" / "cat.png.json"
+    wait_until(result_path.exists, 30, "the result JSON")
+    wait_until((tmp_path / "done" / "pets" / "cat.png").exists, 10, "the source in done/")
+    result = read_json(result_path)
+    assert result["source"] == "pets/cat.png"
+    assert result["model"] == "efficientnet_lite0"
+    assert result["device"] == "cpu"
+    import hashlib
+
+    assert result["sha256"] == hashlib.sha256(cat.read_bytes()).hexdigest()
+    assert len(result["top_k"]) == 5
+    assert 281 <= result["top_k"][0]["index"] <= 285, result["top_k"][0]
+    assert set(result["top_k"][0]) == {"label", "index", "score"}
+    assert set(result["timings_ms"]) >= {"queue_wait", "preprocess", "inference", "total"}
+    assert not (tmp_path / "inbox" / "pets" / "cat.png").exists()
+    assert daemon.stop() == 0
+
+
+def test_bad_image_fails_alone_and_the_daemon_keeps_serving(tmp_path: Path, daemon_factory) -> None:
+    config = write_config(tmp_path)
+    daemon = daemon_factory(config)
+    daemon.wait_for("ready")
+    inbox = tmp_path / "inbox"
+    (inbox / "broken.jpg").write_bytes(b"this is not a JPEG at all")
+    report_path = tmp_path / "failed" / "broken.jpg.error.json"
+    wait_until(report_path.exists, 30, "the error report")
+    report = read_json(report_path)
+    assert report["permanent"] is True
+    assert "not an image" in report["reason"]
+    assert (tmp_path / "failed" / "broken.jpg").read_bytes() == b"this is not a JPEG at all"
+    assert daemon.records("failed"), "a warning line names the failure"
+
+    make_image(tmp_path / "good.png")
+    drop(tmp_path / "good.png", inbox)
+    wait_until((tmp_path / "results" / "good.png.json").exists, 30, "a later good file's result")
+    assert daemon.proc.poll() is None
+    assert daemon.stop() == 0
+
+
+def test_sigterm_drains_and_leaves_nothing_claimed(tmp_path: Path, daemon_factory) -> None:
+    config = write_config(tmp_path, capacity={"queue": 2, "event_buffer": 8})
+    inbox = tmp_path / "inbox"
+    for n in range(60):
+        make_image(inbox / f"img{n:03}.png", color=(n * 4, 10, 200))
+    daemon = daemon_factory(config)
+    daemon.wait_for("completed")
+    assert daemon.stop(signal.SIGTERM) == 0
+    processing = inbox / ".processing" / "default"
+    assert list(processing.rglob("*")) == [], "claimed files went back to the inbox"
+    results = {p.name.removesuffix(".json") for p in (tmp_path / "results").glob("*.json")}
+    left = {p.name for p in inbox.glob("*.png")}
+    assert results | left == {f"img{n:03}.png" for n in range(60)}
+    assert results.isdisjoint(left)
+    assert "[stopped]" in daemon.output()
+
+
+def test_once_processes_the_backlog_and_reports_failures(tmp_path: Path) -> None:
+    config = write_config(tmp_path, capacity={"event_buffer": 4})
+    inbox = tmp_path / "inbox"
+    for n in range(12):
+        make_image(inbox / "deep" / f"{n}.jpg", fmt="JPEG")
+    (inbox / "zero.png").write_bytes(b"")
+    done = subprocess.run([sys.executable, "-m", "daemon", "once", "-c", str(config)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr  # one file failed
+    assert "12 completed, 1 failed" in done.stdout
+    assert len(list((tmp_path / "results" / "deep").glob("*.jpg.json"))) == 12
+    assert "empty file" in read_json(tmp_path / "failed" / "zero.png.error.json")["reason"]
+
+    # Nothing left: a second run succeeds with nothing to do.
+    again = subprocess.run([sys.executable, "-m", "daemon", "once", "-c", str(config)],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0
+    assert "0 completed, 0 failed" in again.stdout
+
+
+def test_submit_copies_atomically_into_the_inbox(tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    source = make_image(tmp_path / "elsewhere" / "photo.png")
+    first = subprocess.run([sys.executable, "-m", "daemon", "submit", str(source), str(source),
+                            "-c", str(config)], cwd=tmp_path, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    names = sorted(p.name for p in (tmp_path / "inbox").iterdir())
+    assert names == ["photo.1.png", "photo.png"]  # a second submit never overwrites the first
+    assert (tmp_path / "inbox" / "photo.png").read_bytes() == source.read_bytes()
+
+
+def test_flood_with_tiny_capacities_keeps_every_bound(tmp_path: Path, daemon_factory) -> None:
+    """3,000 files against capacities of a few items: each file gets exactly one outcome, no
+    layer ever holds more than its capacity, and the overflow path (deferred) really ran."""
+    total = 3000
+    capacity = {"event_buffer": 16, "queue": 2, "preprocess_cache": 4, "retry_list": 4}
+    config = write_config(tmp_path, capacity=capacity, batch={"max_size": 8},
+                          inbox={"rescan_interval_s": 2, "settle_ms": 0})
+    daemon = daemon_factory(config)
+    daemon.wait_for("ready")
+    inbox = tmp_path / "inbox"
+    seed = make_image(tmp_path / "seed.png", size=(32, 32))
+    data = seed.read_bytes()
+    for n in range(total):
+        tmp = inbox / f".{n}.tmp"
+        tmp.write_bytes(data)
+        os.rename(tmp, inbox / f"f{n:05}.png")
+
+    results = tmp_path / "results"
+    wait_until(lambda: len(os.listdir(results)) >= total + 1, 900, "every result")  # + .tmp/
+    assert daemon.stop() == 0
+    names = {f"f{n:05}.png" for n in range(total)}
+    assert {p.name.removesuffix(".json") for p in results.glob("*.json")} == names
+    assert {p.name for p in (tmp_path / "done").iterdir()} == names
+    assert not list((tmp_path / "failed").iterdir())
+
+    stats = last_stats(daemon.records("stats"))
+    assert int(stats["COMPLETED"]) == total
+    assert int(stats["DEFERRED"]) > 0, "the event buffer overflowed to disk"
+    for layer, bound in capacity.items():
+        assert int(stats[f"{layer.upper()}_HIGH_WATER"]) <= bound, (layer, stats)
+        assert int(stats[f"{layer.upper()}_CAPACITY"]) == bound
+    assert int(stats["QUEUE_HIGH_WATER"]) == capacity["queue"], "the queue really filled"
+    assert int(stats["BATCH_HIGH_WATER"]) <= 8
