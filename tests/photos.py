@@ -1,0 +1,69 @@
+"""Real photographs that ship inside PyPI packages, for testing the model offline.
+
+scikit-image, matplotlib and scikit-learn each carry a few photos in their wheels. Only files
+already on disk are used: scikit-image fetches some of its data sets (eagle, lily, skin, ...)
+with pooch on first use, so this module never calls ``skimage.data.<name>()`` and never
+downloads anything; it only looks in the installed package directories.
+
+``EXPECTED_TOP1`` lists, per photo, the ImageNet classes (torchvision's category names) that are
+a correct top-1 answer. The sets were chosen from what the photo shows, then checked against the
+model's output; where ImageNet has no exact class the nearest real one is accepted (the dahlia
+in ``flower`` -> "daisy", the motorcycle -> "moped"/"motor scooter"). Photos without any fitting
+ImageNet class (``astronaut``: a person in a space suit) are in ``photo_paths()`` but not here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.cbook
+import skimage
+import sklearn.datasets
+
+_SKIMAGE_DIR = Path(skimage.__file__).parent / "data"
+_SKLEARN_DIR = Path(sklearn.datasets.__file__).parent / "images"
+
+# short name -> file name, per package.
+_SKIMAGE = {
+    "chelsea": "chelsea.png",  # a tabby cat
+    "coffee": "coffee.png",  # an espresso in a cup on a saucer
+    "rocket": "rocket.jpg",  # a rocket on its launch pad
+    "astronaut": "astronaut.png",  # Eileen Collins in an orange suit, a shuttle model behind
+    "camera": "camera.png",  # "cameraman": a man behind a camera on a tripod (grayscale)
+    "motorcycle": "motorcycle_left.png",  # a red motorcycle in a garage
+}
+_MATPLOTLIB = {
+    "grace_hopper": "grace_hopper.jpg",  # portrait in US Navy uniform, flag behind
+}
+_SKLEARN = {
+    "china": "china.jpg",  # Summer Palace tower, Beijing
+    "flower": "flower.jpg",  # an orange dahlia
+}
+
+EXPECTED_TOP1: dict[str, set[str]] = {
+    "chelsea": {"tabby", "tiger cat", "Persian cat", "Siamese cat", "Egyptian cat"},
+    "coffee": {"espresso", "cup", "coffee mug"},
+    "rocket": {"missile", "projectile", "space shuttle"},
+    "camera": {"tripod", "reflex camera"},
+    "motorcycle": {"moped", "motor scooter"},
+    "grace_hopper": {"military uniform", "suit", "Windsor tie", "bow tie"},
+    "china": {"palace", "monastery", "stupa"},
+    "flower": {"daisy"},
+}
+
+
+def photo_paths() -> dict[str, Path]:
+    """Short name -> path of every known photo that is present on disk.
+
+    A file a package version does not ship is left out rather than fetched; callers that need
+    a minimum number of photos assert on the size of the result.
+    """
+    found: dict[str, Path] = {}
+    for name, file in _SKIMAGE.items():
+        found[name] = _SKIMAGE_DIR / file
+    for name, file in _MATPLOTLIB.items():
+        # asfileobj=False returns the path inside matplotlib's mpl-data; it never downloads.
+        found[name] = Path(matplotlib.cbook.get_sample_data(file, asfileobj=False))
+    for name, file in _SKLEARN.items():
+        found[name] = _SKLEARN_DIR / file
+    return {name: path for name, path in found.items() if path.is_file()}
