@@ -1,7 +1,8 @@
 """``inboxd``: the command line.
 
 Exit statuses: 0 success; 1 ``once`` finished but some file failed; 2 usage; 70 (EX_SOFTWARE)
-a stage crashed or start-up failed; 78 (EX_CONFIG) the configuration cannot work — systemd's
+a stage crashed; 75 (EX_TEMPFAIL) this instance name is already running on the inbox;
+78 (EX_CONFIG) the configuration cannot work — systemd's
 ``RestartPreventExitStatus=78`` then stops instead of restarting into the same error.
 """
 
@@ -19,10 +20,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from daemon import __version__, logs
+from daemon import __version__, faults, logs
 from daemon.config import EX_CONFIG, Config, ConfigError, load_config
+from daemon.lifecycle import InstanceBusy
 
 EX_SOFTWARE = 70
+EX_TEMPFAIL = 75
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"inboxd: the configuration cannot be used:\n{exc}", file=sys.stderr)
         return EX_CONFIG
+    except InstanceBusy as exc:
+        print(f"inboxd: {exc}", file=sys.stderr)
+        return EX_TEMPFAIL
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     with_config("check-config", "validate the config file and print the resolved settings")
     submit = with_config("submit", "copy files into the inbox atomically (temp name, then rename)")
     submit.add_argument("files", nargs="+", type=Path)
+    with_config("recover", "return the files an instance had claimed to the inbox "
+                "(only while that instance is not running; start-up does this by itself)")
     return parser
 
 
@@ -114,6 +122,18 @@ def submit_file(source: Path, inbox: Path) -> Path:
     return target
 
 
+def cmd_recover(args: argparse.Namespace) -> int:
+    from daemon.lifecycle import Lifecycle
+
+    config = read_config(args)
+    lifecycle = Lifecycle(config)
+    lifecycle.lock_instance()
+    returned = lifecycle.recover()
+    lifecycle.unlock_instance()
+    print(f"returned {returned} file(s) claimed by instance {config.instance!r} to the inbox")
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     config = read_config(args)
     setup_logging(config.log_level)
@@ -131,6 +151,7 @@ COMMANDS: dict[str, Any] = {
     "once": cmd_once,
     "check-config": cmd_check_config,
     "submit": cmd_submit,
+    "recover": cmd_recover,
 }
 
 
@@ -149,6 +170,7 @@ class Daemon:
         started = time.perf_counter()
         model = load_model(self.config.model)
         warm_s = model.warm_up(self.config.batch.max_size)
+        faults.install(model)
         logs.emit(logging.INFO, "started",
                   f"inboxd {__version__}: model {model.name} on {model.device} "
                   f"(loaded and warmed up in {time.perf_counter() - started:.1f} s)",

@@ -1,7 +1,7 @@
 """Every move a file makes on disk, each one atomic.
 
-inbox/rel ──claim (rename)──▶ inbox/.processing/<instance>/rel ──▶ done/key | (deleted) | (kept)
-                                                               └──▶ failed/key + failed/key.error.json
+inbox/rel ─claim (rename)─▶ inbox/.processing/<instance>/rel ─▶ done/key | deleted | kept
+                                                           └─▶ failed/key + failed/key.error.json
 A result is written to a temp file, fsynced and renamed into place, and its folder fsynced,
 *before* the source moves: a kill at any instant leaves either no result (the file is processed
 again) or a complete one (which the rerun finds by its sha256 and does not redo).
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import shutil
@@ -24,11 +25,44 @@ from daemon.eligibility import output_path
 TMP_DIRNAME = ".tmp"
 
 
+class InstanceBusy(Exception):
+    """Another live process holds this instance name on this inbox."""
+
+
 class Lifecycle:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.results_dir = config.results_dir
         self.tmp_dir = config.results_dir / TMP_DIRNAME / config.instance
+        self._locks: list[int] = []
+
+    def lock_instance(self) -> None:
+        """Hold ``<inbox>/.processing/<instance>.lock`` while we run. Two live daemons with one
+        instance name would each "recover" the other's claimed files; ``recover`` on a running
+        instance would pull files from under it. The kernel drops the lock when we die, however
+        we die, so a SIGKILLed instance never blocks its own restart."""
+        for inbox in self.config.inbox.paths:
+            lock_path = inbox / ".processing" / f"{self.config.instance}.lock"
+            lock_path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                self.unlock_instance()
+                raise InstanceBusy(
+                    f"instance {self.config.instance!r} is already running on {inbox} "
+                    f"(pid {holder}); give each daemon on a shared inbox its own --instance"
+                ) from None
+            os.ftruncate(fd, 0)
+            os.write(fd, str(os.getpid()).encode())
+            self._locks.append(fd)
+
+    def unlock_instance(self) -> None:
+        for fd in self._locks:
+            os.close(fd)
+        self._locks.clear()
 
     def prepare(self) -> None:
         """Create every folder, and drop temp files a killed run of this instance left."""

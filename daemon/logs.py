@@ -32,8 +32,19 @@ def emit(level: int, event: str, message: str, **fields: Any) -> None:
     """Log one record carrying ``INBOXD_EVENT=event`` and ``fields`` (names upper-cased)."""
     if not log.isEnabledFor(level):
         return
-    record_fields = {field_name(k): v for k, v in fields.items() if v is not None}
-    log.log(level, message, extra={"inboxd_event": event, "inboxd_fields": record_fields})
+    record_fields = {
+        field_name(k): printable(v) if isinstance(v, str) else v
+        for k, v in fields.items()
+        if v is not None
+    }
+    log.log(level, printable(message),
+            extra={"inboxd_event": event, "inboxd_fields": record_fields})
+
+
+def printable(text: str) -> str:
+    """File names may hold bytes that are not UTF-8 (kept by Python as lone surrogates); the
+    journal and terminals need UTF-8, so show those bytes as ``\\xNN`` escapes."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def record_fields(record: logging.LogRecord) -> dict[str, Any]:

@@ -101,6 +101,7 @@ class Pipeline:
     def prepare(self) -> int:
         """Folders exist, stale temp files are gone, files a killed run had claimed are back
         in the inbox. Returns how many were returned."""
+        self.lifecycle.lock_instance()
         self.lifecycle.prepare()
         returned = self.lifecycle.recover()
         if returned:
@@ -222,6 +223,7 @@ class Pipeline:
         self.io_executor.shutdown(wait=True)
         returned = self.lifecycle.recover()  # anything cancelled mid-flight
         self.stats.counters.released += returned
+        self.lifecycle.unlock_instance()
         self.log_stats()
 
     async def _drain(self) -> None:

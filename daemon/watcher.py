@@ -47,7 +47,9 @@ class WatchFn(Protocol):
     ) -> AsyncIterator[ChangeSet]: ...
 
 
-def real_awatch(*paths: Path, recursive: bool, stop_event: asyncio.Event) -> AsyncIterator[ChangeSet]:
+def real_awatch(
+    *paths: Path, recursive: bool, stop_event: asyncio.Event
+) -> AsyncIterator[ChangeSet]:
     return watchfiles.awatch(
         *paths,
         recursive=recursive,
