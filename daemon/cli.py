@@ -164,9 +164,13 @@ class Daemon:
         self.force = asyncio.Event()
 
     def _load(self) -> Any:
+        from daemon.lifecycle import Lifecycle
         from daemon.model import load_model
         from daemon.pipeline import Pipeline
 
+        # Refuse a second daemon of this instance before spending seconds on the model.
+        lifecycle = Lifecycle(self.config)
+        lifecycle.lock_instance()
         started = time.perf_counter()
         model = load_model(self.config.model)
         warm_s = model.warm_up(self.config.batch.max_size)
@@ -176,7 +180,7 @@ class Daemon:
                   f"(loaded and warmed up in {time.perf_counter() - started:.1f} s)",
                   model=model.name, device=str(model.device), warmup_s=round(warm_s, 3),
                   instance=self.config.instance, version=__version__)
-        return Pipeline(self.config, model)
+        return Pipeline(self.config, model, lifecycle=lifecycle)
 
     def _on_signal(self, signum: int) -> None:
         # Only flags here: the pipeline's own tasks do the stopping, in order.

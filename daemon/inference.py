@@ -10,17 +10,21 @@ alone, and an OOM at batch size 1 is a transient error for the retry list.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
+from daemon import logs
 from daemon.batcher import Batcher
 from daemon.item import PermanentError, TransientError, WorkItem
-from daemon.model import Classification, Model
+from daemon.model import Model, Prediction
 
-Outcome = tuple[WorkItem, Classification | Exception]
+Outcome = tuple[WorkItem, Prediction | Exception]
 
 
 def infer_splitting(model: Model, items: list[WorkItem]) -> list[Outcome]:
@@ -29,23 +33,32 @@ def infer_splitting(model: Model, items: list[WorkItem]) -> list[Outcome]:
     images = [item.image.pixels for item in items if item.image is not None]
     started = time.perf_counter()
     try:
-        predictions = model.classify(images)
+        predictions = predict(model, images)
     except torch.cuda.OutOfMemoryError as exc:
         if len(items) == 1:
             return [(items[0], TransientError(f"CUDA out of memory at batch size 1: {exc}"))]
-        return _halves(model, items)
+        return _halves(model, items, "CUDA out of memory")
     except Exception as exc:  # a model error on one input must fail that input only
         if len(items) == 1:
             return [(items[0], PermanentError(f"the model failed on this input: {exc!r}"))]
-        return _halves(model, items)
+        return _halves(model, items, f"model error {exc!r}")
     elapsed_ms = (time.perf_counter() - started) * 1000
     for item in items:
         item.inference_ms = elapsed_ms
     return list(zip(items, predictions, strict=True))
 
 
-def _halves(model: Model, items: list[WorkItem]) -> list[Outcome]:
+def predict(model: Model, images: list[npt.NDArray[np.uint8]]) -> Sequence[Prediction]:
+    """The output the config asked for (top-k classes or embeddings). A model object without
+    ``predict`` (the unit tests' fake) only classifies."""
+    run = getattr(model, "predict", None)
+    return run(images) if run is not None else model.classify(images)
+
+
+def _halves(model: Model, items: list[WorkItem], why: str) -> list[Outcome]:
     middle = len(items) // 2
+    logs.emit(logging.WARNING, "batch_split", f"{why} at batch size {len(items)}: retrying as "
+              f"{middle} + {len(items) - middle}", batch_size=len(items), reason=why)
     return infer_splitting(model, items[:middle]) + infer_splitting(model, items[middle:])
 
 

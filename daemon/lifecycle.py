@@ -41,6 +41,8 @@ class Lifecycle:
         instance name would each "recover" the other's claimed files; ``recover`` on a running
         instance would pull files from under it. The kernel drops the lock when we die, however
         we die, so a SIGKILLed instance never blocks its own restart."""
+        if self._locks:
+            return
         for inbox in self.config.inbox.paths:
             lock_path = inbox / ".processing" / f"{self.config.instance}.lock"
             lock_path.parent.mkdir(parents=True, exist_ok=True)
@@ -64,17 +66,24 @@ class Lifecycle:
             os.close(fd)
         self._locks.clear()
 
-    def prepare(self) -> None:
-        """Create every folder, and drop temp files a killed run of this instance left."""
+    def prepare(self) -> list[str]:
+        """Create every folder, and drop temp files a killed run of this instance left.
+
+        An output folder that cannot be created now (a read-only or full disk) is not fatal:
+        the files wait in the inbox, and writing retries (and creates it) later. Returns what
+        could not be prepared, for the log."""
         for inbox in self.config.inbox.paths:
             self.config.processing_dir(inbox).mkdir(parents=True, exist_ok=True)
-        for folder in (self.config.done_dir, self.config.failed_dir, self.tmp_dir):
-            folder.mkdir(parents=True, exist_ok=True)
+        problems = []
         failed_tmp = self.config.failed_dir / TMP_DIRNAME / self.config.instance
-        for stale in (self.tmp_dir, failed_tmp):
-            if stale.is_dir():
-                for leftover in stale.iterdir():
+        for folder in (self.config.done_dir, self.config.failed_dir, self.tmp_dir, failed_tmp):
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                for leftover in folder.iterdir() if folder in (self.tmp_dir, failed_tmp) else ():
                     leftover.unlink(missing_ok=True)
+            except OSError as exc:
+                problems.append(f"{folder}: {exc.strerror or exc}")
+        return problems
 
     # -- claiming ----------------------------------------------------------------------------
 
@@ -125,6 +134,7 @@ class Lifecycle:
     def write_results(self, documents: Iterable[tuple[str, dict[str, Any]]]) -> None:
         """Durably write a batch of results: data fsynced per file, each folder fsynced once."""
         renamed: list[tuple[Path, Path]] = []
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
         for key, document in documents:
             tmp = self._write_tmp(self.tmp_dir, key, document)
             renamed.append((tmp, self.result_path(key)))

@@ -47,6 +47,7 @@ class Pipeline:
         model: Model,
         watch: WatchFn = real_awatch,
         clock: Callable[[], float] = time.monotonic,
+        lifecycle: Lifecycle | None = None,
     ) -> None:
         self.config = config
         self.model = model
@@ -54,7 +55,7 @@ class Pipeline:
         capacity = config.capacity
         self.stats = Stats(clock)
         self.stats.memory_probe = model.memory_fields
-        self.lifecycle = Lifecycle(config)
+        self.lifecycle = lifecycle or Lifecycle(config)
         self.io_executor = ThreadPoolExecutor(1, thread_name_prefix="inboxd-io")
 
         self.buffer = EventBuffer(capacity.event_buffer)
@@ -102,7 +103,9 @@ class Pipeline:
         """Folders exist, stale temp files are gone, files a killed run had claimed are back
         in the inbox. Returns how many were returned."""
         self.lifecycle.lock_instance()
-        self.lifecycle.prepare()
+        for problem in self.lifecycle.prepare():
+            logs.emit(logging.WARNING, "prepare_error", f"cannot prepare {problem}; files wait "
+                      "in the inbox and writing is retried", error=problem)
         returned = self.lifecycle.recover()
         if returned:
             logs.emit(logging.INFO, "recovered",

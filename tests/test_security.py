@@ -1,0 +1,72 @@
+"""Nothing let in: outcome paths never escape their folders, names never reach a shell, and
+created files are not writable by others."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import stat
+from pathlib import Path
+
+import pytest
+
+from daemon.config import load_config
+from daemon.eligibility import NAME_MAX_BYTES, NameFilter, output_path, relative_inside
+from daemon.pipeline import Pipeline
+from tests.conftest import make_image, write_config
+from tests.fakes import FakeModel
+
+DAEMON = Path(__file__).resolve().parent.parent / "daemon"
+
+
+@pytest.mark.parametrize("key", ["../x.jpg", "a/../../x.jpg", "/etc/passwd", "a//b.jpg", ".",
+                                 "a/./b.jpg", ""])
+def test_an_output_key_that_could_escape_is_refused(tmp_path: Path, key: str) -> None:
+    with pytest.raises(ValueError):
+        output_path(tmp_path, key, ".json")
+
+
+def test_over_long_names_are_shortened_distinctly_within_name_max(tmp_path: Path) -> None:
+    a = output_path(tmp_path, "sub/" + "a" * 250 + "1.png", ".error.json")
+    b = output_path(tmp_path, "sub/" + "a" * 250 + "2.png", ".error.json")
+    assert a != b
+    assert len(a.name.encode()) <= NAME_MAX_BYTES and a.name.endswith(".error.json")
+    assert a.parent == tmp_path / "sub"
+
+
+def test_only_paths_inside_the_inbox_have_a_relative_name(tmp_path: Path) -> None:
+    assert relative_inside(tmp_path / "a" / "b.jpg", tmp_path) == "a/b.jpg"
+    assert relative_inside(tmp_path.parent / "b.jpg", tmp_path) is None
+    assert relative_inside(tmp_path, tmp_path) is None
+
+
+@pytest.mark.parametrize(("name", "wanted"), [
+    ("a.jpg", True), ("A.JPG", True), ("a.png", True), (".hidden.jpg", False),
+    ("a.jpg.tmp", False), ("a.jpg.part", False), ("a.jpg.crdownload", False), ("a.jpg~", False),
+    ("a.txt", False), ("a.jpg.exe", False),
+])
+def test_name_filter(name: str, wanted: bool) -> None:
+    assert NameFilter(["*.jpg", "*.jpeg", "*.png", "*.webp"]).wanted(name) is wanted
+
+
+def test_no_shell_anywhere_in_the_daemon() -> None:
+    """File names are attacker-controlled; the daemon never runs a shell or a subprocess."""
+    pattern = re.compile(r"shell\s*=\s*True|os\.system|os\.popen|subprocess|pickle\.load|"
+                         r"weights_only\s*=\s*False|(?<![.\w])eval\(|(?<![.\w])exec\(")
+    offenders = [f"{path.name}:{n}" for path in DAEMON.glob("*.py")
+                 for n, line in enumerate(path.read_text().splitlines(), 1)
+                 if pattern.search(line) and not line.lstrip().startswith("#")]
+    assert offenders == []
+
+
+def test_created_files_are_not_writable_by_others(tmp_path: Path) -> None:
+    pipeline = Pipeline(load_config(write_config(tmp_path, inbox={"settle_ms": 0})),
+                        FakeModel())  # type: ignore[arg-type]
+    make_image(tmp_path / "inbox" / "deep" / "a.png", size=(8, 8))
+    (tmp_path / "inbox" / "bad.png").write_bytes(b"nope")
+    asyncio.run(pipeline.process_backlog())
+    created = [p for folder in ("results", "done", "failed")
+               for p in (tmp_path / folder).rglob("*")]
+    assert created
+    for path in created:
+        assert not path.stat().st_mode & stat.S_IWOTH, path
