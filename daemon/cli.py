@@ -9,31 +9,30 @@ a stage crashed; 75 (EX_TEMPFAIL) this instance name is already running on the i
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 import os
+import re
 import shutil
-import signal
 import sys
 import threading
-import time
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from daemon import __version__, faults, logs
+from daemon import __version__, logs
 from daemon.config import EX_CONFIG, Config, ConfigError, load_config
 from daemon.lifecycle import InstanceBusy
 
-EX_SOFTWARE = 70
 EX_TEMPFAIL = 75
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    command = args.command or "run"
+    if not args.command:
+        parser.print_help(sys.stderr)
+        return 2
     try:
-        return int(COMMANDS[command](args))
+        return int(COMMANDS[args.command](args))
     except ConfigError as exc:
         print(f"inboxd: the configuration cannot be used:\n{exc}", file=sys.stderr)
         return EX_CONFIG
@@ -62,14 +61,45 @@ def build_parser() -> argparse.ArgumentParser:
     with_config("check-config", "validate the config file and print the resolved settings")
     submit = with_config("submit", "copy files into the inbox atomically (temp name, then rename)")
     submit.add_argument("files", nargs="+", type=Path)
+    models = with_config("models", "list the built-in model and load the configured one "
+                         "(checking it), with parameter count and expected input")
+    models.add_argument("--torchvision", action="store_true",
+                        help="also list the architecture names torchvision: accepts")
     with_config("recover", "return the files an instance had claimed to the inbox "
                 "(only while that instance is not running; start-up does this by itself)")
+    stats = sub.add_parser("stats", help="the latest stats record from the journal")
+    report = sub.add_parser("report", help="a PNG of the journal's stats records over time")
+    for reader in (stats, report):
+        reader.add_argument("-u", "--unit", help="systemd unit (default: any inboxd process)")
+        reader.add_argument("--instance", help="only this instance's records")
+    stats.add_argument("--json", action="store_true", help="one JSON object per record")
+    stats.add_argument("-f", "--follow", action="store_true", help="print each new record")
+    report.add_argument("--since", type=parse_since, default=None,
+                        help="start: ISO date/time, or how long ago: 10min, 2h (default: this boot)")
+    report.add_argument("-o", "--output", type=Path, default=Path("inboxd-report.png"))
     return parser
 
 
+def parse_since(text: str) -> datetime:
+    """``2026-11-30T07:00``, or how long ago: ``90s``, ``10min``, ``2h``, ``1d``."""
+    relative = re.fullmatch(r"-?(\d+)\s*(s|sec|m|min|h|d)", text.strip())
+    if relative:
+        amount, unit = int(relative[1]), relative[2]
+        seconds = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}[unit]
+        return datetime.now() - timedelta(seconds=amount * seconds)
+    try:
+        return datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a time: {text!r} (try 10min or 2026-11-30T07:00)") from None
+
+
+def overrides(args: argparse.Namespace) -> dict[str, Any] | None:
+    return {"instance": args.instance} if args.instance else None
+
+
 def read_config(args: argparse.Namespace) -> Config:
-    overrides = {"instance": args.instance} if args.instance else None
-    return load_config(args.config, overrides)
+    return load_config(args.config, overrides(args))
 
 
 def setup_logging(level: str) -> None:
@@ -85,7 +115,13 @@ def setup_logging(level: str) -> None:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
+    from daemon.model_files import preflight
+
     config = read_config(args)
+    # The model's files too (milliseconds, no torch); `inboxd models` loads the model itself.
+    problems = preflight(config.model)
+    if problems:
+        raise ConfigError(str(args.config or "config/inboxd.yaml"), problems)
     print(f"{args.config or 'config/inboxd.yaml (embedded default)'}: OK")
     for key, value in config.model_dump(mode="json").items():
         print(f"  {key}: {value}")
@@ -122,6 +158,18 @@ def submit_file(source: Path, inbox: Path) -> Path:
     return target
 
 
+def cmd_stats(args: argparse.Namespace) -> int:
+    from daemon.readback import print_stats
+
+    return print_stats(args.unit, args.instance, args.json, args.follow)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from daemon.readback import write_report
+
+    return write_report(args.unit, args.instance, args.since, args.output)
+
+
 def cmd_recover(args: argparse.Namespace) -> int:
     from daemon.lifecycle import Lifecycle
 
@@ -135,102 +183,45 @@ def cmd_recover(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from daemon.service import run_service
+
     config = read_config(args)
     setup_logging(config.log_level)
-    return asyncio.run(Daemon(config).run())
+    return run_service(config, args.config, overrides(args))
 
 
 def cmd_once(args: argparse.Namespace) -> int:
+    from daemon.service import run_once
+
     config = read_config(args)
     setup_logging(config.log_level)
-    return asyncio.run(Daemon(config).once(progress=sys.stdout.isatty()))
+    return run_once(config)
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from daemon import model_listing
+    from daemon.model import load_model
+
+    config = read_config(args)
+    where = str(args.config or "config/inboxd.yaml, the embedded default")
+    lines = [*model_listing.builtin_lines(), ""]
+    lines += model_listing.configured_lines(config, load_model(config.model), where)
+    if args.torchvision:
+        lines += ["", *model_listing.torchvision_lines()]
+    print("\n".join(lines))
+    return 0
 
 
 COMMANDS: dict[str, Any] = {
     "run": cmd_run,
     "once": cmd_once,
     "check-config": cmd_check_config,
+    "models": cmd_models,
     "submit": cmd_submit,
     "recover": cmd_recover,
+    "stats": cmd_stats,
+    "report": cmd_report,
 }
-
-
-class Daemon:
-    """Start-up (model load and warm-up) and signals around one Pipeline."""
-
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        self.stop = asyncio.Event()
-        self.force = asyncio.Event()
-
-    def _load(self) -> Any:
-        from daemon.lifecycle import Lifecycle
-        from daemon.model import load_model
-        from daemon.pipeline import Pipeline
-
-        # Refuse a second daemon of this instance before spending seconds on the model.
-        lifecycle = Lifecycle(self.config)
-        lifecycle.lock_instance()
-        started = time.perf_counter()
-        model = load_model(self.config.model)
-        warm_s = model.warm_up(self.config.batch.max_size)
-        faults.install(model)
-        logs.emit(logging.INFO, "started",
-                  f"inboxd {__version__}: model {model.name} on {model.device} "
-                  f"(loaded and warmed up in {time.perf_counter() - started:.1f} s)",
-                  model=model.name, device=str(model.device), warmup_s=round(warm_s, 3),
-                  instance=self.config.instance, version=__version__)
-        return Pipeline(self.config, model, lifecycle=lifecycle)
-
-    def _on_signal(self, signum: int) -> None:
-        # Only flags here: the pipeline's own tasks do the stopping, in order.
-        if self.stop.is_set():
-            self.force.set()
-        self.stop.set()
-
-    async def run(self) -> int:
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, self._on_signal, signum)
-        pipeline = self._load()
-
-        def ready() -> None:
-            logs.emit(logging.INFO, "ready", "ready: watching "
-                      + ", ".join(str(p) for p in self.config.inbox.paths))
-
-        serving = asyncio.create_task(pipeline.serve(self.stop, self.force, ready))
-        crashed = asyncio.create_task(self._watch_crash(pipeline))
-        await asyncio.wait({serving, crashed}, return_when=asyncio.FIRST_COMPLETED)
-        if not serving.done():
-            self.stop.set()
-            self.force.set()
-            await serving
-        crashed.cancel()
-        logs.emit(logging.INFO, "stopped", "stopped")
-        return EX_SOFTWARE if pipeline.crashed else 0
-
-    async def _watch_crash(self, pipeline: Any) -> None:
-        while pipeline.crashed is None:
-            await asyncio.sleep(0.5)
-
-    async def once(self, progress: bool) -> int:
-        pipeline = self._load()
-        counters = pipeline.stats.counters
-
-        def show() -> None:
-            sys.stdout.write(f"\rinboxd: {counters.completed} done, {counters.failed} failed, "
-                             f"{pipeline.outcomes.in_flight} in progress ")
-            sys.stdout.flush()
-
-        await pipeline.process_backlog(show if progress else None)
-        if progress:
-            show()
-            sys.stdout.write("\n")
-        print(f"inboxd once: {counters.completed} completed, {counters.failed} failed",
-              file=sys.stderr if progress else sys.stdout)
-        if pipeline.crashed is not None:
-            return EX_SOFTWARE
-        return 1 if counters.failed else 0
 
 
 def exit_now_if_stuck(status: int) -> None:

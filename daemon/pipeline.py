@@ -11,6 +11,7 @@ with a reason, and hand every file still claimed back to the inbox, where it wai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -87,6 +88,9 @@ class Pipeline:
                             self.retry_list)
         self._intake_tasks: list[asyncio.Task[None]] = []
         self._processing_tasks: list[asyncio.Task[None]] = []
+        self.crashed: BaseException | None = None
+        self.crash_event = asyncio.Event()
+        self._stats_changed = asyncio.Event()
 
     async def run_io(self, work: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.io_executor, work)
@@ -126,8 +130,7 @@ class Pipeline:
         logs.log.critical("pipeline stage %s crashed: %r", task.get_name(), exc,
                           exc_info=exc)
         self.crashed = exc
-
-    crashed: BaseException | None = None
+        self.crash_event.set()
 
     def start_processing(self) -> None:
         for n in range(self.config.preprocess.workers):
@@ -151,13 +154,18 @@ class Pipeline:
             f"queue={self.queue.qsize()}/{self.queue.maxsize} "
             f"buffer={self.buffer.size}/{self.buffer.capacity} "
             f"files/s={fields['FILES_PER_S']:.1f}",
+            instance=self.config.instance,
             **fields,
         )
         return fields
 
     async def run_stats(self) -> None:
         while True:
-            await asyncio.sleep(self.config.stats.interval_s)
+            self._stats_changed.clear()
+            # A reload that shortens the interval takes effect at once, not after the old one.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stats_changed.wait(), self.config.stats.interval_s)
+                continue
             self.log_stats()
 
     # -- the two modes -----------------------------------------------------------------------
@@ -167,6 +175,7 @@ class Pipeline:
         stop: asyncio.Event,
         force: asyncio.Event,
         on_ready: Callable[[], None] = lambda: None,
+        on_stopping: Callable[[], None] = lambda: None,
     ) -> None:
         """``inboxd run``: until ``stop`` is set, then drain (cut short by ``force``)."""
         self.prepare()
@@ -175,8 +184,31 @@ class Pipeline:
         stats_task = asyncio.create_task(self.run_stats(), name="stats")
         on_ready()
         await stop.wait()
+        on_stopping()
         stats_task.cancel()
         await self.shutdown(self.config.shutdown.grace_s, force)
+
+    def status_line(self) -> str:
+        """The one line systemd shows in ``systemctl status`` (STATUS=)."""
+        counters = self.stats.counters
+        return (f"queue {self.queue.qsize()}/{self.queue.maxsize}, "
+                f"buffer {self.buffer.size}/{self.buffer.capacity}, "
+                f"{counters.completed} completed, {counters.failed} failed, "
+                f"{self.stats.recent_files_per_s():.1f} files/s")
+
+    def apply_live(self, config: Config) -> None:
+        """SIGHUP: the new capacities, batch and stats settings take effect now; the rest of
+        ``config`` waits for a restart (the caller says which)."""
+        capacity = config.capacity
+        self.buffer.capacity = capacity.event_buffer
+        self.queue.resize(capacity.queue)
+        self.cache.resize(capacity.preprocess_cache, capacity.preprocess_cache_mb)
+        self.retry_list.capacity = capacity.retry_list
+        self.batcher.configure(config.batch.max_size, config.batch.max_delay_ms)
+        self.config = self.config.model_copy(
+            update={"capacity": capacity, "batch": config.batch, "stats": config.stats}
+        )
+        self._stats_changed.set()
 
     async def process_backlog(self, progress: Callable[[], None] | None = None) -> None:
         """``inboxd once``: take everything in the inbox now (rescanning while the buffer had

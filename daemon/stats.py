@@ -93,6 +93,11 @@ class Stats:
     def layer(self, name: str) -> Layer:
         return next(layer for layer in self.layers if layer.name == name)
 
+    def recent_files_per_s(self) -> float:
+        """Completions per second since the last stats record (for STATUS=, between records)."""
+        elapsed = max(self.clock() - self._last_s, 1e-9)
+        return (self.counters.completed - self._last_completed) / elapsed
+
     def snapshot(self) -> dict[str, Any]:
         """Every figure of the ``stats`` record, as uppercase journal field names."""
         now = self.clock()

@@ -1,0 +1,194 @@
+"""``inboxd stats`` and ``inboxd report``: the journal's stats records, read back.
+
+Every ``stats`` record carries every counter and every layer's size, capacity and high-water
+mark as journal fields, so the journal alone is enough to see backpressure at work: the queue
+pinned at its capacity while the backlog waits on disk, memory flat.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import sys
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+COUNTERS = ("ACCEPTED", "ENQUEUED", "COMPLETED", "FAILED", "RETRIED", "DEFERRED", "RELEASED",
+            "DUPLICATES")
+LAYERS = ("EVENT_BUFFER", "QUEUE", "PREPROCESS_CACHE", "BATCH", "WRITE_HANDOFF", "RETRY_LIST")
+TIMINGS = ("PUT_WAIT_MS_P50", "PUT_WAIT_MS_P99", "PUT_WAIT_MS_MAX", "LATENCY_MS_P50",
+           "LATENCY_MS_P99", "FILES_PER_S", "UPTIME_S")
+MEMORY = ("RSS_BYTES", "CUDA_ALLOCATED_BYTES", "CUDA_RESERVED_BYTES", "CUDA_MAX_ALLOCATED_BYTES")
+
+
+def _journal() -> Any:
+    # The repo's systemd/ folder (unit files) would shadow the package for type checkers.
+    return importlib.import_module("systemd.journal")
+
+
+def stats_reader(unit: str | None, instance: str | None) -> Any:
+    journal = _journal()
+    reader = journal.Reader()
+    reader.this_boot()
+    reader.add_match(INBOXD_EVENT="stats")
+    if unit:
+        reader.add_match(_SYSTEMD_UNIT=unit if "." in unit else f"{unit}.service")
+    else:
+        reader.add_match(SYSLOG_IDENTIFIER="inboxd")
+    if instance:
+        reader.add_match(INSTANCE=instance)
+    return reader
+
+
+def clean(entry: dict[str, Any]) -> dict[str, Any]:
+    """Journal entry → the daemon's own fields, numbers as numbers."""
+    fields: dict[str, Any] = {}
+    for key, value in entry.items():
+        if key.startswith("_") or key in ("MESSAGE", "PRIORITY", "SYSLOG_IDENTIFIER",
+                                           "CODE_FILE", "CODE_LINE", "CODE_FUNC"):
+            continue
+        name = key.removeprefix("INBOXD_")
+        if isinstance(value, bytes):
+            value = value.decode(errors="replace")
+        if isinstance(value, str) and re.fullmatch(r"-?\d+(\.\d+)?", value):
+            value = float(value) if "." in value else int(value)
+        fields[name] = value
+    if "__REALTIME_TIMESTAMP" in entry:
+        fields["TIME"] = entry["__REALTIME_TIMESTAMP"]
+    return fields
+
+
+def latest(unit: str | None, instance: str | None) -> dict[str, Any] | None:
+    reader = stats_reader(unit, instance)
+    reader.seek_tail()
+    entry = reader.get_previous()
+    return clean(entry) if entry else None
+
+
+def since(
+    unit: str | None, instance: str | None, start: datetime | None
+) -> Iterator[dict[str, Any]]:
+    reader = stats_reader(unit, instance)
+    if start is not None:
+        reader.seek_realtime(start)
+    for entry in reader:
+        yield clean(entry)
+
+
+def format_table(stats: dict[str, Any]) -> str:
+    def num(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:,.2f}"
+        return f"{value:,}" if isinstance(value, int) else str(value)
+
+    when = stats.get("TIME")
+    lines = [f"inboxd stats ({stats.get('INSTANCE', '?')}"
+             + (f", {when:%Y-%m-%d %H:%M:%S}" if isinstance(when, datetime) else "") + ")", ""]
+    lines.append("counters   " + "  ".join(f"{c.lower()} {num(stats.get(c, 0))}"
+                                          for c in COUNTERS))
+    lines += ["", f"{'layer':<18}{'size':>8}{'capacity':>10}{'high-water':>12}"]
+    for layer in LAYERS:
+        if f"{layer}_CAPACITY" in stats:
+            lines.append(f"{layer.lower():<18}{num(stats.get(f'{layer}_SIZE', 0)):>8}"
+                         f"{num(stats[f'{layer}_CAPACITY']):>10}"
+                         f"{num(stats.get(f'{layer}_HIGH_WATER', 0)):>12}")
+    lines.append("")
+    for key in (*TIMINGS, *MEMORY):
+        if key in stats:
+            value = stats[key]
+            shown = f"{value / 2**20:,.1f} MiB" if key.endswith("_BYTES") else num(value)
+            lines.append(f"{key.lower():<26}{shown:>14}")
+    return "\n".join(lines)
+
+
+def print_stats(unit: str | None, instance: str | None, as_json: bool, follow: bool) -> int:
+    stats = latest(unit, instance)
+    if stats is None:
+        where = f"unit {unit}" if unit else "SYSLOG_IDENTIFIER=inboxd"
+        print(f"inboxd stats: no stats record in this boot's journal for {where}; is the "
+              "daemon running under systemd (or with JOURNAL_STREAM set)?", file=sys.stderr)
+        return 1
+    show(stats, as_json)
+    if follow:
+        reader = stats_reader(unit, instance)
+        reader.seek_tail()
+        reader.get_previous()
+        while True:
+            reader.wait()
+            for entry in reader:
+                show(clean(entry), as_json)
+    return 0
+
+
+def show(stats: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(stats, default=str, sort_keys=True), flush=True)
+    else:
+        print(format_table(stats) + "\n", flush=True)
+
+
+def draw_report(records: list[dict[str, Any]], output: Path) -> None:
+    """Four panels over time: layer depths against their capacities, put-wait, throughput,
+    memory. The picture of backpressure: a flood drains with the queue pinned at capacity."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = records[0]["TIME"]
+    t = [(r["TIME"] - t0).total_seconds() for r in records]
+    fig, axes = plt.subplots(4, 1, figsize=(10, 12), sharex=True)
+    depth = axes[0]
+    for layer, colour in zip(("QUEUE", "EVENT_BUFFER", "PREPROCESS_CACHE", "RETRY_LIST"),
+                             ("C0", "C1", "C2", "C3"), strict=True):
+        depth.plot(t, [r.get(f"{layer}_SIZE", 0) for r in records], colour,
+                   label=f"{layer.lower()} size")
+        depth.plot(t, [r.get(f"{layer}_CAPACITY", 0) for r in records], colour, linestyle=":",
+                   label=f"{layer.lower()} capacity")
+    depth.set_yscale("symlog")
+    depth.set_ylabel("items")
+    depth.set_title("layer depth vs capacity (dotted)")
+    depth.legend(fontsize=7, ncol=2)
+    wait = axes[1]
+    for key in ("PUT_WAIT_MS_P50", "PUT_WAIT_MS_P99"):
+        wait.plot(t, [r.get(key, 0) for r in records], label=key.lower())
+    wait.set_ylabel("ms")
+    wait.set_title("queue.put() wait")
+    wait.legend(fontsize=8)
+    rate = axes[2]
+    rate.plot(t, [r.get("FILES_PER_S", 0) for r in records], label="files/s")
+    rate.plot(t, [r.get("DEFERRED", 0) for r in records], label="deferred (cumulative)")
+    rate.set_title("throughput")
+    rate.legend(fontsize=8)
+    memory = axes[3]
+    for key in MEMORY:
+        if any(key in r for r in records):
+            memory.plot(t, [r.get(key, 0) / 2**20 for r in records], label=key.lower())
+    memory.set_ylim(bottom=0)  # flat should look flat, not like noise magnified
+    memory.set_ylabel("MiB")
+    memory.set_xlabel("seconds")
+    memory.set_title("memory")
+    memory.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(output, dpi=90)
+    plt.close(fig)
+
+
+def write_report(unit: str | None, instance: str | None, start: datetime | None,
+                 output: Path) -> int:
+    records = list(since(unit, instance, start))
+    if not records:
+        print("inboxd report: no stats records in the journal for that selection",
+              file=sys.stderr)
+        return 1
+    try:
+        draw_report(records, output)
+    except ImportError:
+        print("inboxd report needs matplotlib: pip install 'inboxd[report]'", file=sys.stderr)
+        return 1
+    print(f"{output}: {len(records)} stats records, "
+          f"{(records[-1]['TIME'] - records[0]['TIME']).total_seconds():.0f} s")
+    return 0
