@@ -105,6 +105,11 @@ class Watcher:
                       path=str(path), event_buffer_size=self.buffer.size)
         elif admitted is False:
             self.stats.counters.deferred += 1
+            if not self.backlog_on_disk:  # once per episode, not once per file
+                logs.emit(logs.logging.INFO, "deferred",
+                          f"event buffer full ({self.buffer.capacity} paths): new files wait on "
+                          "disk and are picked up as it drains", path=str(path),
+                          deferred=self.stats.counters.deferred)
             self.backlog_on_disk = True
         return admitted
 
