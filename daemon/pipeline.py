@@ -240,7 +240,7 @@ class Pipeline:
         await _cancel(self._intake_tasks)
         self.buffer.clear()  # only names: the files are still in the inbox
         drain = asyncio.create_task(self._drain())
-        forced = asyncio.create_task(force.wait())
+        forced = asyncio.create_task(_wait(force))
         await asyncio.wait({drain, forced}, timeout=grace_s,
                            return_when=asyncio.FIRST_COMPLETED)
         if not drain.done():
@@ -264,6 +264,10 @@ class Pipeline:
     async def _drain(self) -> None:
         await self.queue.join()
         await self.outcomes.wait_until_inactive()
+
+
+async def _wait(event: asyncio.Event) -> None:
+    await event.wait()
 
 
 async def _cancel(tasks: list[asyncio.Task[None]]) -> None:

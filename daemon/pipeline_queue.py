@@ -20,7 +20,7 @@ class PipelineQueue(asyncio.Queue[WorkItem]):
         self._high_water = HighWater()
 
     def _put(self, item: WorkItem) -> None:
-        super()._put(item)  # type: ignore[misc]
+        super()._put(item)
         self._high_water.saw(self.qsize())
 
     @property

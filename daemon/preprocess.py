@@ -82,22 +82,21 @@ def decode_image(data: bytes, spec: PreprocessSpec, max_pixels: int) -> DecodedI
         with warnings.catch_warnings():
             # Pillow only warns between MAX_IMAGE_PIXELS and twice that: make both an error.
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
-            width, height = image.size
+            opened = Image.open(io.BytesIO(data))
+            width, height = opened.size
             if width * height > max_pixels:
                 raise PermanentError(
                     f"image is {width}×{height} = {width * height} pixels, more than "
                     f"preprocess.max_image_pixels = {max_pixels} (a decompression bomb?)"
                 )
-            source_format, source_mode = image.format, image.mode
-            if image.format == "JPEG":
+            source_format, source_mode = opened.format, opened.mode
+            if opened.format == "JPEG":
                 # Let libjpeg decode at 1/2, 1/4 or 1/8 scale when that still covers the
                 # resize target: a 12-MP photo decodes ~10× faster.
                 scale = spec.resize / min(width, height)
-                image.draft("RGB", (max(1, round(width * scale)), max(1, round(height * scale))))
-            image.load()
-            image = ImageOps.exif_transpose(image)
-            image = to_rgb(image)
+                opened.draft("RGB", (max(1, round(width * scale)), max(1, round(height * scale))))
+            opened.load()
+            image = to_rgb(ImageOps.exif_transpose(opened))
             oriented_w, oriented_h = _oriented_size(width, height, image)
             pixels = resize_and_crop(image, spec)
     except PermanentError:

@@ -13,6 +13,7 @@ watcher is always free to keep up with the kernel.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -101,12 +102,12 @@ class Watcher:
         admitted = self.buffer.offer(path, inbox, self.clock())
         if admitted:
             self.stats.counters.accepted += 1
-            logs.emit(logs.logging.DEBUG, "accepted", f"accepted {path}",
+            logs.emit(logging.DEBUG, "accepted", f"accepted {path}",
                       path=str(path), event_buffer_size=self.buffer.size)
         elif admitted is False:
             self.stats.counters.deferred += 1
             if not self.backlog_on_disk:  # once per episode, not once per file
-                logs.emit(logs.logging.INFO, "deferred",
+                logs.emit(logging.INFO, "deferred",
                           f"event buffer full ({self.buffer.capacity} paths): new files wait on "
                           "disk and are picked up as it drains", path=str(path),
                           deferred=self.stats.counters.deferred)
@@ -161,7 +162,7 @@ class Watcher:
                         elif self.names.wanted(entry.name):
                             yield Path(entry.path)
             except (FileNotFoundError, NotADirectoryError, PermissionError) as exc:
-                logs.emit(logs.logging.WARNING, "scan_error", f"cannot scan {current}: {exc}",
+                logs.emit(logging.WARNING, "scan_error", f"cannot scan {current}: {exc}",
                           path=str(current))
 
     async def run_scans(self) -> None:
@@ -203,7 +204,7 @@ class Watcher:
                 ):
                     self._take(changes)
             except Exception as exc:  # watchfiles raises plain RuntimeError/OSError variants
-                logs.emit(logs.logging.WARNING, "watch_error",
+                logs.emit(logging.WARNING, "watch_error",
                           f"watcher failed ({exc}); rescanning and restarting it", error=str(exc))
             if self._stop.is_set():
                 return
@@ -229,7 +230,7 @@ class Watcher:
             except OSError:
                 current = (0, 0)
             if current != watched:
-                logs.emit(logs.logging.WARNING, "watch_error",
+                logs.emit(logging.WARNING, "watch_error",
                           f"inbox {inbox} was replaced; restarting the watcher", path=str(inbox))
                 self._watched_ids = {}
                 self._watch_stop.set()
