@@ -83,6 +83,7 @@ def check_outcomes(root: Path, expected: dict[str, str]) -> dict[str, int]:
             "lost": 0, "duplicates": 0}
 
 
+@pytest.mark.timeout(600)
 def test_sigkill_at_random_moments_loses_nothing_short(tmp_path: Path) -> None:
     seed = int(os.environ.get("INBOXD_SOAK_SEED", "20261130"))
     figures = soak(tmp_path, files=200, kills=5, seed=seed)
@@ -90,6 +91,7 @@ def test_sigkill_at_random_moments_loses_nothing_short(tmp_path: Path) -> None:
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(3600)
 def test_sigkill_at_random_moments_loses_nothing_long(tmp_path: Path) -> None:
     seed = int(os.environ.get("INBOXD_SOAK_SEED", str(random.randrange(1 << 30))))
     figures = soak(tmp_path, files=1200, kills=24, seed=seed)
