@@ -23,6 +23,11 @@ soak: setup-test
 	@bash .ci/journald.sh
 	$(BIN)/python -m pytest -m soak -p no:cacheprovider $(PYTEST_ARGS)
 
+# The shipped unit under a real systemd (PID 1) in systemd-nspawn; part of `make test` too.
+.PHONY: nspawn-test
+nspawn-test: setup-test
+	$(BIN)/python -m pytest -m nspawn -p no:cacheprovider tests/test_systemd_nspawn.py $(PYTEST_ARGS)
+
 setup: $(VENV)/.runtime-installed
 setup-test: $(VENV)/.test-installed
 
@@ -55,3 +60,11 @@ $(VENV)/.test-installed: pyproject.toml | system-deps $(VENV)/bin/python
 
 clean:
 	rm -rf var .pytest_cache .mypy_cache .ruff_cache
+
+# Benchmarks (bench/): one table + JSON + PNG under bench/out/. Not tests: figures, not asserts.
+.PHONY: bench bench-sweep
+bench: setup-test
+	$(BIN)/python -m bench.run $(BENCH_ARGS)
+
+bench-sweep: setup-test
+	$(BIN)/python -m bench.sweep $(BENCH_ARGS)

@@ -127,15 +127,15 @@ class Service:
             await asyncio.sleep(STATUS_EVERY_S)
 
     async def _keep_watchdog(self, pipeline: Pipeline) -> None:
-        """``WATCHDOG=1`` only while the model worker is idle or its batch is younger than the
-        watchdog timeout: a model call that hangs stops the pings, and systemd restarts us."""
+        """``WATCHDOG=1`` only while the model worker is idle or its batch is younger than half
+        the watchdog timeout: a model call that hangs stops the pings, and systemd restarts us
+        at most 1.5 × WatchdogSec after the call began."""
         interval_s = self.notifier.watchdog_interval_s()
-        timeout_s = self.notifier.watchdog_timeout_s()
-        if interval_s is None or timeout_s is None:
+        if interval_s is None:
             return
         while True:
             busy_since_s = pipeline.worker.busy_since_s
-            if busy_since_s is None or time.monotonic() - busy_since_s < timeout_s:
+            if busy_since_s is None or time.monotonic() - busy_since_s < interval_s:
                 self.notifier.watchdog()
             else:
                 logs.emit(logging.ERROR, "watchdog",
@@ -152,6 +152,7 @@ class Service:
             self.reload_requested.clear()
             self.notifier.reloading()
             self.reload(pipeline)
+            self.notifier.status(pipeline.status_line())  # show the new capacities at once
             self.notifier.ready()
 
     def reload(self, pipeline: Pipeline) -> None:
