@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true", help="one JSON object per record")
     stats.add_argument("-f", "--follow", action="store_true", help="print each new record")
     report.add_argument("--since", type=parse_since, default=None,
-                        help="start: ISO date/time, or how long ago: 10min, 2h (default: this boot)")
+                        help="start: ISO time, or how long ago: 10min, 2h (default: this boot)")
     report.add_argument("-o", "--output", type=Path, default=Path("inboxd-report.png"))
     return parser
 

@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 EX_CONFIG = 78
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config" / "inboxd.yaml"
@@ -65,11 +73,106 @@ class PreprocessConfig(Section):
     max_image_pixels: Positive = 89_478_485
 
 
+Interpolation = Literal["bilinear", "bicubic", "nearest", "lanczos"]
+Triple = tuple[float, float, float]
+
+
+class ModelInputConfig(Section):
+    """How each image becomes the model's input tensor. Unset keys take the model's defaults
+    (torchvision and export: 256 bilinear, crop 224, ImageNet mean/std; built-in: DESIGN.md)."""
+
+    resize: Positive | None = None  # the shorter side is scaled to this many pixels ...
+    interpolation: Interpolation | None = None
+    crop: Positive | None = None  # ... then a centered square of this size is cut out
+    mean: Triple | None = None  # per channel, on the 0-1 scale (torchvision's convention)
+    std: Triple | None = None
+    # rgb; bgr (channels swapped, for OpenCV/Caffe-trained models); gray (luma, as Pillow's
+    # convert("L"), copied onto all three channels, for models trained on greyscale images).
+    color: Literal["rgb", "bgr", "gray"] = "rgb"
+
+    @field_validator("mean", "std")
+    @classmethod
+    def _unit_scale(cls, values: Triple | None, info: ValidationInfo) -> Triple | None:
+        if values is None:
+            return None
+        if info.field_name == "std" and min(values) <= 0:
+            raise ValueError("std values must be > 0")
+        if max(abs(v) for v in values) > 1:
+            # The classic mistake: pixel-scale numbers such as 123.675 copied from Caffe/OpenCV.
+            raise ValueError(
+                f"{info.field_name} is on the 0-1 scale (pixel value / 255), e.g. 0.485, "
+                "not 123.675"
+            )
+        return values
+
+    @model_validator(mode="after")
+    def _crop_fits(self) -> ModelInputConfig:
+        if self.crop is not None and self.resize is not None and self.crop > self.resize:
+            raise ValueError(f"crop ({self.crop}) must not be larger than resize ({self.resize})")
+        return self
+
+
+ModelKind = Literal["builtin", "torchvision", "export"]
+
+
 class ModelConfig(Section):
-    name: Literal["efficientnet_lite0"] = "efficientnet_lite0"
+    """Which network, where its files are, what it outputs and how it runs.
+
+    Exactly one of ``name`` (the built-in, also the default when none is given),
+    ``torchvision`` or ``export`` says what to load. The checks that need the files or torch
+    (shapes, labels count, the device) run when the model is loaded, at start-up: see
+    ``daemon.model_loading``.
+    """
+
+    name: Literal["efficientnet_lite0"] | None = None
+    torchvision: str | None = None  # an architecture name from torchvision.models
+    export: Path | None = None  # a torch.export .pt2 program
+    weights: Path | None = None  # torchvision: the state_dict file
+    num_classes: Positive | None = None  # torchvision: default = the labels count, else 1000
+    labels: Path | None = None  # one label per line, or a JSON list
+    input: ModelInputConfig = ModelInputConfig()
+    output: Literal["classify", "embed"] = "classify"
+    top_k: Annotated[int, Field(gt=0, le=1000)] = 5  # classify only
     device: str = "auto"
     precision: Literal["fp32", "fp16", "bf16"] = "fp32"
-    top_k: Annotated[int, Field(gt=0, le=1000)] = 5
+    compile: bool = False
+
+    # Field validators see the fields declared before them in ``info.data``, so a key that
+    # does not fit the model kind is reported at its own YAML line, not at ``model:``.
+
+    @field_validator("torchvision")
+    @classmethod
+    def _one_source(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("name") is not None:
+            raise ValueError("give either name (the built-in) or torchvision, not both")
+        return value
+
+    @field_validator("export")
+    @classmethod
+    def _one_program(cls, value: Path | None, info: ValidationInfo) -> Path | None:
+        if value is not None and (info.data.get("name") or info.data.get("torchvision")):
+            raise ValueError("export is a model of its own: remove name/torchvision")
+        return _absolute(value)
+
+    @field_validator("weights", "num_classes")
+    @classmethod
+    def _torchvision_only(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and info.data.get("torchvision") is None:
+            if info.data.get("export"):
+                why = ("a .pt2 program carries its own weights" if info.field_name == "weights"
+                       else "a .pt2 program's output size is its class count")
+            else:
+                why = "the built-in model is EfficientNet-Lite0 with its ImageNet weights"
+            raise ValueError(f"{info.field_name} only applies to torchvision: models ({why})")
+        return _absolute(value) if isinstance(value, Path) else value
+
+    @field_validator("labels")
+    @classmethod
+    def _not_builtin(cls, value: Path | None, info: ValidationInfo) -> Path | None:
+        if value is not None and not (info.data.get("torchvision") or info.data.get("export")):
+            raise ValueError("the built-in model uses the ImageNet class names; labels only "
+                             "applies to torchvision: and export: models")
+        return _absolute(value)
 
     @field_validator("device")
     @classmethod
@@ -77,6 +180,39 @@ class ModelConfig(Section):
         if device in ("auto", "cpu", "cuda") or device.startswith("cuda:"):
             return device
         raise ValueError("device must be auto, cpu, cuda or cuda:N")
+
+    @field_validator("precision")
+    @classmethod
+    def _precision_fits_device(cls, precision: str, info: ValidationInfo) -> str:
+        # Only an explicit cpu is known here; device: auto is checked again once resolved.
+        if precision == "fp16" and info.data.get("device") == "cpu":
+            raise ValueError("fp16 needs a CUDA GPU (CPUs have no fast fp16 kernels); "
+                             "use fp32 or bf16 on the CPU")
+        return precision
+
+    @model_validator(mode="after")
+    def _complete(self) -> ModelConfig:
+        if self.torchvision is not None and self.weights is None:
+            raise ValueError(
+                "torchvision: needs weights: PATH, a local state_dict file "
+                "(torch.save(model.state_dict(), PATH)); inboxd never downloads weights"
+            )
+        return self
+
+    @property
+    def kind(self) -> ModelKind:
+        if self.torchvision is not None:
+            return "torchvision"
+        if self.export is not None:
+            return "export"
+        return "builtin"
+
+
+def _absolute(path: Path | None) -> Path | None:
+    """Model files resolve against the working directory, like every other path here."""
+    if path is None:
+        return None
+    return Path(os.path.normpath(Path.cwd() / path.expanduser()))
 
 
 class RetryConfig(Section):

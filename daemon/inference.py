@@ -12,11 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-import numpy.typing as npt
 import torch
 
 from daemon import logs
@@ -33,7 +31,7 @@ def infer_splitting(model: Model, items: list[WorkItem]) -> list[Outcome]:
     images = [item.image.pixels for item in items if item.image is not None]
     started = time.perf_counter()
     try:
-        predictions = predict(model, images)
+        predictions = model.predict(images)
     except torch.cuda.OutOfMemoryError as exc:
         if len(items) == 1:
             return [(items[0], TransientError(f"CUDA out of memory at batch size 1: {exc}"))]
@@ -46,13 +44,6 @@ def infer_splitting(model: Model, items: list[WorkItem]) -> list[Outcome]:
     for item in items:
         item.inference_ms = elapsed_ms
     return list(zip(items, predictions, strict=True))
-
-
-def predict(model: Model, images: list[npt.NDArray[np.uint8]]) -> Sequence[Prediction]:
-    """The output the config asked for (top-k classes or embeddings). A model object without
-    ``predict`` (the unit tests' fake) only classifies."""
-    run = getattr(model, "predict", None)
-    return run(images) if run is not None else model.classify(images)
 
 
 def _halves(model: Model, items: list[WorkItem], why: str) -> list[Outcome]:

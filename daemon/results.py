@@ -14,10 +14,11 @@ from typing import Any
 
 from daemon import __version__
 from daemon.config import Config
+from daemon.embedding_files import embedding_path, write_embeddings
 from daemon.inference import Outcome
 from daemon.item import TransientError, WorkItem
 from daemon.lifecycle import Lifecycle
-from daemon.model import Classification, Model
+from daemon.model import Embedding, Model, Prediction
 from daemon.outcomes import Outcomes, RunIO, utc_now
 from daemon.stats import HighWater
 
@@ -70,17 +71,19 @@ class ResultWriter:
                 self.handoff.task_done()
 
     async def _write(self, batch: list[Outcome]) -> None:
-        good: list[tuple[WorkItem, Classification]] = []
+        good: list[tuple[WorkItem, Prediction]] = []
         for item, outcome in batch:
-            if isinstance(outcome, Classification):
-                good.append((item, outcome))
-            else:
+            if isinstance(outcome, Exception):
                 await self.outcomes.error(item, outcome)
+            else:
+                good.append((item, outcome))
         if not good:
             return
         documents = [(item.key, self.document(item, result)) for item, result in good]
+        vectors = [(item.key, result.vector) for item, result in good
+                   if isinstance(result, Embedding)]
         try:
-            await self.run_io(lambda: self.lifecycle.write_results(documents))
+            await self.run_io(lambda: self._write_files(vectors, documents))
         except OSError as exc:
             for item, _ in good:
                 await self.outcomes.error(
@@ -97,6 +100,13 @@ class ResultWriter:
                     item, TransientError(f"cannot move the source after success: {problem}")
                 )
 
+    def _write_files(self, vectors: list[tuple[str, Any]],
+                     documents: list[tuple[str, dict[str, Any]]]) -> None:
+        # Vectors first: a JSON result must never exist without the .npy it describes.
+        if vectors:
+            write_embeddings(self.lifecycle.results_dir, self.lifecycle.tmp_dir, vectors)
+        self.lifecycle.write_results(documents)
+
     def _finish_source(self, item: WorkItem) -> OSError | None:
         try:
             self.lifecycle.finish_success(item.claimed_path, item.key, item.inbox / item.rel)
@@ -104,7 +114,7 @@ class ResultWriter:
             return exc
         return None
 
-    def document(self, item: WorkItem, result: Classification) -> dict[str, Any]:
+    def document(self, item: WorkItem, result: Prediction) -> dict[str, Any]:
         image = item.image_info
         return {
             "source": item.key,
@@ -113,7 +123,7 @@ class ResultWriter:
             "model": self.model.name,
             "device": str(self.model.device),
             "precision": self.model.precision,
-            "top_k": result.top_k,
+            **self._output(item, result),
             "image": image,
             "timings_ms": item.timings_ms(self.clock()),
             "attempts": item.attempts + 1,
@@ -121,3 +131,13 @@ class ResultWriter:
             "completed_at": utc_now(),
             "inboxd_version": __version__,
         }
+
+    def _output(self, item: WorkItem, result: Prediction) -> dict[str, Any]:
+        if isinstance(result, Embedding):
+            return {"embedding": {
+                "file": embedding_path(self.lifecycle.results_dir, item.key).name,
+                "dim": result.dim,
+                "norm": round(result.norm, 6),
+                "dtype": str(result.vector.dtype),
+            }}
+        return {"top_k": result.top_k}

@@ -57,8 +57,8 @@ def write_config(root: Path, **sections: Any) -> Path:
     return path
 
 
-def make_image(path: Path, size: tuple[int, int] = (64, 48), color: tuple[int, int, int] = (200, 30, 30),
-               fmt: str | None = None) -> Path:
+def make_image(path: Path, size: tuple[int, int] = (64, 48),
+               color: tuple[int, int, int] = (200, 30, 30), fmt: str | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.new("RGB", size, color).save(path, format=fmt)
     return path

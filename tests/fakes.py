@@ -43,6 +43,8 @@ class FakeModel:
                                  "index": int(image[0, 0, 0]), "score": 1.0}])
                 for image in images]
 
+    predict = classify
+
     def warm_up(self, batch_size: int) -> float:
         return 0.0
 
@@ -60,8 +62,9 @@ class ScriptedWatch:
     def push(self, *paths: Path) -> None:
         self.changes.put_nowait({(watchfiles.Change.added, str(p)) for p in paths})
 
-    async def __call__(self, *paths: Path, recursive: bool,
-                       stop_event: asyncio.Event) -> AsyncIterator[set[tuple[watchfiles.Change, str]]]:
+    async def __call__(
+        self, *paths: Path, recursive: bool, stop_event: asyncio.Event
+    ) -> AsyncIterator[set[tuple[watchfiles.Change, str]]]:
         self.started.set()
         while not stop_event.is_set():
             get = asyncio.ensure_future(self.changes.get())

@@ -6,9 +6,9 @@ systemd as PID 1 (see inboxd-scenario.sh and tests/test_systemd_nspawn.py).
 Installs the shipped unit (only its paths changed) with a test drop-in, the sysusers and
 tmpfiles files and a config, then: start -> READY (and the sandbox as the kernel applies it:
 ids, capabilities, seccomp, mounts, namespaces, cgroup device/IP filters) -> results -> journal
-stats -> reload -> watchdog restart -> stop. Everything it sees goes to OUTDIR/scenario.json, rewritten after
-every step so a failure still says how far it got; the pytest side asserts on it. It asserts
-nothing itself and always exits 0 unless it crashes.
+stats -> reload -> watchdog restart -> stop. Everything it sees goes to OUTDIR/scenario.json,
+rewritten after every step so a failure still says how far it got; the pytest side asserts on
+it. It asserts nothing itself and always exits 0 unless it crashes.
 
 Runs with the checkout's own venv interpreter (bound into the container read-only), so it has
 PyYAML and Pillow; it never imports inboxd.
