@@ -60,9 +60,10 @@ class Service:
         finally:
             extending.cancel()
         faults.install(model)
+        source = f" ({model.info.source})" if model.info is not None else ""
         logs.emit(logging.INFO, "started",
-                  f"inboxd {__version__}: model {model.name} on {model.device} "
-                  f"(loaded and warmed up in {time.perf_counter() - started:.1f} s)",
+                  f"inboxd {__version__}: model {model.name}{source} on {model.device}, "
+                  f"loaded and warmed up in {time.perf_counter() - started:.1f} s",
                   model=model.name, device=str(model.device), warmup_s=round(warm_s, 3),
                   instance=self.config.instance, version=__version__)
         self.pipeline = Pipeline(self.config, model, lifecycle=lifecycle)
