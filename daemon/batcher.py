@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from daemon.item import WorkItem
 from daemon.preprocess_cache import PreprocessCache
-from daemon.stats import HighWater, Window
+from daemon.stats import Window
 
 
 class Batcher:
@@ -32,7 +32,7 @@ class Batcher:
         self.max_delay_s = max_delay_ms / 1000
         self.clock = clock
         self.forming = 0
-        self._high_water = HighWater()
+        self.high_water = 0
 
     @property
     def size(self) -> int:
@@ -41,10 +41,6 @@ class Batcher:
     @property
     def capacity(self) -> int:
         return self.max_size
-
-    @property
-    def high_water(self) -> int:
-        return self._high_water.value
 
     def configure(self, max_size: int, max_delay_ms: float) -> None:
         self.max_size = max_size
@@ -64,7 +60,7 @@ class Batcher:
             if remaining_s <= 0:
                 break
             await self.cache.wait_arrival(remaining_s)
-        self._high_water.saw(len(batch))
+        self.high_water = max(self.high_water, len(batch))
         self.sizes.add(len(batch))
         self.forming = 0
         return batch

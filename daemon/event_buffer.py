@@ -15,8 +15,6 @@ import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
-from daemon.stats import HighWater
-
 
 @dataclass(slots=True)
 class Candidate:
@@ -30,34 +28,22 @@ class EventBuffer:
     name = "event_buffer"
 
     def __init__(self, capacity: int) -> None:
-        self._capacity = capacity
+        self.capacity = capacity
         self._entries: dict[Path, Candidate] = {}
         self._heap: list[tuple[float, int, Path]] = []
         self._order = itertools.count()
         self._changed = asyncio.Event()
-        self._high_water = HighWater()
+        self.high_water = 0
 
     @property
     def size(self) -> int:
         return len(self._entries)
 
-    @property
-    def capacity(self) -> int:
-        return self._capacity
-
-    @capacity.setter
-    def capacity(self, value: int) -> None:
-        self._capacity = value
-
-    @property
-    def high_water(self) -> int:
-        return self._high_water.value
-
     def __contains__(self, path: Path) -> bool:
         return path in self._entries
 
     def full(self) -> bool:
-        return len(self._entries) >= self._capacity
+        return len(self._entries) >= self.capacity
 
     def offer(self, path: Path, inbox: Path, now_s: float) -> bool | None:
         """Admit a path. True: new; None: already here; False: full (the caller defers it)."""
@@ -66,7 +52,7 @@ class EventBuffer:
         if self.full():
             return False
         self._push(Candidate(path, inbox, now_s, now_s))
-        self._high_water.saw(len(self._entries))
+        self.high_water = max(self.high_water, len(self._entries))
         return True
 
     def retry_later(self, candidate: Candidate, check_at_s: float) -> None:

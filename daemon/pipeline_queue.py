@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 
 from daemon.item import WorkItem
-from daemon.stats import HighWater
 
 
 class PipelineQueue(asyncio.Queue[WorkItem]):
@@ -17,11 +16,11 @@ class PipelineQueue(asyncio.Queue[WorkItem]):
 
     def __init__(self, maxsize: int) -> None:
         super().__init__(maxsize=maxsize)
-        self._high_water = HighWater()
+        self.high_water = 0
 
     def _put(self, item: WorkItem) -> None:
         super()._put(item)
-        self._high_water.saw(self.qsize())
+        self.high_water = max(self.high_water, self.qsize())
 
     @property
     def size(self) -> int:
@@ -30,10 +29,6 @@ class PipelineQueue(asyncio.Queue[WorkItem]):
     @property
     def capacity(self) -> int:
         return self.maxsize
-
-    @property
-    def high_water(self) -> int:
-        return self._high_water.value
 
     def resize(self, maxsize: int) -> None:
         """asyncio.Queue has no public setter; its put() re-checks ``full()`` after every wake,

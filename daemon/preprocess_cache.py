@@ -13,7 +13,6 @@ import collections
 import contextlib
 
 from daemon.item import WorkItem
-from daemon.stats import HighWater
 
 MB = 1024 * 1024
 
@@ -21,28 +20,20 @@ MB = 1024 * 1024
 class PreprocessCache:
     name = "preprocess_cache"
 
-    def __init__(self, capacity_items: int, capacity_mb: int) -> None:
-        self.capacity_items = capacity_items
+    def __init__(self, capacity: int, capacity_mb: int) -> None:
+        self.capacity = capacity  # items
         self.capacity_bytes = capacity_mb * MB
         self._items: collections.deque[WorkItem] = collections.deque()
         self._bytes = 0
         # Single-threaded event loop: two events are all the signalling needed, no locks.
         self._room = asyncio.Event()
         self._arrived = asyncio.Event()
-        self._high_water = HighWater()
+        self.high_water = 0
         self.high_water_bytes = 0
 
     @property
     def size(self) -> int:
         return len(self._items)
-
-    @property
-    def capacity(self) -> int:
-        return self.capacity_items
-
-    @property
-    def high_water(self) -> int:
-        return self._high_water.value
 
     @property
     def size_bytes(self) -> int:
@@ -52,7 +43,7 @@ class PreprocessCache:
         if not self._items:
             return True
         return (
-            len(self._items) < self.capacity_items
+            len(self._items) < self.capacity
             and self._bytes + nbytes <= self.capacity_bytes
         )
 
@@ -63,7 +54,7 @@ class PreprocessCache:
             await self._room.wait()
         self._items.append(item)
         self._bytes += nbytes
-        self._high_water.saw(len(self._items))
+        self.high_water = max(self.high_water, len(self._items))
         self.high_water_bytes = max(self.high_water_bytes, self._bytes)
         self._arrived.set()
 
@@ -90,7 +81,7 @@ class PreprocessCache:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._arrived.wait(), timeout_s)
 
-    def resize(self, capacity_items: int, capacity_mb: int) -> None:
-        self.capacity_items = capacity_items
+    def resize(self, capacity: int, capacity_mb: int) -> None:
+        self.capacity = capacity
         self.capacity_bytes = capacity_mb * MB
         self._room.set()

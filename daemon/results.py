@@ -20,7 +20,6 @@ from daemon.item import TransientError, WorkItem
 from daemon.lifecycle import Lifecycle
 from daemon.model import Embedding, Model, Prediction
 from daemon.outcomes import Outcomes, RunIO, utc_now
-from daemon.stats import HighWater
 
 HANDOFF_BATCHES = 1
 
@@ -44,7 +43,7 @@ class ResultWriter:
         self.run_io = run_io
         self.clock = clock
         self.handoff: asyncio.Queue[list[Outcome]] = asyncio.Queue(maxsize=HANDOFF_BATCHES)
-        self._high_water = HighWater()
+        self.high_water = 0
 
     @property
     def size(self) -> int:
@@ -54,13 +53,9 @@ class ResultWriter:
     def capacity(self) -> int:
         return HANDOFF_BATCHES
 
-    @property
-    def high_water(self) -> int:
-        return self._high_water.value
-
     async def submit(self, outcomes: list[Outcome]) -> None:
         await self.handoff.put(outcomes)
-        self._high_water.saw(self.handoff.qsize())
+        self.high_water = max(self.high_water, self.handoff.qsize())
 
     async def run(self) -> None:
         while True:

@@ -19,7 +19,6 @@ from collections.abc import Awaitable, Callable
 
 from daemon.config import RetryConfig
 from daemon.item import WorkItem
-from daemon.stats import HighWater
 
 
 def backoff_s(attempt: int, config: RetryConfig, rng: random.Random) -> float:
@@ -38,36 +37,24 @@ class RetryList:
         requeue: Callable[[WorkItem], Awaitable[None]],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._capacity = capacity
+        self.capacity = capacity
         self.requeue = requeue
         self.clock = clock
         self._heap: list[tuple[float, int, WorkItem]] = []
         self._order = itertools.count()
         self._changed = asyncio.Event()
-        self._high_water = HighWater()
+        self.high_water = 0
 
     @property
     def size(self) -> int:
         return len(self._heap)
 
-    @property
-    def capacity(self) -> int:
-        return self._capacity
-
-    @capacity.setter
-    def capacity(self, value: int) -> None:
-        self._capacity = value
-
-    @property
-    def high_water(self) -> int:
-        return self._high_water.value
-
     def offer(self, item: WorkItem, delay_s: float) -> bool:
         """Schedule another attempt; False when full (the caller releases the file to disk)."""
-        if len(self._heap) >= self._capacity:
+        if len(self._heap) >= self.capacity:
             return False
         heapq.heappush(self._heap, (self.clock() + delay_s, next(self._order), item))
-        self._high_water.saw(len(self._heap))
+        self.high_water = max(self.high_water, len(self._heap))
         self._changed.set()
         return True
 

@@ -20,29 +20,17 @@ SAMPLE_WINDOW = 2048
 
 
 class Layer(Protocol):
-    """A bounded container on the way from the watcher to the results."""
+    """A bounded container on the way from the watcher to the results: its size now, its
+    capacity, and the largest size it has ever had (the proof that the bound held)."""
 
     name: str
+    high_water: int
 
     @property
     def size(self) -> int: ...
 
     @property
     def capacity(self) -> int: ...
-
-    @property
-    def high_water(self) -> int: ...
-
-
-class HighWater:
-    """Remembers the largest size a container has ever had."""
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def saw(self, size: int) -> None:
-        if size > self.value:
-            self.value = size
 
 
 @dataclass

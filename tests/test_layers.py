@@ -66,7 +66,7 @@ def test_queue_put_waits_when_full_and_resize_wakes_it() -> None:
 
 def test_preprocess_cache_is_bounded_by_items_and_by_bytes() -> None:
     async def scenario() -> None:
-        cache = PreprocessCache(capacity_items=3, capacity_mb=1)
+        cache = PreprocessCache(capacity=3, capacity_mb=1)
         await cache.put(item("a", MB // 2))
         await cache.put(item("b", MB // 4))
         over_bytes = asyncio.create_task(cache.put(item("c", MB // 2)))
@@ -88,7 +88,7 @@ def test_preprocess_cache_is_bounded_by_items_and_by_bytes() -> None:
 
 def test_an_item_larger_than_the_byte_budget_passes_alone() -> None:
     async def scenario() -> None:
-        cache = PreprocessCache(capacity_items=4, capacity_mb=1)
+        cache = PreprocessCache(capacity=4, capacity_mb=1)
         await asyncio.wait_for(cache.put(item("huge", 3 * MB)), 1)
         assert cache.size == 1
 
@@ -97,7 +97,7 @@ def test_an_item_larger_than_the_byte_budget_passes_alone() -> None:
 
 def test_batcher_closes_a_batch_when_full_or_after_the_delay() -> None:
     async def scenario() -> None:
-        cache = PreprocessCache(capacity_items=16, capacity_mb=16)
+        cache = PreprocessCache(capacity=16, capacity_mb=16)
         batcher = Batcher(cache, max_size=4, max_delay_ms=20)
         for n in range(6):
             await cache.put(item(str(n)))
