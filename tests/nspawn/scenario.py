@@ -172,6 +172,12 @@ def install(data: dict[str, Any]) -> None:
     ]
     if hidden:
         dropin += ["ProtectHome=tmpfs", f"BindReadOnlyPaths={' '.join(hidden)}"]
+    # A checkout under /tmp (CI may clone there) is hidden by PrivateTmp=yes: bind it back
+    # into the private /tmp, read-only; PrivateTmp itself stays.
+    in_tmp = [str(path) for path in (Path(sys.base_prefix), REPO)
+              if any(path.is_relative_to(p) for p in ("/tmp", "/var/tmp"))]
+    if in_tmp:
+        dropin += [f"BindReadOnlyPaths={' '.join(in_tmp)}"]
     dropin_dir = Path("/etc/systemd/system", UNIT + ".d")
     dropin_dir.mkdir(exist_ok=True)
     (dropin_dir / "nspawn-test.conf").write_text("\n".join(dropin) + "\n")
