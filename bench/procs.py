@@ -1,0 +1,227 @@
+"""The real daemon as a child process, and memory sampling of any process by pid.
+
+The daemon's stderr is read line by line on a thread: ``[ready]`` sets an event (start-up is
+timed to it, not guessed), ``[stats]`` lines are parsed into dicts (peak CUDA reserved memory
+comes from them), everything else is kept only as a short tail for error messages.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO / "config" / "inboxd.yaml"
+_FIELD = re.compile(r"^([A-Z][A-Z0-9_]*)=(\S+)$")
+
+
+def parse_fields(line: str) -> dict[str, float | str]:
+    """The ``KEY=value`` fields of one stderr record (numbers as floats)."""
+    fields: dict[str, float | str] = {}
+    for token in line.split():
+        match = _FIELD.match(token)
+        if match:
+            key, raw = match.groups()
+            try:
+                fields[key] = float(raw)
+            except ValueError:
+                fields[key] = raw
+    return fields
+
+
+def write_config(root: Path, overrides: dict[str, dict[str, Any]] | None = None) -> Path:
+    """The repo's default config with every folder under ``root``, a 1-s stats interval and
+    ``overrides`` merged per section: what the bench measures is what ``make run`` runs."""
+    config: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text()) or {}
+    config.setdefault("inbox", {})["paths"] = [str(root / "inbox")]
+    config["results_dir"] = str(root / "results")
+    config["done_dir"] = str(root / "done")
+    config["failed_dir"] = str(root / "failed")
+    config.setdefault("stats", {})["interval_s"] = 1
+    for section, values in (overrides or {}).items():
+        config.setdefault(section, {}).update(values)
+    (root / "inbox").mkdir(parents=True, exist_ok=True)
+    path = root / "inboxd.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def rss_bytes(pid: int) -> int:
+    """VmRSS of ``pid`` now (0 once it has exited)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def reset_peak_rss(pid: int) -> None:
+    """Restart the kernel's peak-RSS count (VmHWM) for ``pid``: writing 5 to clear_refs."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        pass  # an older kernel: the 20-ms samples still bound the peak from below
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """VmHWM: the largest RSS since start or the last ``reset_peak_rss``, however brief."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+class RssSampler:
+    """Samples one process's RSS every ``interval_s`` on a thread; peaks over any time span."""
+
+    def __init__(self, pid: int, interval_s: float = 0.02) -> None:
+        self.pid = pid
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            rss = rss_bytes(self.pid)
+            if rss == 0:
+                return
+            self.samples.append((time.monotonic(), rss))
+
+    def now(self) -> int:
+        return rss_bytes(self.pid)
+
+    def mark(self) -> float:
+        """Start a span: the kernel's peak count restarts now. Returns the monotonic time."""
+        reset_peak_rss(self.pid)
+        return time.monotonic()
+
+    def span_peak(self, start_s: float, end_s: float | None = None) -> int:
+        """The peak since ``mark()`` (VmHWM), or the sampled peak if that is higher (no
+        clear_refs). Call it at the end of the span."""
+        return max(peak_rss_bytes(self.pid), self.peak(start_s, end_s))
+
+    def peak(self, start_s: float, end_s: float | None = None) -> int:
+        end = end_s if end_s is not None else float("inf")
+        return max((rss for t, rss in list(self.samples) if start_s <= t <= end), default=0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(1)
+
+
+class Daemon:
+    """``python -m daemon run -c CONFIG``; ``ready_s`` is start → ``[ready]`` in seconds."""
+
+    def __init__(self, config: Path, env: dict[str, str] | None = None) -> None:
+        self.config = config
+        self.ready = threading.Event()
+        self.ready_s: float | None = None
+        self.started_fields: dict[str, float | str] = {}
+        # (monotonic arrival time, fields) of every [stats] record.
+        self.stats: list[tuple[float, dict[str, float | str]]] = []
+        self.tail: collections.deque[str] = collections.deque(maxlen=60)
+        self._lock = threading.Condition()
+        self._started = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "daemon", "run", "-c", str(config)],
+            cwd=config.parent,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+            # Never the journal: the bench reads the records from stderr.
+            env={k: v for k, v in {**os.environ, **(env or {})}.items() if k != "JOURNAL_STREAM"},
+        )
+        self.pid = self.proc.pid
+        self._reader = threading.Thread(target=self._read, name="daemon-stderr", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            if "[stats]" in line:
+                with self._lock:
+                    self.stats.append((time.monotonic(), parse_fields(line)))
+                    self._lock.notify_all()
+            elif "[started]" in line:
+                self.started_fields = parse_fields(line)
+            elif "[ready]" in line and not self.ready.is_set():
+                self.ready_s = time.monotonic() - self._started
+                self.ready.set()
+            if "[completed]" not in line:
+                self.tail.append(line.rstrip("\n"))
+        self.ready.set()  # exited: wake anybody waiting for [ready]
+        with self._lock:
+            self._lock.notify_all()
+
+    def wait_ready(self, timeout_s: float = 180) -> float:
+        if not self.ready.wait(timeout_s) or self.ready_s is None:
+            self.kill()
+            raise RuntimeError("inboxd never became ready:\n" + "\n".join(self.tail))
+        return self.ready_s
+
+    def next_stats(self, timeout_s: float = 30) -> dict[str, float | str]:
+        """Wait for the next ``[stats]`` record (the daemon has been through one more tick)."""
+        with self._lock:
+            seen = len(self.stats)
+            if not self._lock.wait_for(lambda: len(self.stats) > seen or not self.alive(),
+                                       timeout_s):
+                raise RuntimeError(f"no [stats] record from inboxd within {timeout_s} s")
+        self.check_alive()
+        return self.stats[-1][1]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def check_alive(self) -> None:
+        if not self.alive():
+            raise RuntimeError(f"inboxd exited {self.proc.returncode}:\n" + "\n".join(self.tail))
+
+    def stats_between(self, start_s: float, end_s: float) -> list[dict[str, float | str]]:
+        """Stats records that arrived between two monotonic times."""
+        with self._lock:
+            return [fields for t, fields in self.stats if start_s <= t <= end_s]
+
+    def stat_values(self, key: str, start_s: float, end_s: float) -> list[float]:
+        return [float(value) for f in self.stats_between(start_s, end_s)
+                if isinstance(value := f.get(key), float)]
+
+    def stat_max(self, key: str, start_s: float, end_s: float) -> float | None:
+        return max(self.stat_values(key, start_s, end_s), default=None)
+
+    def stop(self, timeout_s: float = 120) -> int:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            code = -9
+        self._reader.join(5)
+        return code
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.kill()
+            self.proc.wait(30)
