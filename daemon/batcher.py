@@ -1,8 +1,9 @@
 """Stage 4: preprocess cache → one forming batch of at most ``batch.max_size`` items.
 
-The batch closes when it is full or ``batch.max_delay_ms`` after its first item arrived,
-whichever comes first: an idle daemon answers one file after at most that delay, a busy one
-fills batches from the cache without waiting at all.
+The batch closes when it is full, when ``batch.max_delay_ms`` have passed since its first item
+arrived, or at once when nothing else is on the way (the queue is empty and no file is being
+decoded): a lone file never waits for company that is not coming, and a busy daemon fills
+batches from the cache without waiting at all.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ class Batcher:
         max_delay_ms: float,
         clock: Callable[[], float] = time.monotonic,
         sizes: Window | None = None,
+        more_coming: Callable[[], bool] = lambda: True,
     ) -> None:
         self.cache = cache
+        self.more_coming = more_coming
         self.sizes = sizes or Window()
         self.max_size = max_size
         self.max_delay_s = max_delay_ms / 1000
@@ -57,7 +60,7 @@ class Batcher:
                 self.forming = len(batch)
                 continue
             remaining_s = deadline_s - self.clock()
-            if remaining_s <= 0:
+            if remaining_s <= 0 or not self.more_coming():
                 break
             await self.cache.wait_arrival(remaining_s)
         self.high_water = max(self.high_water, len(batch))

@@ -80,8 +80,11 @@ class Pipeline:
             existing_sha256=self.lifecycle.existing_result_sha256,
             on_duplicate=self.outcomes.duplicate, clock=clock,
         )
-        self.batcher = Batcher(self.cache, config.batch.max_size, config.batch.max_delay_ms, clock,
-                              self.stats.batch_sizes)
+        self.batcher = Batcher(
+            self.cache, config.batch.max_size, config.batch.max_delay_ms, clock,
+            self.stats.batch_sizes,
+            more_coming=lambda: self.queue.qsize() > 0 or self.preprocessor.in_progress > 0,
+        )
         self.writer = ResultWriter(config, model, self.lifecycle, self.outcomes, self.run_io, clock)
         self.worker = ModelWorker(model, self.batcher, self.writer.submit, clock)
         self.stats.register(self.buffer, self.queue, self.cache, self.batcher, self.writer,

@@ -110,6 +110,29 @@ def test_batcher_closes_a_batch_when_full_or_after_the_delay() -> None:
     asyncio.run(scenario())
 
 
+def test_a_lone_item_does_not_wait_for_company_that_is_not_coming() -> None:
+    async def scenario() -> None:
+        cache = PreprocessCache(capacity=16, capacity_mb=16)
+        coming = {"more": False}
+        batcher = Batcher(cache, max_size=8, max_delay_ms=60_000,
+                          more_coming=lambda: coming["more"])
+        await cache.put(item("alone"))
+        alone = await asyncio.wait_for(batcher.next_batch(), 1)
+        assert [w.key for w in alone] == ["alone"]
+
+        coming["more"] = True  # a decode is in progress: wait for it (up to max_delay_ms)
+        await cache.put(item("first"))
+        forming = asyncio.create_task(batcher.next_batch())
+        await asyncio.sleep(0.01)
+        assert not forming.done()
+        await cache.put(item("second"))
+        coming["more"] = False
+        await cache.put(item("third"))
+        assert [w.key for w in await asyncio.wait_for(forming, 1)] == ["first", "second", "third"]
+
+    asyncio.run(scenario())
+
+
 def test_retry_list_refuses_beyond_capacity_and_requeues_when_due() -> None:
     async def scenario() -> None:
         requeued: list[str] = []
