@@ -46,8 +46,8 @@ class Grid:
 
 GRIDS = {
     # 20 points of ~15-25 s each on 2 busy cores. Cut to keep it under 15 minutes: cache and
-    # batch get two values each (4/16 items, 8/16 per batch); queue gets all five.
-    "cpu": Grid((1, 2, 4, 8, 16), (4, 16), (8, 16), flood=240, mix="mixed"),
+    # batch get two values each (4/16 items, 4/8 per batch); queue gets all five.
+    "cpu": Grid((1, 2, 4, 8, 16), (4, 16), (4, 8), flood=240, mix="mixed"),
     "gpu": Grid((1, 2, 4, 8, 16), (16, 64), (32, 64), flood=4000, mix="small-jpeg"),
     "quick": Grid((1, 4), (4,), (8,), flood=40, mix="mixed"),
 }
@@ -88,7 +88,11 @@ def recommend(points: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
     the slot costs are fitted over every point of the grid."""
     confirmed = [p for p in points if "runs_files_per_s" in p]
     best = max(confirmed, key=lambda p: p["files_per_s"])
-    good = [p for p in confirmed if p["files_per_s"] >= WITHIN * best["files_per_s"]]
+    # "Within 5%" only means something when a point's two runs agree to better than 5%; on a
+    # noisier machine the tolerance is the run-to-run spread actually measured.
+    spread = max(abs(a - b) / ((a + b) / 2) for a, b in (p["runs_files_per_s"] for p in confirmed))
+    within = min(WITHIN, 1 - spread)
+    good = [p for p in confirmed if p["files_per_s"] >= within * best["files_per_s"]]
     pick = min(good, key=lambda p: (p["slots"], p["peak_rss_above_idle"]))
     slots = np.array([p["queue"] + p["preprocess_cache"] for p in points], dtype=float)
     rss_slope = float(np.polyfit(slots, [p["peak_rss_above_idle"] / MB for p in points], 1)[0])
@@ -100,8 +104,10 @@ def recommend(points: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
         f" files/s, {pick['files_per_s'] / best['files_per_s']:.0%} of the best point "
         f"(queue={best['queue']}, cache={best['preprocess_cache']}, batch={best['batch']}, "
         f"{best['files_per_s']:.1f} files/s; means of two runs), the smallest of "
-        f"{len(good)} within "
-        f"{1 - WITHIN:.0%}. Each extra queue/cache slot costs ~{rss_slope:+.1f} MB peak RSS "
+        f"{len(good)} within {1 - within:.0%}"
+        + (" (the run-to-run spread measured here; 5% is below this machine's noise)"
+           if within < WITHIN else "")
+        + f". Each extra queue/cache slot costs ~{rss_slope:+.1f} MB peak RSS "
         f"(fit over the grid; a decoded 224² item is 0.15 MB) and ~{wait_slope:+.0f} ms of "
         f"in-pipeline wait (fit; Little's law at saturation: {little_ms:.0f} ms per slot), "
         f"and buys no throughput beyond this point."

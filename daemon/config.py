@@ -56,14 +56,14 @@ class InboxConfig(Section):
 
 class CapacityConfig(Section):
     event_buffer: Positive = 1024
-    queue: Positive = 2
-    preprocess_cache: Positive = 16
+    queue: Positive = 1
+    preprocess_cache: Positive = 4
     preprocess_cache_mb: Positive = 256
     retry_list: Positive = 256
 
 
 class BatchConfig(Section):
-    max_size: Positive = 8
+    max_size: Positive = 4
     max_delay_ms: NonNegative = 10
 
 

@@ -18,7 +18,7 @@ def test_embedded_default_is_valid_and_resolves_under_the_working_directory(
     config = load_config(DEFAULT_CONFIG_PATH)
     assert config.inbox.paths == [tmp_path / "var" / "inbox"]
     assert config.results_dir == tmp_path / "var" / "results"
-    assert config.capacity.queue == 2
+    assert config.capacity.queue == 1
     assert config.processing_dir(config.inbox.paths[0]) == (
         tmp_path / "var" / "inbox" / ".processing" / "default"
     )
