@@ -70,5 +70,3 @@ class WorkItem:
         self.sha256 = None
         self.size_bytes = None
 
-
-Prediction = dict[str, Any]

@@ -150,6 +150,10 @@ class Pipeline:
 
     def log_stats(self) -> dict[str, Any]:
         fields = self.stats.snapshot()
+        # The cache's second bound, in bytes (the generic layer fields count items).
+        fields.update(PREPROCESS_CACHE_BYTES=self.cache.size_bytes,
+                      PREPROCESS_CACHE_CAPACITY_BYTES=self.cache.capacity_bytes,
+                      PREPROCESS_CACHE_HIGH_WATER_BYTES=self.cache.high_water_bytes)
         counters = self.stats.counters
         logs.emit(
             logging.INFO, "stats",

@@ -159,10 +159,14 @@ def draw_report(records: list[dict[str, Any]], output: Path) -> None:
     wait.set_title("queue.put() wait")
     wait.legend(fontsize=8)
     rate = axes[2]
-    rate.plot(t, [r.get("FILES_PER_S", 0) for r in records], label="files/s")
-    rate.plot(t, [r.get("DEFERRED", 0) for r in records], label="deferred (cumulative)")
-    rate.set_title("throughput")
-    rate.legend(fontsize=8)
+    rate.plot(t, [r.get("FILES_PER_S", 0) for r in records], "C0", label="files/s")
+    rate.set_ylabel("files/s")
+    deferred = rate.twinx()  # a running count, on its own scale
+    deferred.plot(t, [r.get("DEFERRED", 0) for r in records], "C1", label="deferred (total)")
+    deferred.set_ylabel("deferred (total)")
+    rate.set_title("throughput, and paths left on disk because the event buffer was full")
+    rate.legend(loc="upper left", fontsize=8)
+    deferred.legend(loc="upper right", fontsize=8)
     memory = axes[3]
     for key in MEMORY:
         if any(key in r for r in records):

@@ -13,6 +13,7 @@ watcher is always free to keep up with the kernel.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -36,6 +37,7 @@ WATCHER_RESTART_DELAY_S = 1.0
 # awatch starts watching inside its first iteration, a moment after the start-up scan may have
 # run: one early rescan covers a file dropped in that gap.
 STARTUP_RESCAN_S = 1.0
+BACKLOG_POLL_S = 0.05
 
 ChangeSet = set[tuple[watchfiles.Change, str]]
 
@@ -84,7 +86,9 @@ class Watcher:
         self.rescan_interval_s = rescan_interval_s
         self.clock = clock
         self.watch = watch
-        self.rescan_requested = asyncio.Event()
+        self._rescan_requested = False
+        # Wakes the scan loop: a rescan was requested, or a backlog just started to wait on disk.
+        self._wake = asyncio.Event()
         self.backlog_on_disk = False  # a path was deferred since the last complete scan
         self.scans_completed = 0
         self._stop = asyncio.Event()
@@ -111,6 +115,7 @@ class Watcher:
                           f"event buffer full ({self.buffer.capacity} paths): new files wait on "
                           "disk and are picked up as it drains", path=str(path),
                           deferred=self.stats.counters.deferred)
+                self._wake.set()  # the scan loop must now watch the buffer drain
             self.backlog_on_disk = True
         return admitted
 
@@ -165,29 +170,32 @@ class Watcher:
                 logs.emit(logging.WARNING, "scan_error", f"cannot scan {current}: {exc}",
                           path=str(current))
 
+    def request_rescan(self) -> None:
+        self._rescan_requested = True
+        self._wake.set()
+
     async def run_scans(self) -> None:
         """Scan now, then on the timer, on request, and whenever deferred paths wait on disk
-        and the buffer has drained to half."""
+        and the buffer has drained to half (so a flood drains without waiting for the timer)."""
         first = True
         while not self._stop.is_set():
+            self._rescan_requested = False
             await self.scan()
             interval_s = min(self.rescan_interval_s, STARTUP_RESCAN_S) if first else (
                 self.rescan_interval_s)
             first = False
             deadline = self.clock() + interval_s
-            while not self._stop.is_set():
+            while not self._stop.is_set() and not self._rescan_requested:
                 if self.backlog_on_disk and self.buffer.size <= self.buffer.capacity // 2:
                     break
                 remaining = deadline - self.clock()
                 if remaining <= 0:
                     break
-                self.rescan_requested.clear()
-                wait_s = min(remaining, 0.05 if self.backlog_on_disk else remaining)
-                try:
-                    await asyncio.wait_for(self.rescan_requested.wait(), wait_s)
-                    break
-                except TimeoutError:
-                    continue
+                self._wake.clear()
+                # With a backlog on disk, look at the buffer often; else sleep until woken.
+                wait_s = min(remaining, BACKLOG_POLL_S) if self.backlog_on_disk else remaining
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), wait_s)
 
     # -- watching ----------------------------------------------------------------------------
 
@@ -208,7 +216,7 @@ class Watcher:
                           f"watcher failed ({exc}); rescanning and restarting it", error=str(exc))
             if self._stop.is_set():
                 return
-            self.rescan_requested.set()
+            self.request_rescan()
             await asyncio.sleep(WATCHER_RESTART_DELAY_S)
 
     def _take(self, changes: ChangeSet) -> None:

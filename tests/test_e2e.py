@@ -120,7 +120,8 @@ def test_flood_with_tiny_capacities_keeps_every_bound(tmp_path: Path, daemon_fac
     total = 3000
     capacity = {"event_buffer": 16, "queue": 2, "preprocess_cache": 4, "retry_list": 4}
     config = write_config(tmp_path, capacity=capacity, batch={"max_size": 8},
-                          inbox={"rescan_interval_s": 2, "settle_ms": 0})
+                          # No timer rescans: draining the deferred backlog must not need them.
+                          inbox={"rescan_interval_s": 3600, "settle_ms": 0})
     daemon = daemon_factory(config)
     daemon.wait_for("ready")
     inbox = tmp_path / "inbox"
