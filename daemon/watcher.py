@@ -94,6 +94,7 @@ class Watcher:
         self._stop = asyncio.Event()
         self._watch_stop = asyncio.Event()
         self._watched_ids: dict[Path, tuple[int, int]] = {}
+        self._prefixes = [f"{inbox}/" for inbox in inboxes]
 
     def stop(self) -> None:
         self._stop.set()
@@ -223,11 +224,26 @@ class Watcher:
         for change, raw in changes:
             if change == watchfiles.Change.deleted:
                 continue
+            if self.buffer.full() and self.backlog_on_disk:
+                # A flood: the rescan will find this file on disk. Only count it, without
+                # building objects for each of thousands of events.
+                if self._wanted_name(raw):
+                    self.stats.counters.deferred += 1
+                continue
             path = Path(raw)
             for inbox in self.inboxes:
                 if self.wanted(path, inbox):
                     self.notice(path, inbox)
                     break
+
+    def _wanted_name(self, raw: str) -> bool:
+        """``wanted`` on the raw string: inside an inbox, no hidden part, a wanted name."""
+        for prefix in self._prefixes:
+            if raw.startswith(prefix):
+                rel = raw[len(prefix):]
+                return ("/." not in "/" + rel and (self.recursive or "/" not in rel)
+                        and self.names.wanted(os.path.basename(rel)))
+        return False
 
     def _check_inbox_identity(self) -> None:
         """An inbox deleted and recreated is a new inode that the old inotify watch never

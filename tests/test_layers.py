@@ -162,3 +162,30 @@ def test_backoff_grows_exponentially_with_jitter_and_a_cap() -> None:
         delays = [backoff_s(attempt, config, rng) for _ in range(50)]
         assert all(cap_s / 2 <= d <= cap_s for d in delays), (attempt, delays)
         assert len(set(delays)) > 1, "jittered"
+
+
+def test_during_a_flood_the_watcher_counts_deferred_paths_without_taking_them(
+    tmp_path: Path,
+) -> None:
+    import watchfiles
+
+    from daemon.eligibility import NameFilter
+    from daemon.stats import Stats
+    from daemon.watcher import Watcher
+
+    inbox = tmp_path / "inbox"
+    buffer = EventBuffer(capacity=1)
+    stats = Stats()
+    watcher = Watcher([inbox], True, NameFilter(["*.jpg"]), buffer, stats, 30, lambda: 0.0)
+
+    async def scenario() -> None:
+        added = watchfiles.Change.added
+        watcher._take({(added, f"{inbox}/a.jpg"), (added, f"{inbox}/b.jpg")})
+        assert buffer.size == 1 and stats.counters.deferred == 1 and watcher.backlog_on_disk
+        watcher._take({(added, f"{inbox}/c.jpg"), (added, f"{inbox}/sub/d.jpg"),
+                       (added, f"{inbox}/.processing/default/e.jpg"),
+                       (added, f"{inbox}/f.txt"), (added, f"{tmp_path}/elsewhere.jpg")})
+        assert stats.counters.deferred == 3, "c and sub/d only: not hidden, not .txt, inside"
+        assert buffer.size == 1
+
+    asyncio.run(scenario())
