@@ -135,9 +135,15 @@ class Lifecycle:
         """Durably write a batch of results: data fsynced per file, each folder fsynced once."""
         renamed: list[tuple[Path, Path]] = []
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
-        for key, document in documents:
-            tmp = self._write_tmp(self.tmp_dir, key, document)
-            renamed.append((tmp, self.result_path(key)))
+        try:
+            for key, document in documents:
+                tmp = self._write_tmp(self.tmp_dir, key, document)
+                renamed.append((tmp, self.result_path(key)))
+        except OSError:
+            # A full disk fails the batch part-way: give back the space its temps took.
+            for tmp, _ in renamed:
+                tmp.unlink(missing_ok=True)
+            raise
         folders: set[Path] = set()
         for tmp, final in renamed:
             final.parent.mkdir(parents=True, exist_ok=True)
@@ -155,8 +161,11 @@ class Lifecycle:
             while view:
                 view = view[os.write(fd, view) :]
             os.fsync(fd)
-        finally:
+        except OSError:
             os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
         return tmp
 
     def finish_success(self, claimed: Path, key: str, inbox_path: Path) -> None:

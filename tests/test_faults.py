@@ -56,9 +56,10 @@ def test_results_disk_full_keeps_data_safe_and_resumes(tmp_path: Path, daemon_fa
         wait_until(lambda: result_names(results) == names, 120, "every result after space returned")
         for name in names:
             assert read_json(results / f"{name}.json")["source"] == name  # complete JSON
+        assert daemon.stop() == 0  # the last batch's sources move after its results appear
         assert not list((tmp_path / "failed").glob("*.png"))
         assert {p.name for p in (tmp_path / "done").iterdir()} == names
-        assert daemon.stop() == 0
+        assert not list((results / ".tmp").rglob("*.tmp")), "failed writes left no temps"
 
 
 @needs_root
