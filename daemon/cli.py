@@ -18,7 +18,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from daemon import __version__, logs
+from daemon import __version__
 from daemon.config import EX_CONFIG, Config, ConfigError, load_config
 from daemon.lifecycle import InstanceBusy
 
@@ -103,12 +103,9 @@ def read_config(args: argparse.Namespace) -> Config:
 
 
 def setup_logging(level: str) -> None:
-    try:
-        from daemon.journal import setup_logging as setup_journal_or_stderr
-    except ImportError:
-        logs.setup_stderr_logging(level)
-        return
-    setup_journal_or_stderr(level)
+    from daemon.journal import setup_logging as journal_or_stderr
+
+    journal_or_stderr(level)
 
 
 # -- commands ----------------------------------------------------------------------------------

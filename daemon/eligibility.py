@@ -29,11 +29,6 @@ class NameFilter:
         return any(fnmatch.fnmatchcase(lowered, pattern) for pattern in self.include)
 
 
-def hidden_part(rel_parts: tuple[str, ...]) -> bool:
-    """Hidden folders (our own ``.processing`` among them) are never entered."""
-    return any(part.startswith(".") for part in rel_parts)
-
-
 def relative_inside(path: Path, inbox: Path) -> str | None:
     """``path`` relative to ``inbox`` as "a/b.jpg", or None when it is not inside the inbox.
 

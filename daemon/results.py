@@ -10,6 +10,7 @@ being written, and waits if writing falls behind.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from daemon import __version__
@@ -34,7 +35,7 @@ class ResultWriter:
         lifecycle: Lifecycle,
         outcomes: Outcomes,
         run_io: RunIO[Any],
-        clock: Any,
+        clock: Callable[[], float],
     ) -> None:
         self.config = config
         self.model = model

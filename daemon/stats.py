@@ -78,9 +78,6 @@ class Stats:
     def register(self, *layers: Layer) -> None:
         self.layers.extend(layers)
 
-    def layer(self, name: str) -> Layer:
-        return next(layer for layer in self.layers if layer.name == name)
-
     def recent_files_per_s(self) -> float:
         """Completions per second since the last stats record (for STATUS=, between records)."""
         elapsed = max(self.clock() - self._last_s, 1e-9)

@@ -23,7 +23,7 @@ from typing import Protocol
 import watchfiles
 
 from daemon import logs
-from daemon.eligibility import NameFilter, hidden_part
+from daemon.eligibility import NameFilter
 from daemon.event_buffer import EventBuffer
 from daemon.stats import Stats
 
@@ -90,7 +90,6 @@ class Watcher:
         # Wakes the scan loop: a rescan was requested, or a backlog just started to wait on disk.
         self._wake = asyncio.Event()
         self.backlog_on_disk = False  # a path was deferred since the last complete scan
-        self.scans_completed = 0
         self._stop = asyncio.Event()
         self._watch_stop = asyncio.Event()
         self._watched_ids: dict[Path, tuple[int, int]] = {}
@@ -120,17 +119,6 @@ class Watcher:
             self.backlog_on_disk = True
         return admitted
 
-    def wanted(self, path: Path, inbox: Path) -> bool:
-        try:
-            rel = path.relative_to(inbox)
-        except ValueError:
-            return False
-        if not rel.parts or hidden_part(rel.parts[:-1]):
-            return False
-        if not self.recursive and len(rel.parts) > 1:
-            return False
-        return self.names.wanted(rel.parts[-1])
-
     # -- scanning ----------------------------------------------------------------------------
 
     async def scan(self) -> int:
@@ -148,7 +136,6 @@ class Watcher:
                     continue
                 if self.notice(path, inbox) is False:
                     return seen  # deferred: the rest waits on disk for the next scan
-        self.scans_completed += 1
         self._check_inbox_identity()
         return seen
 
@@ -224,26 +211,28 @@ class Watcher:
         for change, raw in changes:
             if change == watchfiles.Change.deleted:
                 continue
+            inbox = self._inbox_wanting(raw)
+            if inbox is None:
+                continue
             if self.buffer.full() and self.backlog_on_disk:
                 # A flood: the rescan will find this file on disk. Only count it, without
                 # building objects for each of thousands of events.
-                if self._wanted_name(raw):
-                    self.stats.counters.deferred += 1
+                self.stats.counters.deferred += 1
                 continue
-            path = Path(raw)
-            for inbox in self.inboxes:
-                if self.wanted(path, inbox):
-                    self.notice(path, inbox)
-                    break
+            self.notice(Path(raw), inbox)
 
-    def _wanted_name(self, raw: str) -> bool:
-        """``wanted`` on the raw string: inside an inbox, no hidden part, a wanted name."""
-        for prefix in self._prefixes:
+    def _inbox_wanting(self, raw: str) -> Path | None:
+        """The inbox an event's path belongs to, if it is ours to take: inside that inbox,
+        no hidden part (our own .processing/ among them), a wanted name. The same rule as
+        the scan's walk, on the raw string."""
+        for inbox, prefix in zip(self.inboxes, self._prefixes, strict=True):
             if raw.startswith(prefix):
                 rel = raw[len(prefix):]
-                return ("/." not in "/" + rel and (self.recursive or "/" not in rel)
-                        and self.names.wanted(os.path.basename(rel)))
-        return False
+                if ("/." not in "/" + rel and (self.recursive or "/" not in rel)
+                        and self.names.wanted(os.path.basename(rel))):
+                    return inbox
+                return None
+        return None
 
     def _check_inbox_identity(self) -> None:
         """An inbox deleted and recreated is a new inode that the old inotify watch never
