@@ -11,7 +11,8 @@ PYTEST_ARGS ?=
 run: setup
 	$(BIN)/inboxd run -c $(CONFIG)
 
-test: setup-test
+# The house is kept clean by the same command that tests it: lint first (seconds), then the suite.
+test: setup-test lint
 	@bash .ci/journald.sh
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
@@ -26,7 +27,7 @@ soak: setup-test
 # The shipped unit under a real systemd (PID 1) in systemd-nspawn; part of `make test` too.
 .PHONY: nspawn-test
 nspawn-test: setup-test
-	$(BIN)/python -m pytest -m nspawn -p no:cacheprovider tests/test_systemd_nspawn.py $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m nspawn -p no:cacheprovider tests/systemd/test_systemd_nspawn.py $(PYTEST_ARGS)
 
 setup: $(VENV)/.runtime-installed
 setup-test: $(VENV)/.test-installed

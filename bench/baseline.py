@@ -16,8 +16,9 @@ import asyncio
 import time
 from pathlib import Path
 
+from inboxd.models.model import Classification, Model
+
 from bench.offline import emit, load, prepare, read_list
-from daemon.model import Classification, Model
 
 QUEUE_MAXSIZE = 2
 

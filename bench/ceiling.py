@@ -19,11 +19,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from inboxd.config import load_config
+from inboxd.item import DecodedImage
+from inboxd.models.model import Model
+
 from bench.offline import emit, load, model_ms, prepare, read_list
 from bench.procs import peak_rss_bytes, reset_peak_rss, rss_bytes
-from daemon.config import load_config
-from daemon.item import DecodedImage
-from daemon.model import Model
 
 # Decoded images allowed ahead of the model: enough that the decoders never wait on it.
 READ_AHEAD_PER_WORKER = 8

@@ -12,11 +12,12 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-
-from daemon.config import load_config
-from daemon.item import DecodedImage
-from daemon.model import Model, load_model
-from daemon.preprocess import decode_image, read_and_hash
+from inboxd.config import load_config
+from inboxd.decode.pillow import decode_image
+from inboxd.files.reading import read_and_hash
+from inboxd.item import DecodedImage
+from inboxd.models.loading import load_model
+from inboxd.models.model import Model
 
 
 def load(warm_batch: int) -> tuple[Model, int]:

@@ -130,7 +130,7 @@ class RssSampler:
 
 
 class Daemon:
-    """``python -m daemon run -c CONFIG``; ``ready_s`` is start → ``[ready]`` in seconds."""
+    """``python -m inboxd run -c CONFIG``; ``ready_s`` is start → ``[ready]`` in seconds."""
 
     def __init__(self, config: Path, env: dict[str, str] | None = None) -> None:
         self.config = config
@@ -143,7 +143,7 @@ class Daemon:
         self._lock = threading.Condition()
         self._started = time.monotonic()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon", "run", "-c", str(config)],
+            [sys.executable, "-m", "inboxd", "run", "-c", str(config)],
             cwd=config.parent,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,

@@ -17,9 +17,10 @@ import os
 import time
 from pathlib import Path
 
+from inboxd.models.model import Model
+
 from bench.offline import emit, load, prepare, read_list
 from bench.procs import RssSampler, peak_rss_bytes, reset_peak_rss, rss_bytes
-from daemon.model import Model
 
 MB = 1024 * 1024
 # Reading /proc on every append would dominate the producer; every 16th is fine-grained enough.

@@ -16,12 +16,14 @@ from typing import Any
 import numpy as np
 import torch
 import torchvision
+from inboxd.config import load_config
+from inboxd.decode.pillow import decode_image
+from inboxd.decode.spec import PreprocessSpec
+from inboxd.models.loading import load_model
+from inboxd.models.model import Model
+from inboxd.pipeline.wiring import Pipeline
 from torch import nn
 
-from daemon.config import load_config
-from daemon.model import Model, load_model
-from daemon.pipeline import Pipeline
-from daemon.preprocess import PreprocessSpec, decode_image
 from tests.conftest import read_json, write_config
 
 NUM_CLASSES = 10

@@ -79,7 +79,7 @@ def read_json(path: Path) -> Any:
 
 
 class DaemonProcess:
-    """``python -m daemon run`` as a child process, its stderr collected line by line."""
+    """``python -m inboxd run`` as a child process, its stderr collected line by line."""
 
     def __init__(self, config: Path, *extra: str, env: dict[str, str] | None = None,
                  command: str = "run") -> None:
@@ -87,7 +87,7 @@ class DaemonProcess:
         self.lines: list[str] = []
         self._lock = threading.Lock()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon", command, "-c", str(config), *extra],
+            [sys.executable, "-m", "inboxd", command, "-c", str(config), *extra],
             cwd=config.parent,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

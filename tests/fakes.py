@@ -10,9 +10,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 import watchfiles
-
-from daemon.model import Classification
-from daemon.preprocess import PreprocessSpec
+from inboxd.decode.spec import PreprocessSpec
+from inboxd.models.model import Classification
 
 # An image whose top-left red value is this makes the fake model raise, as a real model might
 # on one pathological input.

@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from daemon.config import DEFAULT_CONFIG_PATH, EX_CONFIG, ConfigError, load_config, parse_config
+from inboxd.config import DEFAULT_CONFIG_PATH, EX_CONFIG, ConfigError, load_config, parse_config
 
 
 def test_embedded_default_is_valid_and_resolves_under_the_working_directory(
@@ -63,7 +62,7 @@ def test_several_inboxes_need_distinct_folder_names() -> None:
 def test_bad_config_exits_78_with_line_numbers(tmp_path: Path, command: str) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("capacity:\n  queue: -1\nsurprise: true\n")
-    done = subprocess.run([sys.executable, "-m", "daemon", command, "-c", str(bad)],
+    done = subprocess.run([sys.executable, "-m", "inboxd", command, "-c", str(bad)],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == EX_CONFIG
     assert "line 2: capacity.queue" in done.stderr
@@ -71,14 +70,14 @@ def test_bad_config_exits_78_with_line_numbers(tmp_path: Path, command: str) -> 
 
 
 def test_missing_config_file_is_a_config_error(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "daemon", "check-config", "-c",
+    done = subprocess.run([sys.executable, "-m", "inboxd", "check-config", "-c",
                            str(tmp_path / "nope.yaml")], capture_output=True, text=True)
     assert done.returncode == EX_CONFIG
     assert "cannot read the config file" in done.stderr
 
 
 def test_check_config_accepts_the_embedded_default() -> None:
-    done = subprocess.run([sys.executable, "-m", "daemon", "check-config"],
+    done = subprocess.run([sys.executable, "-m", "inboxd", "check-config"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "OK" in done.stdout

@@ -89,7 +89,7 @@ def test_once_processes_the_backlog_and_reports_failures(tmp_path: Path) -> None
     for n in range(12):
         make_image(inbox / "deep" / f"{n}.jpg", fmt="JPEG")
     (inbox / "zero.png").write_bytes(b"")
-    done = subprocess.run([sys.executable, "-m", "daemon", "once", "-c", str(config)],
+    done = subprocess.run([sys.executable, "-m", "inboxd", "once", "-c", str(config)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stderr  # one file failed
     assert "12 completed, 1 failed" in done.stdout
@@ -97,7 +97,7 @@ def test_once_processes_the_backlog_and_reports_failures(tmp_path: Path) -> None
     assert "empty file" in read_json(tmp_path / "failed" / "zero.png.error.json")["reason"]
 
     # Nothing left: a second run succeeds with nothing to do.
-    again = subprocess.run([sys.executable, "-m", "daemon", "once", "-c", str(config)],
+    again = subprocess.run([sys.executable, "-m", "inboxd", "once", "-c", str(config)],
                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0
     assert "0 completed, 0 failed" in again.stdout
@@ -106,7 +106,7 @@ def test_once_processes_the_backlog_and_reports_failures(tmp_path: Path) -> None
 def test_submit_copies_atomically_into_the_inbox(tmp_path: Path) -> None:
     config = write_config(tmp_path)
     source = make_image(tmp_path / "elsewhere" / "photo.png")
-    first = subprocess.run([sys.executable, "-m", "daemon", "submit", str(source), str(source),
+    first = subprocess.run([sys.executable, "-m", "inboxd", "submit", str(source), str(source),
                             "-c", str(config)], cwd=tmp_path, capture_output=True, text=True)
     assert first.returncode == 0, first.stderr
     names = sorted(p.name for p in (tmp_path / "inbox").iterdir())

@@ -1,0 +1,3 @@
+from inboxd.cli import entry
+
+entry()

@@ -1,0 +1,238 @@
+"""``inboxd``: the command line.
+
+Exit statuses: 0 success; 1 ``once`` finished but some file failed; 2 usage; 70 (EX_SOFTWARE)
+a stage crashed; 75 (EX_TEMPFAIL) this instance name is already running on the inbox;
+78 (EX_CONFIG) the configuration cannot work — systemd's
+``RestartPreventExitStatus=78`` then stops instead of restarting into the same error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import sys
+import threading
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from inboxd import __version__
+from inboxd.config import EX_CONFIG, Config, ConfigError, load_config
+from inboxd.files.lifecycle import InstanceBusy
+
+EX_TEMPFAIL = 75
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(COMMANDS[args.command](args))
+    except ConfigError as exc:
+        print(f"inboxd: the configuration cannot be used:\n{exc}", file=sys.stderr)
+        return EX_CONFIG
+    except InstanceBusy as exc:
+        print(f"inboxd: {exc}", file=sys.stderr)
+        return EX_TEMPFAIL
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="inboxd", description="Watch inbox folders and run a vision model on each image."
+    )
+    parser.add_argument("--version", action="version", version=f"inboxd {__version__}")
+    sub = parser.add_subparsers(dest="command")
+
+    def with_config(name: str, help_text: str) -> argparse.ArgumentParser:
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        command.add_argument("-c", "--config", type=Path, default=None,
+                             help="YAML config file (default: the embedded config/inboxd.yaml)")
+        command.add_argument("--instance", default=None,
+                             help="instance name (overrides the config's `instance`)")
+        return command
+
+    with_config("run", "run the daemon in the foreground until SIGTERM/SIGINT")
+    with_config("once", "process everything in the inbox now, then exit (1 if any file failed)")
+    with_config("check-config", "validate the config file and print the resolved settings")
+    submit = with_config("submit", "copy files into the inbox atomically (temp name, then rename)")
+    submit.add_argument("files", nargs="+", type=Path)
+    models = with_config("models", "list the built-in model and load the configured one "
+                         "(checking it), with parameter count and expected input")
+    models.add_argument("--torchvision", action="store_true",
+                        help="also list the architecture names torchvision: accepts")
+    with_config("recover", "return the files an instance had claimed to the inbox "
+                "(only while that instance is not running; start-up does this by itself)")
+    stats = sub.add_parser("stats", help="the latest stats record from the journal")
+    report = sub.add_parser("report", help="a PNG of the journal's stats records over time")
+    for reader in (stats, report):
+        reader.add_argument("-u", "--unit", help="systemd unit (default: any inboxd process)")
+        reader.add_argument("--instance", help="only this instance's records")
+    stats.add_argument("--json", action="store_true", help="one JSON object per record")
+    stats.add_argument("-f", "--follow", action="store_true", help="print each new record")
+    report.add_argument("--since", type=parse_since, default=None,
+                        help="start: ISO time, or how long ago: 10min, 2h (default: this boot)")
+    report.add_argument("-o", "--output", type=Path, default=Path("inboxd-report.png"))
+    return parser
+
+
+def parse_since(text: str) -> datetime:
+    """``2026-11-30T07:00``, or how long ago: ``90s``, ``10min``, ``2h``, ``1d``."""
+    relative = re.fullmatch(r"-?(\d+)\s*(s|sec|m|min|h|d)", text.strip())
+    if relative:
+        amount, unit = int(relative[1]), relative[2]
+        seconds = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}[unit]
+        return datetime.now() - timedelta(seconds=amount * seconds)
+    try:
+        return datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a time: {text!r} (try 10min or 2026-11-30T07:00)") from None
+
+
+def overrides(args: argparse.Namespace) -> dict[str, Any] | None:
+    return {"instance": args.instance} if args.instance else None
+
+
+def read_config(args: argparse.Namespace) -> Config:
+    return load_config(args.config, overrides(args))
+
+
+def setup_logging(level: str) -> None:
+    from inboxd.service.journal import setup_logging as journal_or_stderr
+
+    journal_or_stderr(level)
+
+
+# -- commands ----------------------------------------------------------------------------------
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    from inboxd.models.preflight import preflight
+
+    config = read_config(args)
+    # The model's files too (milliseconds, no torch); `inboxd models` loads the model itself.
+    problems = preflight(config.model)
+    if problems:
+        raise ConfigError(str(args.config or "config/inboxd.yaml"), problems)
+    print(f"{args.config or 'config/inboxd.yaml (embedded default)'}: OK")
+    for key, value in config.model_dump(mode="json").items():
+        print(f"  {key}: {value}")
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    config = read_config(args)
+    inbox = config.inbox.paths[0]
+    inbox.mkdir(parents=True, exist_ok=True)
+    status = 0
+    for source in args.files:
+        try:
+            target = submit_file(source, inbox)
+        except OSError as exc:
+            print(f"inboxd submit: {source}: {exc.strerror or exc}", file=sys.stderr)
+            status = 1
+            continue
+        print(target)
+    return status
+
+
+def submit_file(source: Path, inbox: Path) -> Path:
+    """Copy under a hidden temp name (never picked up), fsync, then rename into place: the
+    daemon sees the whole file or nothing. copy2 keeps the old mtime, so it is taken at once."""
+    from inboxd.files.lifecycle import unique_path
+
+    tmp = inbox / f".{source.name}.{os.getpid()}.submit.tmp"
+    shutil.copy2(source, tmp)
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    target = unique_path(inbox / source.name)
+    os.rename(tmp, target)
+    return target
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from inboxd.service.readback import print_stats
+
+    return print_stats(args.unit, args.instance, args.json, args.follow)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from inboxd.service.readback import write_report
+
+    return write_report(args.unit, args.instance, args.since, args.output)
+
+
+def cmd_recover(args: argparse.Namespace) -> int:
+    from inboxd.files.lifecycle import Lifecycle
+
+    config = read_config(args)
+    lifecycle = Lifecycle(config)
+    lifecycle.lock_instance()
+    returned = lifecycle.recover()
+    lifecycle.unlock_instance()
+    print(f"returned {returned} file(s) claimed by instance {config.instance!r} to the inbox")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from inboxd.service.runner import run_service
+
+    config = read_config(args)
+    setup_logging(config.log_level)
+    return run_service(config, args.config, overrides(args))
+
+
+def cmd_once(args: argparse.Namespace) -> int:
+    from inboxd.service.runner import run_once
+
+    config = read_config(args)
+    setup_logging(config.log_level)
+    return run_once(config)
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from inboxd.models import listing as model_listing
+    from inboxd.models.loading import load_model
+
+    config = read_config(args)
+    where = str(args.config or "config/inboxd.yaml, the embedded default")
+    lines = [*model_listing.builtin_lines(), ""]
+    lines += model_listing.configured_lines(config, load_model(config.model), where)
+    if args.torchvision:
+        lines += ["", *model_listing.torchvision_lines()]
+    print("\n".join(lines))
+    return 0
+
+
+COMMANDS: dict[str, Any] = {
+    "run": cmd_run,
+    "once": cmd_once,
+    "check-config": cmd_check_config,
+    "models": cmd_models,
+    "submit": cmd_submit,
+    "recover": cmd_recover,
+    "stats": cmd_stats,
+    "report": cmd_report,
+}
+
+
+def exit_now_if_stuck(status: int) -> None:
+    """A model call that never returns (a hung GPU) would keep the interpreter from exiting,
+    since thread pools are joined at exit; after shutdown nothing of ours is left to wait for."""
+    stuck = [t for t in threading.enumerate()  # the local engine's model thread
+             if t.name.startswith("inboxd-model") and t.is_alive()]
+    if stuck:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+
+def entry() -> None:
+    status = main()
+    exit_now_if_stuck(status)
+    sys.exit(status)

@@ -1,0 +1,346 @@
+"""The YAML configuration: one pydantic model per concern, every unknown key an error.
+
+A bad file is reported with every problem at once, each with its YAML line and key path, and the
+process exits with ``EX_CONFIG`` (78) so that systemd's ``RestartPreventExitStatus=78`` stops a
+restart loop instead of hammering a config that cannot work.
+
+Longer than 300 lines because every key of the YAML lives here, next to its default, its unit
+and its check: reading this one file is reading the whole configuration surface.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+EX_CONFIG = 78
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "config" / "inboxd.yaml"
+
+Positive = Annotated[int, Field(gt=0)]
+NonNegative = Annotated[float, Field(ge=0)]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InboxConfig(Section):
+    paths: list[Path] = Field(default_factory=lambda: [Path("var/inbox")], min_length=1)
+    recursive: bool = True
+    include: list[str] = Field(
+        default_factory=lambda: ["*.jpg", "*.jpeg", "*.png", "*.webp"], min_length=1
+    )
+    # watchfiles has no close-write event: a file is taken once its mtime is this old.
+    settle_ms: NonNegative = 250
+    rescan_interval_s: Annotated[float, Field(gt=0)] = 30
+    after_success: Literal["move", "delete", "keep"] = "move"
+
+    @field_validator("paths")
+    @classmethod
+    def _distinct_names(cls, paths: list[Path]) -> list[Path]:
+        # With several inboxes, results are filed under each inbox's folder name.
+        names = [p.name for p in paths]
+        if len(paths) > 1 and len(set(names)) != len(names):
+            raise ValueError("several inbox paths must have distinct folder names")
+        return paths
+
+
+class CapacityConfig(Section):
+    event_buffer: Positive = 1024
+    queue: Positive = 1
+    preprocess_cache: Positive = 4
+    preprocess_cache_mb: Positive = 256
+    retry_list: Positive = 256
+
+
+class BatchConfig(Section):
+    max_size: Positive = 4
+    max_delay_ms: NonNegative = 10
+
+
+class PreprocessConfig(Section):
+    workers: Positive = 2
+    # Pillow's own default: larger images are refused as decompression bombs.
+    max_image_pixels: Positive = 89_478_485
+
+
+Interpolation = Literal["bilinear", "bicubic", "nearest", "lanczos"]
+Triple = tuple[float, float, float]
+
+
+class ModelInputConfig(Section):
+    """How each image becomes the model's input tensor. Unset keys take the model's defaults
+    (torchvision and export: 256 bilinear, crop 224, ImageNet mean/std; built-in: DESIGN.md)."""
+
+    resize: Positive | None = None  # the shorter side is scaled to this many pixels ...
+    interpolation: Interpolation | None = None
+    crop: Positive | None = None  # ... then a centered square of this size is cut out
+    mean: Triple | None = None  # per channel, on the 0-1 scale (torchvision's convention)
+    std: Triple | None = None
+    # rgb; bgr (channels swapped, for OpenCV/Caffe-trained models); gray (luma, as Pillow's
+    # convert("L"), copied onto all three channels, for models trained on greyscale images).
+    color: Literal["rgb", "bgr", "gray"] = "rgb"
+
+    @field_validator("mean", "std")
+    @classmethod
+    def _unit_scale(cls, values: Triple | None, info: ValidationInfo) -> Triple | None:
+        if values is None:
+            return None
+        if info.field_name == "std" and min(values) <= 0:
+            raise ValueError("std values must be > 0")
+        if max(abs(v) for v in values) > 1:
+            # The classic mistake: pixel-scale numbers such as 123.675 copied from Caffe/OpenCV.
+            raise ValueError(
+                f"{info.field_name} is on the 0-1 scale (pixel value / 255), e.g. 0.485, "
+                "not 123.675"
+            )
+        return values
+
+    @model_validator(mode="after")
+    def _crop_fits(self) -> ModelInputConfig:
+        if self.crop is not None and self.resize is not None and self.crop > self.resize:
+            raise ValueError(f"crop ({self.crop}) must not be larger than resize ({self.resize})")
+        return self
+
+
+ModelKind = Literal["builtin", "torchvision", "export"]
+
+
+class ModelConfig(Section):
+    """Which network, where its files are, what it outputs and how it runs.
+
+    Exactly one of ``name`` (the built-in, also the default when none is given),
+    ``torchvision`` or ``export`` says what to load. The checks that need the files or torch
+    (shapes, labels count, the device) run when the model is loaded, at start-up: see
+    ``inboxd.models.loading``.
+    """
+
+    name: Literal["efficientnet_lite0"] | None = None
+    torchvision: str | None = None  # an architecture name from torchvision.models
+    export: Path | None = None  # a torch.export .pt2 program
+    weights: Path | None = None  # torchvision: the state_dict file
+    num_classes: Positive | None = None  # torchvision: default = the labels count, else 1000
+    labels: Path | None = None  # one label per line, or a JSON list
+    input: ModelInputConfig = ModelInputConfig()
+    output: Literal["classify", "embed"] = "classify"
+    top_k: Annotated[int, Field(gt=0, le=1000)] = 5  # classify only
+    device: str = "auto"
+    precision: Literal["fp32", "fp16", "bf16"] = "fp32"
+    compile: bool = False
+
+    # Field validators see the fields declared before them in ``info.data``, so a key that
+    # does not fit the model kind is reported at its own YAML line, not at ``model:``.
+
+    @field_validator("torchvision")
+    @classmethod
+    def _one_source(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("name") is not None:
+            raise ValueError("give either name (the built-in) or torchvision, not both")
+        return value
+
+    @field_validator("export")
+    @classmethod
+    def _one_program(cls, value: Path | None, info: ValidationInfo) -> Path | None:
+        if value is not None and (info.data.get("name") or info.data.get("torchvision")):
+            raise ValueError("export is a model of its own: remove name/torchvision")
+        return _absolute(value)
+
+    @field_validator("weights", "num_classes")
+    @classmethod
+    def _torchvision_only(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and info.data.get("torchvision") is None:
+            if info.data.get("export"):
+                why = ("a .pt2 program carries its own weights" if info.field_name == "weights"
+                       else "a .pt2 program's output size is its class count")
+            else:
+                why = "the built-in model is EfficientNet-Lite0 with its ImageNet weights"
+            raise ValueError(f"{info.field_name} only applies to torchvision: models ({why})")
+        return _absolute(value) if isinstance(value, Path) else value
+
+    @field_validator("labels")
+    @classmethod
+    def _not_builtin(cls, value: Path | None, info: ValidationInfo) -> Path | None:
+        if value is not None and not (info.data.get("torchvision") or info.data.get("export")):
+            raise ValueError("the built-in model uses the ImageNet class names; labels only "
+                             "applies to torchvision: and export: models")
+        return _absolute(value)
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, device: str) -> str:
+        if device in ("auto", "cpu", "cuda") or device.startswith("cuda:"):
+            return device
+        raise ValueError("device must be auto, cpu, cuda or cuda:N")
+
+    @field_validator("precision")
+    @classmethod
+    def _precision_fits_device(cls, precision: str, info: ValidationInfo) -> str:
+        # Only an explicit cpu is known here; device: auto is checked again once resolved.
+        if precision == "fp16" and info.data.get("device") == "cpu":
+            raise ValueError("fp16 needs a CUDA GPU (CPUs have no fast fp16 kernels); "
+                             "use fp32 or bf16 on the CPU")
+        return precision
+
+    @model_validator(mode="after")
+    def _complete(self) -> ModelConfig:
+        if self.torchvision is not None and self.weights is None:
+            raise ValueError(
+                "torchvision: needs weights: PATH, a local state_dict file "
+                "(torch.save(model.state_dict(), PATH)); inboxd never downloads weights"
+            )
+        return self
+
+    @property
+    def kind(self) -> ModelKind:
+        if self.torchvision is not None:
+            return "torchvision"
+        if self.export is not None:
+            return "export"
+        return "builtin"
+
+
+def _absolute(path: Path | None) -> Path | None:
+    """Model files resolve against the working directory, like every other path here."""
+    if path is None:
+        return None
+    return Path(os.path.normpath(Path.cwd() / path.expanduser()))
+
+
+class RetryConfig(Section):
+    max_attempts: Positive = 5
+    backoff_initial_ms: Annotated[float, Field(gt=0)] = 500
+    backoff_max_ms: Annotated[float, Field(gt=0)] = 60_000
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RetryConfig:
+        if self.backoff_max_ms < self.backoff_initial_ms:
+            raise ValueError("backoff_max_ms must be >= backoff_initial_ms")
+        return self
+
+
+class StatsConfig(Section):
+    interval_s: Annotated[float, Field(gt=0)] = 10
+
+
+class ShutdownConfig(Section):
+    # How long SIGTERM waits for in-flight work; the unit's TimeoutStopSec must be longer.
+    grace_s: NonNegative = 30
+
+
+class Config(Section):
+    inbox: InboxConfig = InboxConfig()
+    results_dir: Path = Path("var/results")
+    done_dir: Path = Path("var/done")
+    failed_dir: Path = Path("var/failed")
+    instance: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.@-]+$", max_length=64)] = "default"
+    capacity: CapacityConfig = CapacityConfig()
+    batch: BatchConfig = BatchConfig()
+    preprocess: PreprocessConfig = PreprocessConfig()
+    model: ModelConfig = ModelConfig()
+    retry: RetryConfig = RetryConfig()
+    stats: StatsConfig = StatsConfig()
+    shutdown: ShutdownConfig = ShutdownConfig()
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    def resolved(self, base: Path) -> Config:
+        """Relative paths resolve against ``base`` (the working directory), once, at load."""
+
+        def absolute(path: Path) -> Path:
+            return Path(os.path.normpath(base / path.expanduser()))
+
+        inbox = self.inbox.model_copy(update={"paths": [absolute(p) for p in self.inbox.paths]})
+        return self.model_copy(
+            update={
+                "inbox": inbox,
+                "results_dir": absolute(self.results_dir),
+                "done_dir": absolute(self.done_dir),
+                "failed_dir": absolute(self.failed_dir),
+            }
+        )
+
+    def processing_dir(self, inbox: Path) -> Path:
+        """Claimed files live inside their inbox (same filesystem, so the claim is one rename),
+        under a hidden name the watcher ignores, one folder per instance."""
+        return inbox / ".processing" / self.instance
+
+
+class ConfigError(Exception):
+    """A configuration that cannot be used; ``str()`` lists every problem, one per line."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.source = source
+        self.problems = problems
+        super().__init__("\n".join(f"{source}: {p}" for p in problems))
+
+
+def load_config(path: Path | None, overrides: dict[str, Any] | None = None) -> Config:
+    """Read, validate and resolve a config file (``None``: the embedded default)."""
+    path = path or DEFAULT_CONFIG_PATH
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(source, [f"cannot read the config file: {exc.strerror}"]) from exc
+    return parse_config(text, source, overrides)
+
+
+def parse_config(text: str, source: str, overrides: dict[str, Any] | None = None) -> Config:
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}: " if mark is not None else ""
+        raise ConfigError(source, [f"{where}invalid YAML: {exc}"]) from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(source, ["line 1: the top level must be a mapping of keys"])
+    data.update(overrides or {})
+    try:
+        config = Config.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            loc = tuple(error["loc"])
+            key_path = ".".join(str(part) for part in loc) or "(top level)"
+            line = _yaml_line(node, loc)
+            where = f"line {line}: " if line else ""
+            problems.append(f"{where}{key_path}: {error['msg']}")
+        raise ConfigError(source, problems) from exc
+    return config.resolved(Path.cwd())
+
+
+def _yaml_line(node: yaml.Node | None, loc: tuple[str | int, ...]) -> int | None:
+    """The 1-based line of the deepest YAML node that ``loc`` reaches."""
+    line = node.start_mark.line + 1 if node is not None else None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if key.value == part:
+                    # Point at the key for an unknown key, at the value otherwise.
+                    line = key.start_mark.line + 1
+                    node = value
+                    break
+            else:
+                return line
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
+            if part >= len(node.value):
+                return line
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line

@@ -1,0 +1,69 @@
+"""Which names in an inbox are ours to take, and where their outcomes go.
+
+Only names are judged here (no I/O); what kind of file a name is, and whether it has settled, is
+decided when the file is claimed (``inboxd.pipeline.intake``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import os
+from pathlib import Path
+
+# Names that editors, browsers and copy tools use while a file is still being written.
+TEMP_SUFFIXES = (".tmp", ".part", ".crdownload", ".partial", ".swp", "~")
+# The longest file name Linux filesystems take (NAME_MAX), in bytes.
+NAME_MAX_BYTES = 255
+
+
+class NameFilter:
+    def __init__(self, include: list[str]) -> None:
+        self.include = [p.lower() for p in include]
+
+    def wanted(self, name: str) -> bool:
+        """A file name we would process: matches an include pattern, not hidden, not a temp."""
+        lowered = name.lower()
+        if name.startswith(".") or lowered.endswith(TEMP_SUFFIXES):
+            return False
+        return any(fnmatch.fnmatchcase(lowered, pattern) for pattern in self.include)
+
+
+def relative_inside(path: Path, inbox: Path) -> str | None:
+    """``path`` relative to ``inbox`` as "a/b.jpg", or None when it is not inside the inbox.
+
+    Purely lexical: paths come from our own walk or the watcher, both rooted at ``inbox``, and
+    links are never followed, so there is nothing to resolve.
+    """
+    try:
+        rel = path.relative_to(inbox)
+    except ValueError:
+        return None
+    if not rel.parts or ".." in rel.parts:
+        return None
+    return rel.as_posix()
+
+
+def output_path(root: Path, key: str, suffix: str = "") -> Path:
+    """``root/key+suffix``, guaranteed to stay under ``root`` and within NAME_MAX per part.
+
+    ``key`` comes from real paths under an inbox, so it has no ``..``; the check is kept anyway
+    because an outcome path escaping its folder would be a security hole, not a bug.
+    """
+    parts = key.split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        raise ValueError(f"refusing unsafe output key {key!r}")
+    parts[-1] = fit_name(parts[-1], suffix)
+    parts[:-1] = [fit_name(part, "") for part in parts[:-1]]
+    return root.joinpath(*parts)
+
+
+def fit_name(name: str, suffix: str) -> str:
+    """Shorten over-long names (keeping a hash, so distinct names stay distinct)."""
+    full = name + suffix
+    if len(os.fsencode(full)) <= NAME_MAX_BYTES:
+        return full
+    digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:16]
+    keep = NAME_MAX_BYTES - len(os.fsencode(suffix)) - len(digest) - 1
+    head = os.fsencode(name)[:keep].decode("utf-8", "ignore")
+    return f"{head}~{digest}{suffix}"

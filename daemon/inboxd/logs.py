@@ -1,0 +1,100 @@
+"""Structured log records: one event name plus uppercase fields on every record.
+
+Every record that matters to an operator is emitted through :func:`emit`, which attaches
+``INBOXD_EVENT`` and a dict of uppercase fields. The stderr formatter prints them as
+``KEY=value`` pairs; the journal handler (``inboxd.service.journal``) sends them as native
+journal fields, so ``journalctl INBOXD_EVENT=stats -o json`` sees exactly what stderr shows.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import time
+from typing import Any
+
+LOGGER_NAME = "inboxd"
+log = logging.getLogger(LOGGER_NAME)
+
+# journald silently drops fields whose names are not [A-Z0-9_], starting with a letter.
+_FIELD_NAME = re.compile(r"^[A-Z][A-Z0-9_]*$")
+
+
+def field_name(key: str) -> str:
+    name = key.upper()
+    if not _FIELD_NAME.match(name):
+        raise ValueError(f"journal field name {key!r} is not [A-Z0-9_]")
+    return name
+
+
+def emit(level: int, event: str, message: str, **fields: Any) -> None:
+    """Log one record carrying ``INBOXD_EVENT=event`` and ``fields`` (names upper-cased)."""
+    if not log.isEnabledFor(level):
+        return
+    record_fields = {
+        field_name(k): printable(v) if isinstance(v, str) else v
+        for k, v in fields.items()
+        if v is not None
+    }
+    log.log(level, printable(message),
+            extra={"inboxd_event": event, "inboxd_fields": record_fields})
+
+
+def printable(text: str) -> str:
+    """File names may hold bytes that are not UTF-8 (kept by Python as lone surrogates); the
+    journal and terminals need UTF-8, so show those bytes as ``\\xNN`` escapes."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def record_fields(record: logging.LogRecord) -> dict[str, Any]:
+    fields: dict[str, Any] = getattr(record, "inboxd_fields", {})
+    return fields
+
+
+def record_event(record: logging.LogRecord) -> str | None:
+    return getattr(record, "inboxd_event", None)
+
+
+def format_value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    text = str(value)
+    if not text or any(c.isspace() or c in "\"'=" for c in text):
+        return repr(text)
+    return text
+
+
+class StderrFormatter(logging.Formatter):
+    """``2026-11-30T07:40:01.123Z INFO completed a/b.jpg KEY=value ...`` — one line per record."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        millis = int(record.msecs)
+        parts = [f"{stamp}.{millis:03d}Z", f"{record.levelname:<7}"]
+        event = record_event(record)
+        if event:
+            parts.append(f"[{event}]")
+        parts.append(record.getMessage())
+        fields = record_fields(record)
+        if fields:
+            parts.append(" ".join(f"{k}={format_value(v)}" for k, v in fields.items()))
+        line = " ".join(parts)
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def setup_stderr_logging(level: str = "info") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(StderrFormatter())
+    install_handler(handler, level)
+
+
+def install_handler(handler: logging.Handler, level: str) -> None:
+    """Replace whatever handler the inboxd logger had: stderr *or* journal, never both."""
+    for old in list(log.handlers):
+        log.removeHandler(old)
+    log.addHandler(handler)
+    log.setLevel(level.upper())
+    log.propagate = False

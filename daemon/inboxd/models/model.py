@@ -1,0 +1,216 @@
+"""The model at run time: loaded once, on CUDA when there is one, run under ``inference_mode``.
+
+Images arrive as uint8 H×W×3 RGB arrays. They are stacked on the host (pinned when the target is
+a GPU, so the copy can be asynchronous), copied once, and colour-converted and normalised on the
+device in a single batched operation; the network runs in channels_last, which is what cuDNN and
+the CPU kernels are fastest with for convolutions.
+
+What to load, and every check that the configured files and device can work, lives in
+``inboxd.models.loading``; this module only runs what it was given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch import nn
+
+from inboxd.config import ConfigError
+from inboxd.decode.spec import PreprocessSpec
+
+PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# Pillow's convert("L") in fixed point (ITU-R 601-2 luma: 0.299 R + 0.587 G + 0.114 B, scaled
+# by 2**16 and rounded), so a ``color: gray`` model sees exactly the pixels Pillow would give.
+_LUMA_WEIGHTS = (19595, 38470, 7471)
+
+Output = Literal["classify", "embed"]
+Color = Literal["rgb", "bgr", "gray"]
+
+
+def imagenet_labels() -> list[str]:
+    from torchvision.models._meta import _IMAGENET_CATEGORIES
+
+    return list(_IMAGENET_CATEGORIES)
+
+
+def pick_device(requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(requested)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"model.device is {requested!r} but no CUDA GPU is visible to this process "
+            "(check the driver with nvidia-smi, CUDA_VISIBLE_DEVICES and the unit's DeviceAllow=); "
+            "set model.device: auto to fall back to the CPU"
+        )
+    return device
+
+
+@dataclass
+class Classification:
+    top_k: list[dict[str, Any]]
+
+
+@dataclass
+class Embedding:
+    vector: npt.NDArray[np.float32]  # 1-D, as the network produced it (not normalised)
+
+    @property
+    def dim(self) -> int:
+        return int(self.vector.shape[0])
+
+    @property
+    def norm(self) -> float:
+        return float(np.linalg.norm(self.vector.astype(np.float64)))
+
+
+Prediction = Classification | Embedding
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What was loaded, for ``inboxd models`` and the start-up log."""
+
+    kind: str  # builtin | torchvision | export
+    source: str  # where the network and its weights came from, in words
+    parameters: int
+    outputs: int  # classes (classify) or the embedding dimension (embed)
+    max_batch: int | None = None  # a .pt2 program's bound on its dynamic batch dimension
+
+
+class Model:
+    """One network with its preprocessing, labels, output kind and device.
+
+    ``network`` must already be in eval mode (a ``torch.export`` program cannot be switched).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        network: nn.Module,
+        spec: PreprocessSpec,
+        labels: list[str] | None,
+        device: torch.device,
+        precision: str,
+        top_k: int,
+        *,
+        output: Output = "classify",
+        color: Color = "rgb",
+        compile: bool = False,
+        info: ModelInfo | None = None,
+    ) -> None:
+        if output == "classify" and not labels:
+            raise ValueError("a classifying model needs its labels")
+        self.name = name
+        self.spec = spec
+        self.labels = labels
+        self.device = device
+        self.precision = precision
+        self.output = output
+        self.color = color
+        self.top_k = min(top_k, len(labels)) if labels else 0
+        self.info = info
+        self.network = network.to(device).to(memory_format=torch.channels_last)
+        self._forward: Callable[[torch.Tensor], torch.Tensor] = (
+            torch.compile(self.network) if compile else self.network
+        )
+        self._mean = torch.tensor(spec.mean, device=device).view(1, 3, 1, 1) * 255
+        self._std = torch.tensor(spec.std, device=device).view(1, 3, 1, 1) * 255
+        self._luma = torch.tensor(_LUMA_WEIGHTS, dtype=torch.int32, device=device).view(1, 3, 1, 1)
+        # The largest batch the network accepts (a .pt2 program's dynamic-dimension bound).
+        self.max_batch: int | None = info.max_batch if info is not None else None
+        # A test seam: the fault tests make a chosen batch raise (CUDA OOM, a model error).
+        self.before_forward: Callable[[int], None] | None = None
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=PRECISIONS[self.precision])
+
+    def to_input(self, images: Sequence[npt.NDArray[np.uint8]]) -> torch.Tensor:
+        host = torch.from_numpy(np.stack(images))  # N×H×W×3 uint8, RGB
+        if self.on_gpu:
+            host = host.pin_memory()
+        batch = host.to(self.device, non_blocking=True).permute(0, 3, 1, 2)  # channels_last view
+        if self.color == "bgr":
+            batch = batch.flip(1)
+        elif self.color == "gray":
+            luma = ((batch.int() * self._luma).sum(1, keepdim=True) + 0x8000) >> 16
+            batch = luma.expand(-1, 3, -1, -1)
+        return ((batch.float() - self._mean) / self._std).contiguous(
+            memory_format=torch.channels_last
+        )
+
+    def outputs(self, images: Sequence[npt.NDArray[np.uint8]]) -> torch.Tensor:
+        """The network's output for a batch, as float32: logits, or embeddings for ``embed``."""
+        if self.before_forward is not None:
+            self.before_forward(len(images))
+        with torch.inference_mode(), self._autocast():
+            return self._forward(self.to_input(images)).float()
+
+    def predict(self, images: Sequence[npt.NDArray[np.uint8]]) -> Sequence[Prediction]:
+        """What the config asked for: top-k classes, or embedding vectors."""
+        if self.output == "embed":
+            return self.embed(images)
+        return self.classify(images)
+
+    def classify(self, images: Sequence[npt.NDArray[np.uint8]]) -> list[Classification]:
+        assert self.labels is not None
+        logits = self.outputs(images)
+        with torch.inference_mode():
+            scores, indices = torch.softmax(logits, dim=1).topk(self.top_k, dim=1)
+        scores_host, indices_host = scores.cpu().tolist(), indices.cpu().tolist()
+        return [
+            Classification(
+                [
+                    {"label": self.labels[i], "index": i, "score": round(s, 6)}
+                    for s, i in zip(row_scores, row_indices, strict=True)
+                ]
+            )
+            for row_scores, row_indices in zip(scores_host, indices_host, strict=True)
+        ]
+
+    def embed(self, images: Sequence[npt.NDArray[np.uint8]]) -> list[Embedding]:
+        vectors = self.outputs(images).cpu().numpy()
+        # A copy per row, so one image's result does not keep the whole batch alive.
+        return [Embedding(np.array(row, dtype=np.float32)) for row in vectors]
+
+    def warm_up(self, batch_size: int) -> float:
+        """Run the largest batch once (cuDNN picks its kernels, the allocator fills its pool,
+        torch.compile compiles), so the first real file is not the slow one. Returns seconds."""
+        if self.max_batch is not None and batch_size > self.max_batch:
+            raise ConfigError("model", [
+                f"the program accepts batches of at most {self.max_batch} images, but "
+                f"batch.max_size is {batch_size}: lower batch.max_size, or export again with "
+                "a larger max in torch.export.Dim"
+            ])
+        started = time.perf_counter()
+        blank = np.zeros((self.spec.crop, self.spec.crop, 3), dtype=np.uint8)
+        for size in sorted({1, batch_size}):
+            self.predict([blank] * size)
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - started
+
+    def memory_fields(self) -> dict[str, int]:
+        """CUDA memory for the stats record: allocated = live tensors, reserved = what the
+        caching allocator holds (reserved above allocated is the cache, not a leak)."""
+        if not self.on_gpu:
+            return {}
+        return {
+            "CUDA_ALLOCATED_BYTES": torch.cuda.memory_allocated(self.device),
+            "CUDA_RESERVED_BYTES": torch.cuda.memory_reserved(self.device),
+            "CUDA_MAX_ALLOCATED_BYTES": torch.cuda.max_memory_allocated(self.device),
+        }
+

@@ -1,0 +1,93 @@
+"""Stage 3: queue → read, hash and decode each file (in a thread pool) → preprocess cache.
+
+Decoding is CPU work that releases the GIL inside Pillow, so ``preprocess.workers`` threads run
+it in parallel while the event loop stays free. Each worker holds at most one file, so the memory
+in this stage is bounded by ``workers`` × the largest image allowed (``max_image_pixels``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from PIL import Image
+
+from inboxd import logs
+from inboxd.decode.pillow import decode_image
+from inboxd.decode.spec import PreprocessSpec
+from inboxd.files.reading import read_and_hash
+from inboxd.item import PermanentError, TransientError, WorkItem
+from inboxd.pipeline.preprocess_cache import PreprocessCache
+from inboxd.pipeline.queue import PipelineQueue
+
+Outcome = Callable[[WorkItem, BaseException], Awaitable[None]]
+
+
+class Preprocessor:
+    name = "preprocess"
+
+    def __init__(
+        self,
+        queue: PipelineQueue,
+        cache: PreprocessCache,
+        spec: PreprocessSpec,
+        max_pixels: int,
+        workers: int,
+        on_error: Outcome,
+        existing_sha256: Callable[[str], str | None],
+        on_duplicate: Callable[[WorkItem], Awaitable[None]],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.queue = queue
+        self.cache = cache
+        self.spec = spec
+        self.max_pixels = max_pixels
+        self.workers = workers
+        self.on_error = on_error
+        self.existing_sha256 = existing_sha256
+        self.on_duplicate = on_duplicate
+        self.clock = clock
+        self.executor = ThreadPoolExecutor(workers, thread_name_prefix="inboxd-preprocess")
+        self.in_progress = 0
+        Image.MAX_IMAGE_PIXELS = max_pixels
+
+    async def run_worker(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            item = await self.queue.get()
+            self.in_progress += 1
+            try:
+                item.dequeued_s = self.clock()
+                try:
+                    duplicate = await loop.run_in_executor(self.executor, self._prepare, item)
+                except (PermanentError, TransientError) as exc:
+                    await self.on_error(item, exc)
+                    continue
+                if duplicate:
+                    await self.on_duplicate(item)
+                    continue
+                item.preprocessed_s = self.clock()
+                await self.cache.put(item)
+            finally:
+                self.in_progress -= 1
+                self.queue.task_done()
+
+    def _prepare(self, item: WorkItem) -> bool:
+        """Read, hash and decode one file; True when its result already exists (a rerun after
+        a crash between the result and the move, or the same file dropped twice)."""
+        data, item.sha256 = read_and_hash(item.claimed_path)
+        item.size_bytes = len(data)
+        if self.existing_sha256(item.key) == item.sha256:
+            return True
+        image = item.image = decode_image(data, self.spec, self.max_pixels)
+        item.image_info = {"width": image.width, "height": image.height,
+                           "format": image.format, "mode": image.mode}
+        logs.emit(logging.DEBUG, "preprocessed", f"preprocessed {item.key}", path=item.key,
+                  bytes=item.size_bytes)
+        return False
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)

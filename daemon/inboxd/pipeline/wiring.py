@@ -1,0 +1,285 @@
+"""The whole pipeline, wired in data-flow order, and its start-up and shutdown.
+
+watcher → event buffer → intake (await queue.put) → queue → preprocess → preprocess cache
+→ batcher → model worker → result writer, with the retry list feeding back into the queue.
+
+Shutdown goes in the same order: stop noticing and claiming, let what is already claimed drain
+(``queue.join()``, then the stages behind it) for at most ``shutdown.grace_s``, cancel the rest
+with a reason, and hand every file still claimed back to the inbox, where it waits on disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from inboxd import logs
+from inboxd.config import Config
+from inboxd.files.lifecycle import Lifecycle
+from inboxd.files.names import NameFilter
+from inboxd.item import WorkItem
+from inboxd.models.local_engine import LocalEngine
+from inboxd.models.model import Model
+from inboxd.pipeline.batcher import Batcher
+from inboxd.pipeline.decode import Preprocessor
+from inboxd.pipeline.event_buffer import EventBuffer
+from inboxd.pipeline.intake import Intake
+from inboxd.pipeline.model_stage import ModelWorker
+from inboxd.pipeline.outcomes import Outcomes
+from inboxd.pipeline.preprocess_cache import PreprocessCache
+from inboxd.pipeline.queue import PipelineQueue
+from inboxd.pipeline.result_writer import ResultWriter
+from inboxd.pipeline.retry_list import RetryList
+from inboxd.pipeline.watcher import Watcher, WatchFn, real_awatch
+from inboxd.stats import Stats
+
+T = TypeVar("T")
+POLL_S = 0.02
+
+
+class Pipeline:
+    def __init__(
+        self,
+        config: Config,
+        model: Model,
+        watch: WatchFn = real_awatch,
+        clock: Callable[[], float] = time.monotonic,
+        lifecycle: Lifecycle | None = None,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.clock = clock
+        capacity = config.capacity
+        self.stats = Stats(clock)
+        self.stats.memory_probe = model.memory_fields
+        self.lifecycle = lifecycle or Lifecycle(config)
+        self.io_executor = ThreadPoolExecutor(1, thread_name_prefix="inboxd-io")
+
+        self.buffer = EventBuffer(capacity.event_buffer)
+        self.queue = PipelineQueue(capacity.queue)
+        self.cache = PreprocessCache(capacity.preprocess_cache, capacity.preprocess_cache_mb)
+        self.retry_list = RetryList(capacity.retry_list, self._requeue, clock)
+        self.outcomes = Outcomes(config, self.lifecycle, self.stats, self.retry_list,
+                                 self.run_io, clock)
+        self.watcher = Watcher(
+            config.inbox.paths, config.inbox.recursive, NameFilter(config.inbox.include),
+            self.buffer, self.stats, config.inbox.rescan_interval_s, clock, watch,
+        )
+        self.intake = Intake(
+            config, self.buffer, self.queue, self.lifecycle, self.stats,
+            on_enqueued=lambda item: self.outcomes.admitted(),
+            on_refused=self.outcomes.refused, clock=clock,
+        )
+        self.preprocessor = Preprocessor(
+            self.queue, self.cache, model.spec, config.preprocess.max_image_pixels,
+            config.preprocess.workers, on_error=self.outcomes.error,
+            existing_sha256=self.lifecycle.existing_result_sha256,
+            on_duplicate=self.outcomes.duplicate, clock=clock,
+        )
+        self.batcher = Batcher(
+            self.cache, config.batch.max_size, config.batch.max_delay_ms, clock,
+            self.stats.batch_sizes,
+            more_coming=lambda: self.queue.qsize() > 0 or self.preprocessor.in_progress > 0,
+        )
+        self.writer = ResultWriter(config, model, self.lifecycle, self.outcomes, self.run_io, clock)
+        self.worker = ModelWorker(LocalEngine(model), self.batcher, self.writer.submit, clock)
+        self.stats.register(self.buffer, self.queue, self.cache, self.batcher, self.writer,
+                            self.retry_list)
+        self._intake_tasks: list[asyncio.Task[None]] = []
+        self._processing_tasks: list[asyncio.Task[None]] = []
+        self.crashed: BaseException | None = None
+        self.crash_event = asyncio.Event()
+        self._stats_changed = asyncio.Event()
+
+    async def run_io(self, work: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.io_executor, work)
+
+    async def _requeue(self, item: WorkItem) -> None:
+        started = time.perf_counter()
+        await self.queue.put(item)
+        self.stats.put_wait_ms.add((time.perf_counter() - started) * 1000)
+        item.enqueued_s = self.clock()
+
+    # -- start-up ----------------------------------------------------------------------------
+
+    def prepare(self) -> int:
+        """Folders exist, stale temp files are gone, files a killed run had claimed are back
+        in the inbox. Returns how many were returned."""
+        self.lifecycle.lock_instance()
+        for problem in self.lifecycle.prepare():
+            logs.emit(logging.WARNING, "prepare_error", f"cannot prepare {problem}; files wait "
+                      "in the inbox and writing is retried", error=problem)
+        returned = self.lifecycle.recover()
+        if returned:
+            logs.emit(logging.INFO, "recovered",
+                      f"returned {returned} file(s) claimed by an earlier run to the inbox",
+                      recovered=returned)
+        return returned
+
+    def _spawn(self, tasks: list[asyncio.Task[None]], coro: Coroutine[Any, Any, None],
+               name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(self._crashed)
+        tasks.append(task)
+
+    def _crashed(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        logs.log.critical("pipeline stage %s crashed: %r", task.get_name(), exc,
+                          exc_info=exc)
+        self.crashed = exc
+        self.crash_event.set()
+
+    def start_processing(self) -> None:
+        for n in range(self.config.preprocess.workers):
+            self._spawn(self._processing_tasks, self.preprocessor.run_worker(), f"preprocess-{n}")
+        self._spawn(self._processing_tasks, self.worker.run(), "model-worker")
+        self._spawn(self._processing_tasks, self.writer.run(), "result-writer")
+        self._spawn(self._processing_tasks, self.retry_list.run(), "retry-list")
+
+    def start_intake(self, watch: bool) -> None:
+        if watch:  # watch first, then scan: a file dropped in between is seen by one or both
+            self._spawn(self._intake_tasks, self.watcher.run_watch(), "watcher")
+            self._spawn(self._intake_tasks, self.watcher.run_scans(), "scanner")
+        self._spawn(self._intake_tasks, self.intake.run(), "intake")
+
+    def log_stats(self) -> dict[str, Any]:
+        fields = self.stats.snapshot()
+        # The cache's second bound, in bytes (the generic layer fields count items).
+        fields.update(PREPROCESS_CACHE_BYTES=self.cache.size_bytes,
+                      PREPROCESS_CACHE_CAPACITY_BYTES=self.cache.capacity_bytes,
+                      PREPROCESS_CACHE_HIGH_WATER_BYTES=self.cache.high_water_bytes)
+        counters = self.stats.counters
+        logs.emit(
+            logging.INFO, "stats",
+            f"completed={counters.completed} failed={counters.failed} "
+            f"queue={self.queue.qsize()}/{self.queue.maxsize} "
+            f"buffer={self.buffer.size}/{self.buffer.capacity} "
+            f"files/s={fields['FILES_PER_S']:.1f}",
+            instance=self.config.instance,
+            **fields,
+        )
+        return fields
+
+    async def run_stats(self) -> None:
+        while True:
+            self._stats_changed.clear()
+            # A reload that shortens the interval takes effect at once, not after the old one.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stats_changed.wait(), self.config.stats.interval_s)
+                continue
+            self.log_stats()
+
+    # -- the two modes -----------------------------------------------------------------------
+
+    async def serve(
+        self,
+        stop: asyncio.Event,
+        force: asyncio.Event,
+        on_ready: Callable[[], None] = lambda: None,
+        on_stopping: Callable[[], None] = lambda: None,
+    ) -> None:
+        """``inboxd run``: until ``stop`` is set, then drain (cut short by ``force``)."""
+        self.prepare()
+        self.start_processing()
+        self.start_intake(watch=True)
+        stats_task = asyncio.create_task(self.run_stats(), name="stats")
+        on_ready()
+        await stop.wait()
+        on_stopping()
+        stats_task.cancel()
+        await self.shutdown(self.config.shutdown.grace_s, force)
+
+    def status_line(self) -> str:
+        """The one line systemd shows in ``systemctl status`` (STATUS=)."""
+        counters = self.stats.counters
+        return (f"queue {self.queue.qsize()}/{self.queue.maxsize}, "
+                f"buffer {self.buffer.size}/{self.buffer.capacity}, "
+                f"{counters.completed} completed, {counters.failed} failed, "
+                f"{self.stats.recent_files_per_s():.1f} files/s")
+
+    def apply_live(self, config: Config) -> None:
+        """SIGHUP: the new capacities, batch and stats settings take effect now; the rest of
+        ``config`` waits for a restart (the caller says which)."""
+        capacity = config.capacity
+        self.buffer.capacity = capacity.event_buffer
+        self.queue.resize(capacity.queue)
+        self.cache.resize(capacity.preprocess_cache, capacity.preprocess_cache_mb)
+        self.retry_list.capacity = capacity.retry_list
+        self.batcher.configure(config.batch.max_size, config.batch.max_delay_ms)
+        self.config = self.config.model_copy(
+            update={"capacity": capacity, "batch": config.batch, "stats": config.stats}
+        )
+        self._stats_changed.set()
+
+    async def process_backlog(self, progress: Callable[[], None] | None = None) -> None:
+        """``inboxd once``: take everything in the inbox now (rescanning while the buffer had
+        to defer), wait until each file has an outcome, then return."""
+        self.prepare()
+        self.start_processing()
+        self.start_intake(watch=False)
+        while self.crashed is None:
+            claimed_before = self.intake.claimed
+            await self.watcher.scan()
+            await self._until(lambda: self.buffer.size == 0 and not self.intake.busy
+                              and self.outcomes.active() == 0, progress)
+            if self.intake.claimed == claimed_before and not self.watcher.backlog_on_disk:
+                if self.retry_list.size == 0:
+                    break
+                await self._until(lambda: self.outcomes.in_flight == 0, progress)
+        await self.shutdown(grace_s=None, force=asyncio.Event())  # all drained already
+
+    async def _until(self, done: Callable[[], bool], progress: Callable[[], None] | None) -> None:
+        while not done() and self.crashed is None:
+            if progress is not None:
+                progress()
+            await asyncio.sleep(POLL_S)
+
+    # -- shutdown ----------------------------------------------------------------------------
+
+    async def shutdown(self, grace_s: float | None, force: asyncio.Event) -> None:
+        self.watcher.stop()
+        await _cancel(self._intake_tasks)
+        self.buffer.clear()  # only names: the files are still in the inbox
+        drain = asyncio.create_task(self._drain())
+        forced = asyncio.create_task(_wait(force))
+        await asyncio.wait({drain, forced}, timeout=grace_s,
+                           return_when=asyncio.FIRST_COMPLETED)
+        if not drain.done():
+            why = "second signal" if force.is_set() else f"grace period of {grace_s:g} s over"
+            logs.emit(logging.WARNING, "stopping",
+                      f"{why} with {self.outcomes.active()} file(s) in flight: they go back to "
+                      "the inbox", in_flight=self.outcomes.active())
+        await _cancel([drain, forced])
+        await _cancel(self._processing_tasks)
+        self.preprocessor.close()
+        self.worker.close()
+        for item in self.retry_list.drain():
+            self.lifecycle.release(item.claimed_path, item.inbox / item.rel)
+            self.stats.counters.released += 1
+        self.io_executor.shutdown(wait=True)
+        returned = self.lifecycle.recover()  # anything cancelled mid-flight
+        self.stats.counters.released += returned
+        self.lifecycle.unlock_instance()
+        self.log_stats()
+
+    async def _drain(self) -> None:
+        await self.queue.join()
+        await self.outcomes.wait_until_inactive()
+
+
+async def _wait(event: asyncio.Event) -> None:
+    await event.wait()
+
+
+async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
+        task.cancel("inboxd is shutting down")
+    await asyncio.gather(*tasks, return_exceptions=True)
+    tasks.clear()

@@ -1,0 +1,220 @@
+"""The service around one Pipeline: start-up, signals, sd_notify, the watchdog, reload.
+
+Signal handlers only set flags (an asyncio.Event each); the coroutines below act on them:
+SIGTERM/SIGINT → ``STOPPING=1`` and an orderly drain (a second signal cuts it short), SIGHUP →
+``RELOADING=1``, re-read the YAML, apply what can change live, ``READY=1``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from inboxd import __version__, logs
+from inboxd.config import Config, ConfigError, load_config
+from inboxd.files.lifecycle import Lifecycle
+from inboxd.models import faults
+from inboxd.pipeline.wiring import Pipeline
+from inboxd.service.notify import Notifier
+
+EX_SOFTWARE = 70
+# While the model loads, ask systemd for this much more start time, this often.
+EXTEND_TIMEOUT_S = 30
+EXTEND_EVERY_S = 10
+STATUS_EVERY_S = 2.0
+# What SIGHUP changes without a restart; everything else is logged as "needs restart".
+LIVE_SECTIONS = ("capacity", "batch", "stats")
+
+
+class Service:
+    def __init__(self, config: Config, config_path: Path | None,
+                 overrides: dict[str, Any] | None = None) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.overrides = overrides
+        self.notifier = Notifier()
+        self.stop = asyncio.Event()
+        self.force = asyncio.Event()
+        self.reload_requested = asyncio.Event()
+        self.pipeline: Pipeline | None = None
+
+    # -- start-up ----------------------------------------------------------------------------
+
+    async def load(self) -> Pipeline:
+        """Lock the instance, load and warm up the model (telling systemd it takes a while)."""
+        from inboxd.models.loading import load_model
+
+        # Refuse a second daemon of this instance before spending seconds on the model.
+        lifecycle = Lifecycle(self.config)
+        lifecycle.lock_instance()
+        started = time.perf_counter()
+        extending = asyncio.create_task(self._extend_start_timeout())
+        try:
+            model = await asyncio.to_thread(load_model, self.config.model)
+            warm_s = await asyncio.to_thread(model.warm_up, self.config.batch.max_size)
+        finally:
+            extending.cancel()
+        faults.install(model)
+        source = f" ({model.info.source})" if model.info is not None else ""
+        logs.emit(logging.INFO, "started",
+                  f"inboxd {__version__}: model {model.name}{source} on {model.device}, "
+                  f"loaded and warmed up in {time.perf_counter() - started:.1f} s",
+                  model=model.name, device=str(model.device), warmup_s=round(warm_s, 3),
+                  instance=self.config.instance, version=__version__)
+        self.pipeline = Pipeline(self.config, model, lifecycle=lifecycle)
+        return self.pipeline
+
+    async def _extend_start_timeout(self) -> None:
+        while True:
+            self.notifier.extend_timeout(EXTEND_TIMEOUT_S)
+            await asyncio.sleep(EXTEND_EVERY_S)
+
+    # -- signals -----------------------------------------------------------------------------
+
+    def _on_stop_signal(self) -> None:
+        if self.stop.is_set():
+            self.force.set()
+        self.stop.set()
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self._on_stop_signal)
+        loop.add_signal_handler(signal.SIGHUP, self.reload_requested.set)
+        # A hung CUDA call ends in SIGABRT from systemd's watchdog: print every thread's stack.
+        faulthandler.enable()
+
+    # -- run ---------------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        self.install_signal_handlers()
+        pipeline = await self.load()
+
+        def ready() -> None:
+            self.notifier.ready()
+            logs.emit(logging.INFO, "ready", "ready: watching "
+                      + ", ".join(str(p) for p in self.config.inbox.paths),
+                      instance=self.config.instance)
+
+        helpers = [asyncio.create_task(coro) for coro in (
+            self._keep_status(pipeline), self._keep_watchdog(pipeline),
+            self._reload_on_request(pipeline), self._stop_on_crash(pipeline))]
+        await pipeline.serve(self.stop, self.force, ready, on_stopping=self._stopping)
+        for task in helpers:
+            task.cancel()
+        await asyncio.gather(*helpers, return_exceptions=True)
+        logs.emit(logging.INFO, "stopped", "stopped", instance=self.config.instance)
+        self.notifier.close()
+        return EX_SOFTWARE if pipeline.crashed else 0
+
+    def _stopping(self) -> None:
+        self.notifier.stopping()
+        logs.emit(logging.INFO, "stopping", "stopping: no new files are claimed; draining for "
+                  f"up to {self.config.shutdown.grace_s:g} s", instance=self.config.instance)
+
+    async def _stop_on_crash(self, pipeline: Pipeline) -> None:
+        await pipeline.crash_event.wait()
+        self.stop.set()
+        self.force.set()
+
+    async def _keep_status(self, pipeline: Pipeline) -> None:
+        while True:
+            self.notifier.status(pipeline.status_line())
+            await asyncio.sleep(STATUS_EVERY_S)
+
+    async def _keep_watchdog(self, pipeline: Pipeline) -> None:
+        """``WATCHDOG=1`` only while the model worker is idle or its batch is younger than half
+        the watchdog timeout: a model call that hangs stops the pings, and systemd restarts us
+        at most 1.5 × WatchdogSec after the call began."""
+        interval_s = self.notifier.watchdog_interval_s()
+        if interval_s is None:
+            return
+        while True:
+            busy_since_s = pipeline.worker.busy_since_s
+            if busy_since_s is None or time.monotonic() - busy_since_s < interval_s:
+                self.notifier.watchdog()
+            else:
+                logs.emit(logging.ERROR, "watchdog",
+                          f"the model has been on one batch for "
+                          f"{time.monotonic() - busy_since_s:.0f} s: no watchdog ping, systemd "
+                          "will restart the service", busy_s=round(time.monotonic() - busy_since_s))
+            await asyncio.sleep(interval_s)
+
+    # -- reload ------------------------------------------------------------------------------
+
+    async def _reload_on_request(self, pipeline: Pipeline) -> None:
+        while True:
+            await self.reload_requested.wait()
+            self.reload_requested.clear()
+            self.notifier.reloading()
+            self.reload(pipeline)
+            self.notifier.status(pipeline.status_line())  # show the new capacities at once
+            self.notifier.ready()
+
+    def reload(self, pipeline: Pipeline) -> None:
+        try:
+            new = load_config(self.config_path, self.overrides)
+        except ConfigError as exc:
+            logs.emit(logging.ERROR, "reloaded",
+                      f"reload refused, the running configuration stays: {exc}",
+                      error=str(exc), applied=0)
+            return
+        live, restart = config_changes(self.config, new)
+        pipeline.apply_live(new)
+        self.config = pipeline.config
+        message = "reloaded: " + (", ".join(live) or "no live change")
+        if restart:
+            message += "; needs restart to change: " + ", ".join(restart)
+        logs.emit(logging.WARNING if restart else logging.INFO, "reloaded", message,
+                  applied=len(live), changed_live=",".join(live) or None,
+                  needs_restart=",".join(restart) or None)
+
+
+def config_changes(old: Config, new: Config) -> tuple[list[str], list[str]]:
+    """Dotted keys whose value differs, split into (applied live, needs a restart)."""
+    live: list[str] = []
+    restart: list[str] = []
+    old_data, new_data = old.model_dump(mode="json"), new.model_dump(mode="json")
+    for section, new_value in new_data.items():
+        old_value = old_data.get(section)
+        if new_value == old_value:
+            continue
+        keys = ([f"{section}.{k}" for k in new_value if new_value[k] != old_value.get(k)]
+                if isinstance(new_value, dict) and isinstance(old_value, dict) else [section])
+        (live if section in LIVE_SECTIONS else restart).extend(keys)
+    return live, restart
+
+
+def run_service(config: Config, config_path: Path | None,
+                overrides: dict[str, Any] | None) -> int:
+    return asyncio.run(Service(config, config_path, overrides).run())
+
+
+def run_once(config: Config) -> int:
+    return asyncio.run(_once(config, progress=sys.stdout.isatty()))
+
+
+async def _once(config: Config, progress: bool) -> int:
+    service = Service(config, None)
+    pipeline = await service.load()
+    counters = pipeline.stats.counters
+
+    def show() -> None:
+        sys.stdout.write(f"\rinboxd: {counters.completed} done, {counters.failed} failed, "
+                         f"{pipeline.outcomes.in_flight} in progress ")
+        sys.stdout.flush()
+
+    await pipeline.process_backlog(show if progress else None)
+    if progress:
+        show()
+        sys.stdout.write("\n")
+    print(f"inboxd once: {counters.completed} completed, {counters.failed} failed")
+    if pipeline.crashed is not None:
+        return EX_SOFTWARE
+    return 1 if counters.failed else 0

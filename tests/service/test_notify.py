@@ -1,0 +1,168 @@
+"""inboxd.service.notify against a real AF_UNIX datagram socket standing in for systemd's."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from inboxd.service.notify import Notifier
+
+_UCRED = struct.Struct("iII")  # pid, uid, gid
+
+
+class FakeSystemd:
+    """The receiving end of $NOTIFY_SOCKET, checking credentials as systemd does."""
+
+    def __init__(self, address: str, env_value: str) -> None:
+        self.address = address
+        self.env = {"NOTIFY_SOCKET": env_value}
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        self.sock.bind(address)
+        self.sock.settimeout(5.0)
+
+    def receive(self) -> tuple[str, int]:
+        """One datagram and the sender's pid from SCM_CREDENTIALS (NotifyAccess=main uses it)."""
+        data, ancdata, _flags, _addr = self.sock.recvmsg(4096, socket.CMSG_SPACE(_UCRED.size))
+        pids = [
+            _UCRED.unpack(cdata[: _UCRED.size])[0]
+            for level, kind, cdata in ancdata
+            if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS
+        ]
+        assert len(pids) == 1
+        return data.decode(), pids[0]
+
+    def messages(self, count: int) -> list[str]:
+        received = []
+        for _ in range(count):
+            text, pid = self.receive()
+            assert pid == os.getpid()
+            received.append(text)
+        return received
+
+    def assert_empty(self) -> None:
+        self.sock.settimeout(0.05)
+        with pytest.raises(TimeoutError):
+            self.sock.recv(4096)
+        self.sock.settimeout(5.0)
+
+    def close(self) -> None:
+        self.sock.close()
+        if not self.address.startswith("\0"):
+            Path(self.address).unlink(missing_ok=True)
+
+
+@pytest.fixture(params=["path", "abstract"])
+def systemd(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[FakeSystemd]:
+    if request.param == "path":
+        path = str(tmp_path / "notify.socket")
+        fake = FakeSystemd(path, path)
+    else:
+        name = f"inboxd-test-{uuid.uuid4().hex}"
+        fake = FakeSystemd("\0" + name, "@" + name)
+    yield fake
+    fake.close()
+
+
+def test_lifecycle_sequence_is_sent_exactly(systemd: FakeSystemd) -> None:
+    notifier = Notifier(systemd.env)
+    assert notifier.enabled
+    notifier.extend_timeout(12.5)
+    notifier.ready()
+    notifier.status("queue 2/2, completed 10,\nfailed 0")
+    notifier.watchdog()
+    notifier.reloading()
+    notifier.ready()
+    notifier.stopping()
+    got = systemd.messages(7)
+    assert got[:4] == [
+        "EXTEND_TIMEOUT_USEC=12500000",
+        "READY=1",
+        "STATUS=queue 2/2, completed 10, failed 0",
+        "WATCHDOG=1",
+    ]
+    reload_lines = got[4].split("\n")
+    assert reload_lines[0] == "RELOADING=1"
+    assert reload_lines[1].startswith("MONOTONIC_USEC=")
+    assert len(reload_lines) == 2
+    assert got[5:] == ["READY=1", "STOPPING=1"]
+    systemd.assert_empty()
+    notifier.close()
+
+
+def test_monotonic_usec_is_clock_monotonic(systemd: FakeSystemd) -> None:
+    notifier = Notifier(systemd.env)
+    before = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+    notifier.reloading()
+    after = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+    (message,) = systemd.messages(1)
+    usec = int(message.split("\n")[1].removeprefix("MONOTONIC_USEC="))
+    assert before <= usec <= after
+
+
+def test_without_notify_socket_everything_is_a_no_op() -> None:
+    notifier = Notifier({})
+    assert not notifier.enabled
+    notifier.ready()
+    notifier.status("x")
+    notifier.watchdog()
+    notifier.reloading()
+    notifier.extend_timeout(1)
+    notifier.stopping()
+    assert notifier.send("READY=1") is False
+    assert notifier.watchdog_interval_s() is None
+
+
+def test_unsupported_address_disables_notify() -> None:
+    assert not Notifier({"NOTIFY_SOCKET": "vsock:2:1234"}).enabled
+    assert not Notifier({"NOTIFY_SOCKET": "@"}).enabled
+
+
+def test_survives_the_socket_disappearing(
+    systemd: FakeSystemd, caplog: pytest.LogCaptureFixture
+) -> None:
+    notifier = Notifier(systemd.env)
+    assert notifier.send("READY=1")
+    systemd.messages(1)
+    systemd.close()  # systemd gone: ENOENT for a path, ECONNREFUSED for an abstract name
+    with caplog.at_level(logging.DEBUG, logger="inboxd.notify"):
+        notifier.status("still running")
+        notifier.watchdog()
+        assert notifier.send("STOPPING=1") is False
+    failures = [r for r in caplog.records if r.name == "inboxd.notify"]
+    assert len(failures) == 1  # said once, then quiet
+    assert "failed" in failures[0].getMessage()
+
+    again = FakeSystemd(systemd.address, systemd.env["NOTIFY_SOCKET"])  # systemd is back
+    try:
+        assert notifier.send("WATCHDOG=1")
+        assert again.messages(1) == ["WATCHDOG=1"]
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize(
+    ("env", "timeout_s"),
+    [
+        ({"WATCHDOG_USEC": "30000000"}, 30.0),
+        ({"WATCHDOG_USEC": "500000", "WATCHDOG_PID": str(os.getpid())}, 0.5),
+        ({"WATCHDOG_USEC": "30000000", "WATCHDOG_PID": str(os.getpid() + 1)}, None),
+        ({"WATCHDOG_USEC": "30000000", "WATCHDOG_PID": "x"}, None),
+        ({"WATCHDOG_USEC": "0"}, None),
+        ({"WATCHDOG_USEC": "-5"}, None),
+        ({"WATCHDOG_USEC": "soon"}, None),
+        ({}, None),
+    ],
+)
+def test_watchdog_interval(env: dict[str, str], timeout_s: float | None) -> None:
+    notifier = Notifier(env)
+    assert notifier.watchdog_timeout_s() == timeout_s
+    # Ping at half the timeout, as sd_watchdog_enabled(3) advises.
+    assert notifier.watchdog_interval_s() == (None if timeout_s is None else timeout_s / 2)
