@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from inboxd import __version__
-from inboxd.config import EX_CONFIG, Config, ConfigError, load_config
+from inboxd.config import EX_CONFIG, Config, ConfigError
+from inboxd.files.layout import load_checked_config
 from inboxd.files.lifecycle import InstanceBusy
 
 EX_TEMPFAIL = 75
@@ -99,7 +100,7 @@ def overrides(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def read_config(args: argparse.Namespace) -> Config:
-    return load_config(args.config, overrides(args))
+    return load_checked_config(args.config, overrides(args))
 
 
 def setup_logging(level: str) -> None:
@@ -144,15 +145,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def submit_file(source: Path, inbox: Path) -> Path:
     """Copy under a hidden temp name (never picked up), fsync, then rename into place: the
     daemon sees the whole file or nothing. copy2 keeps the old mtime, so it is taken at once."""
-    from inboxd.files.lifecycle import unique_path
+    from inboxd.files.renames import place, time_token
 
     tmp = inbox / f".{source.name}.{os.getpid()}.submit.tmp"
     shutil.copy2(source, tmp)
     with open(tmp, "rb") as handle:
         os.fsync(handle.fileno())
-    target = unique_path(inbox / source.name)
-    os.rename(tmp, target)
-    return target
+    # Never over a file already waiting under that name: the next free variant instead.
+    return place(tmp, inbox / source.name, time_token())
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -173,9 +173,10 @@ def cmd_recover(args: argparse.Namespace) -> int:
     config = read_config(args)
     lifecycle = Lifecycle(config)
     lifecycle.lock_instance()
-    returned = lifecycle.recover()
+    returned, failed = lifecycle.recover()
     lifecycle.unlock_instance()
-    print(f"returned {returned} file(s) claimed by instance {config.instance!r} to the inbox")
+    print(f"returned {returned} file(s) claimed by instance {config.instance!r} to the inbox"
+          + (f"; {failed} in flight at repeated crashes went to failed/" if failed else ""))
     return 0
 
 

@@ -254,6 +254,16 @@ class Config(Section):
     shutdown: ShutdownConfig = ShutdownConfig()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
+    @field_validator("instance")
+    @classmethod
+    def _plain_name(cls, instance: str) -> str:
+        # The name becomes a folder (.processing/<instance>, .tmp/<instance>) that start-up
+        # empties: "." or ".." would empty the results and failed folders themselves.
+        if instance.startswith("."):
+            raise ValueError("an instance name is a plain folder name: letters, digits, "
+                             "_ . @ - and not starting with a dot (e.g. gpu0)")
+        return instance
+
     def resolved(self, base: Path) -> Config:
         """Relative paths resolve against ``base`` (the working directory), once, at load."""
 
@@ -269,6 +279,11 @@ class Config(Section):
                 "failed_dir": absolute(self.failed_dir),
             }
         )
+
+    def key_for(self, inbox: Path, rel: str) -> str:
+        """The name a file's outcome is filed under: its path in the inbox, prefixed with the
+        inbox's folder name when there are several inboxes."""
+        return f"{inbox.name}/{rel}" if len(self.inbox.paths) > 1 else rel
 
     def processing_dir(self, inbox: Path) -> Path:
         """Claimed files live inside their inbox (same filesystem, so the claim is one rename),

@@ -39,6 +39,15 @@ class WorkItem:
     key: str  # the name under results/, done/ and failed/ (rel, or inbox-name/rel)
     claimed_path: Path  # where the file lives while we own it: <inbox>/.processing/<instance>/rel
     noticed_s: float = field(default_factory=time.monotonic)
+    # (inode, size, mtime_ns) when claimed: a file that changes after its claim was still
+    # being written; with after_success: keep, the result records it to recognise the file.
+    identity: tuple[int, int, int] | None = None
+    # Once the outcome is decided and recorded, only the source's move is left: "success" (its
+    # result is durable under ``name``) or "failure" (``failure_report`` says why).
+    finishing: str | None = None
+    finish_attempts: int = 0
+    name: str | None = None  # the name its result / failed entry is filed under
+    failure_report: dict[str, Any] | None = None
     attempts: int = 0
     errors: list[str] = field(default_factory=list)  # one per failed attempt, max_attempts at most
     sha256: str | None = None

@@ -35,17 +35,17 @@ def fail_writes(pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch,
                 times: int | None = None) -> None:
     """The results disk is full for the next ``times`` batches (None: for ever). A fake at
     the filesystem boundary; tests/guarantees/test_faults.py fills a real tmpfs."""
-    real_write = pipeline.lifecycle.write_results
+    real_write = pipeline.lifecycle.results.write
     left = {"n": times}
 
-    def write(documents: Any) -> None:
+    def write(entries: Any) -> Any:
         if left["n"] is None or left["n"] > 0:
             if left["n"] is not None:
                 left["n"] -= 1
             raise OSError(errno.ENOSPC, "No space left on device")
-        real_write(documents)
+        return real_write(entries)
 
-    monkeypatch.setattr(pipeline.lifecycle, "write_results", write)
+    monkeypatch.setattr(pipeline.lifecycle.results, "write", write)
 
 
 def test_flood_through_tiny_capacities_gives_each_file_one_outcome(tmp_path: Path) -> None:

@@ -1,28 +1,39 @@
-"""Every move a file makes on disk, each one atomic.
+"""Every move a file makes on disk, each one atomic and none replacing anything.
 
-inbox/rel ─claim (rename)─▶ inbox/.processing/<instance>/rel ─▶ done/key | deleted | kept
-                                                           └─▶ failed/key + failed/key.error.json
-A result is written to a temp file, fsynced and renamed into place, and its folder fsynced,
-*before* the source moves: a kill at any instant leaves either no result (the file is processed
-again) or a complete one (which the rerun finds by its sha256 and does not redo).
+inbox/rel ─claim─▶ inbox/.processing/<instance>/rel ─▶ done/<name> | deleted | kept
+                                                   └─▶ failed/<name> + failed/<name>.error.json
+A result is durable (``files.results``) *before* the source moves: a kill at any instant leaves
+either no result (the file is processed again) or a complete one (which the rerun finds by its
+sha256 and does not redo). Every destination that is taken gets the next free variant of the
+name (``files.renames``), so no input ever replaces another.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import json
 import os
-import shutil
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from inboxd.config import Config
+from inboxd.files.durable import (
+    fsync_dir,
+    json_bytes,
+    move,
+    tmp_dir_for,
+    walk_files,
+    write_tmp,
+)
 from inboxd.files.names import output_path
+from inboxd.files.renames import name_variants, place, rename_noreplace, time_token
+from inboxd.files.results import ResultFiles, sha_token
+from inboxd.files.safe_paths import open_inside
 
-TMP_DIRNAME = ".tmp"
+ERROR_SUFFIX = ".error.json"
+# A file in flight at this many stage crashes in a row is failed instead of retried.
+CRASHES_BEFORE_FAILING = 2
 
 
 class InstanceBusy(Exception):
@@ -33,8 +44,19 @@ class Lifecycle:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.results_dir = config.results_dir
-        self.tmp_dir = config.results_dir / TMP_DIRNAME / config.instance
+        self.tmp_dir = tmp_dir_for(config.results_dir, config.instance)
+        policy = config.inbox.after_success
+        self.results = ResultFiles(config.results_dir, self.tmp_dir,
+                                   config.done_dir if policy == "move" else None,
+                                   replace_kept=policy == "keep")
         self._locks: list[int] = []
+
+    def tmp_dirs(self) -> list[Path]:
+        """Our temp folders, on the filesystem of each destination (emptied at start-up)."""
+        return [self.tmp_dir, tmp_dir_for(self.config.failed_dir, self.config.instance),
+                tmp_dir_for(self.config.done_dir, self.config.instance),
+                *(tmp_dir_for(inbox / ".processing", self.config.instance)
+                  for inbox in self.config.inbox.paths)]
 
     def lock_instance(self) -> None:
         """Hold ``<inbox>/.processing/<instance>.lock`` while we run. Two live daemons with one
@@ -46,7 +68,7 @@ class Lifecycle:
         for inbox in self.config.inbox.paths:
             lock_path = inbox / ".processing" / f"{self.config.instance}.lock"
             lock_path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -75,170 +97,166 @@ class Lifecycle:
         for inbox in self.config.inbox.paths:
             self.config.processing_dir(inbox).mkdir(parents=True, exist_ok=True)
         problems = []
-        failed_tmp = self.config.failed_dir / TMP_DIRNAME / self.config.instance
-        for folder in (self.config.done_dir, self.config.failed_dir, self.tmp_dir, failed_tmp):
+        for folder in (self.config.done_dir, self.config.failed_dir):
             try:
                 folder.mkdir(parents=True, exist_ok=True)
-                for leftover in folder.iterdir() if folder in (self.tmp_dir, failed_tmp) else ():
-                    leftover.unlink(missing_ok=True)
             except OSError as exc:
                 problems.append(f"{folder}: {exc.strerror or exc}")
+        for tmp_dir in self.tmp_dirs():  # made when first needed; emptied here if there
+            try:
+                for leftover in tmp_dir.iterdir():
+                    leftover.unlink(missing_ok=True)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                problems.append(f"{tmp_dir}: {exc.strerror or exc}")
         return problems
 
     # -- claiming ----------------------------------------------------------------------------
 
-    def claim(self, source: Path, claimed: Path) -> bool:
-        """Take a file by renaming it into our processing folder. False: it was already gone
-        (another instance claimed it, or its writer removed it)."""
+    def claim(self, inbox: Path, rel: str) -> Path | None:
+        """Take ``inbox/rel`` by renaming it into our processing folder, under its own name or,
+        when an earlier file of that name is still in flight, a free variant of it. None: it
+        was already gone (another instance claimed it, or its writer removed it).
+
+        The source's folders are opened without following links: a linked folder inside the
+        inbox would otherwise let the rename take a file from outside it (``OSError`` ELOOP).
+        """
+        parts = rel.split("/")
+        processing = self.config.processing_dir(inbox)
+        with open_inside(inbox, parts[:-1]) as source_dir:
+            target = output_path(processing, rel)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            for name in name_variants(target.name, time_token()):
+                try:
+                    rename_noreplace(parts[-1], target.with_name(name), source_dir)
+                except FileExistsError:
+                    continue
+                except FileNotFoundError:
+                    return None
+                return target.with_name(name)
+        return None  # pragma: no cover - name_variants never ends
+
+    def release(self, claimed: Path, inbox_path: Path) -> Path | None:
+        """Hand a claimed file back to the inbox, where a later scan finds it again (under a
+        free variant of its name if a new file took it meanwhile)."""
         try:
-            os.rename(source, claimed)
+            return place(claimed, inbox_path, time_token())
         except FileNotFoundError:
-            if not claimed.parent.is_dir() and source.parent.exists():
-                claimed.parent.mkdir(parents=True, exist_ok=True)
-                return self.claim(source, claimed)
-            return False
-        return True
+            return None
 
-    def release(self, claimed: Path, inbox_path: Path) -> None:
-        """Hand a claimed file back to the inbox, where a later scan finds it again."""
-        inbox_path.parent.mkdir(parents=True, exist_ok=True)
-        if inbox_path.exists():
-            # Somebody dropped a new file of the same name meanwhile: keep both.
-            inbox_path = unique_path(inbox_path)
-        with contextlib.suppress(FileNotFoundError):
-            os.rename(claimed, inbox_path)
-
-    def recover(self) -> int:
-        """Return every file this instance had claimed (after a crash) to its inbox."""
-        returned = 0
+    def recover(self) -> tuple[int, int]:
+        """Return every file this instance had claimed (after a crash) to its inbox — except
+        one that was in flight at ``CRASHES_BEFORE_FAILING`` stage crashes: that one goes to
+        failed/ with the crash's reason, so one file cannot crash-loop the service.
+        Returns (returned, failed)."""
+        returned = failed = 0
         for inbox in self.config.inbox.paths:
             processing = self.config.processing_dir(inbox)
+            ledger = self._read_ledger(inbox)
             for claimed in walk_files(processing):
-                self.release(claimed, inbox / claimed.relative_to(processing))
-                returned += 1
-        return returned
+                rel = claimed.relative_to(processing).as_posix()
+                crashes, reason = ledger.get(rel, (0, ""))
+                if crashes >= CRASHES_BEFORE_FAILING:
+                    self.finish_failure(claimed, self.config.key_for(inbox, rel), {
+                        "source": self.config.key_for(inbox, rel),
+                        "reason": f"the daemon crashed {crashes} times while this file was in "
+                                  f"flight: {reason}",
+                        "permanent": True, "attempts": [reason] * crashes,
+                        "instance": self.config.instance})
+                    failed += 1
+                else:
+                    self.release(claimed, inbox / rel)
+                    returned += 1
+        return returned, failed
+
+    # -- the crash ledger: which files were in flight when a stage crashed -------------------
+
+    def _ledger_path(self, inbox: Path) -> Path:
+        return inbox / ".processing" / f"{self.config.instance}.crashes.json"
+
+    def _read_ledger(self, inbox: Path) -> dict[str, tuple[int, str]]:
+        try:
+            data = json.loads(self._ledger_path(inbox).read_bytes())
+            return {rel: (int(n), str(why)) for rel, (n, why) in data.items()}
+        except (OSError, ValueError, TypeError, AttributeError):
+            return {}
+
+    def record_crash(self, reason: str) -> None:
+        """A stage crashed: count one crash against every file claimed now, and forget the
+        files that are not (the count is of crashes in a row, bounded by what can be in
+        flight). A kill leaves no record and counts nothing: it is not the file's doing. The
+        next start-up reads this in ``recover``."""
+        for inbox in self.config.inbox.paths:
+            processing = self.config.processing_dir(inbox)
+            ledger = self._read_ledger(inbox)
+            in_flight = {p.relative_to(processing).as_posix() for p in walk_files(processing)}
+            updated = {rel: [ledger.get(rel, (0, ""))[0] + 1, reason] for rel in in_flight}
+            tmp = write_tmp(tmp_dir_for(processing.parent, self.config.instance),
+                            json_bytes(updated), ".crashes")
+            os.replace(tmp, self._ledger_path(inbox))
 
     # -- outcomes ----------------------------------------------------------------------------
 
-    def result_path(self, key: str) -> Path:
-        return output_path(self.results_dir, key, ".json")
-
-    def existing_result_sha256(self, key: str) -> str | None:
-        try:
-            with open(self.result_path(key), "rb") as existing:
-                sha = json.load(existing).get("sha256")
-        except (OSError, ValueError, AttributeError):
-            return None
-        return sha if isinstance(sha, str) else None
-
-    def write_results(self, documents: Iterable[tuple[str, dict[str, Any]]]) -> None:
-        """Durably write a batch of results: data fsynced per file, each folder fsynced once."""
-        renamed: list[tuple[Path, Path]] = []
-        self.tmp_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            for key, document in documents:
-                tmp = self._write_tmp(self.tmp_dir, key, document)
-                renamed.append((tmp, self.result_path(key)))
-        except OSError:
-            # A full disk fails the batch part-way: give back the space its temps took.
-            for tmp, _ in renamed:
-                tmp.unlink(missing_ok=True)
-            raise
-        folders: set[Path] = set()
-        for tmp, final in renamed:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(tmp, final)
-            folders.add(final.parent)
-        for folder in folders:
-            fsync_dir(folder)
-
-    def _write_tmp(self, tmp_dir: Path, key: str, document: dict[str, Any]) -> Path:
-        data = json.dumps(document, indent=2, ensure_ascii=True).encode() + b"\n"
-        tmp = tmp_dir / f"{os.getpid()}-{abs(hash(key)):x}.json.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        except OSError:
-            os.close(fd)
-            tmp.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        return tmp
-
-    def finish_success(self, claimed: Path, key: str, inbox_path: Path) -> None:
+    def finish_success(self, claimed: Path, name: str, inbox_path: Path, sha256: str) -> None:
         """After the result is durable: move, delete or keep the source, per config."""
         policy = self.config.inbox.after_success
         if policy == "delete":
             claimed.unlink(missing_ok=True)
         elif policy == "move":
-            move_file(claimed, unique_path(output_path(self.config.done_dir, key)))
+            move(claimed, output_path(self.config.done_dir, name), sha_token(sha256),
+                 tmp_dir_for(self.config.done_dir, self.config.instance))
         else:
-            # keep: back where the user put it; intake skips files whose result is newer.
+            # keep: back where the user put it; intake skips files whose result describes them.
             self.release(claimed, inbox_path)
 
-    def finish_failure(self, claimed: Path | None, key: str, report: dict[str, Any]) -> None:
-        """``failed/key.error.json`` first, then the source: never a failed file without why."""
+    def finish_failure(self, claimed: Path | None, key: str, report: dict[str, Any]) -> str:
+        """``failed/<name>.error.json`` first, then the source under the same ``<name>``: never
+        a failed file without why, never over an earlier failure. Returns ``<name>``."""
         failed_dir = self.config.failed_dir
-        tmp_dir = failed_dir / TMP_DIRNAME / self.config.instance
-        tmp_dir.mkdir(parents=True, exist_ok=True)
-        target = output_path(failed_dir, key)
-        report_path = output_path(failed_dir, key, ".error.json")
-        report_path.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(self._write_tmp(tmp_dir, key, report), report_path)
-        fsync_dir(report_path.parent)
-        if claimed is not None and os.path.lexists(claimed):
-            move_file(claimed, target)
+        sha = report.get("sha256")
+        token = sha_token(sha) if isinstance(sha, str) else time_token()
+        tmp = write_tmp(tmp_dir_for(failed_dir, self.config.instance), json_bytes(report),
+                        ERROR_SUFFIX)
+        try:
+            folder, _, leaf = key.rpartition("/")
+            for name in name_variants(leaf, token):
+                variant = f"{folder}/{name}" if folder else name
+                target = output_path(failed_dir, variant)
+                if os.path.lexists(target):
+                    continue
+                report_path = output_path(failed_dir, variant, ERROR_SUFFIX)
+                report_path.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    rename_noreplace(tmp, report_path)
+                except FileExistsError:
+                    continue
+                fsync_dir(report_path.parent)
+                if claimed is not None and os.path.lexists(claimed):
+                    self._move_failed(claimed, target, report_path)
+                return variant
+        finally:
+            tmp.unlink(missing_ok=True)
+        raise AssertionError("name_variants never ends")  # pragma: no cover
+
+    def _move_failed(self, claimed: Path, target: Path, report_path: Path) -> None:
+        try:
+            rename_noreplace(claimed, target)
+        except OSError as exc:
+            if exc.errno == errno.EXDEV:
+                move(claimed, target, "x", tmp_dir_for(self.config.failed_dir,
+                                                        self.config.instance))
+                return
+            # The report is out but the source could not follow (a file appeared under that
+            # very name since the check): take the report back, so there is one outcome only.
+            report_path.unlink(missing_ok=True)
+            raise
 
 
 def unique_path(path: Path) -> Path:
-    """``path`` if free, else ``name.1.ext``, ``name.2.ext`` …: a later drop of the same name
-    never overwrites an earlier source."""
-    if not os.path.lexists(path):
-        return path
-    for n in range(1, 10_000):
-        candidate = path.with_name(f"{path.stem}.{n}{path.suffix}")
-        if not os.path.lexists(candidate):
-            return candidate
-    raise FileExistsError(errno.EEXIST, "too many files of the same name", str(path))
-
-
-def move_file(source: Path, target: Path) -> None:
-    """Rename when on one filesystem; else copy, fsync, then rename (so never half a file)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.rename(source, target)
-        return
-    except OSError as exc:
-        if exc.errno != errno.EXDEV:
-            raise
-    tmp = target.with_name(f".{target.name}.inboxd-copy")
-    with open(source, "rb") as src, open(tmp, "wb") as dst:
-        shutil.copyfileobj(src, dst, 1 << 20)
-        dst.flush()
-        os.fsync(dst.fileno())
-    os.replace(tmp, target)
-    source.unlink()
-
-
-def fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def walk_files(root: Path) -> Iterator[Path]:
-    """Every non-directory under ``root``; links are listed, never followed."""
-    if not root.is_dir():
-        return
-    for folder, dirs, files in os.walk(root):
-        dirs.sort()
-        for name in sorted(files):
-            yield Path(folder) / name
-        for name in dirs:
-            if os.path.islink(os.path.join(folder, name)):
-                yield Path(folder) / name
+    """The first free variant of ``path``'s name (checked, not reserved: rename into it with
+    ``files.renames.place`` where two writers may race)."""
+    for name in name_variants(path.name, time_token()):
+        if not os.path.lexists(path.with_name(name)):
+            return path.with_name(name)
+    raise AssertionError("name_variants never ends")  # pragma: no cover

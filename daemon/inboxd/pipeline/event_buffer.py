@@ -22,6 +22,10 @@ class Candidate:
     inbox: Path
     noticed_s: float
     check_at_s: float  # monotonic time at which it may have settled
+    # The file as last seen (inode, size, mtime_ns) and when: settled once it stays the same
+    # for inbox.settle_ms, whatever its mtime says (a camera clock can be years ahead).
+    observed: tuple[int, int, int] | None = None
+    observed_at_s: float = 0.0
 
 
 class EventBuffer:

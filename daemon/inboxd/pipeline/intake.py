@@ -9,6 +9,8 @@ the event buffer fills, and further files stay on disk (deferred) until there is
 from __future__ import annotations
 
 import asyncio
+import errno
+import json
 import logging
 import os
 import stat
@@ -20,10 +22,16 @@ from inboxd import logs
 from inboxd.config import Config
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.names import relative_inside
+from inboxd.files.safe_paths import LinkedFolder
+from inboxd.files.settling import identity
 from inboxd.item import WorkItem
 from inboxd.pipeline.event_buffer import Candidate, EventBuffer
 from inboxd.pipeline.queue import PipelineQueue
+from inboxd.pipeline.skipped import SkippedPaths
 from inboxd.stats import Stats
+
+# A mtime further ahead than this is worth a word in the log (small skews are normal on NFS).
+FUTURE_MTIME_S = 2.0
 
 
 class Intake:
@@ -50,11 +58,8 @@ class Intake:
         self.clock = clock
         self.wall_clock = wall_clock
         self.settle_s = config.inbox.settle_ms / 1000
-        self.several_inboxes = len(config.inbox.paths) > 1
         self.busy = False  # between taking a candidate and its put() returning
-
-    def key_for(self, inbox: Path, rel: str) -> str:
-        return f"{inbox.name}/{rel}" if self.several_inboxes else rel
+        self.skipped = SkippedPaths()
 
     async def run(self) -> None:
         while True:
@@ -87,6 +92,9 @@ class Intake:
             st = os.lstat(path)
         except (FileNotFoundError, NotADirectoryError):
             return None  # claimed by another instance, or removed by its writer
+        except OSError as exc:  # ENAMETOOLONG, EACCES on a folder, ELOOP: this path's problem
+            self.skipped.note(path, f"cannot look at it: {exc.strerror}")
+            return None
         if stat.S_ISDIR(st.st_mode):
             return None  # folders are walked by the scan, never processed
         refusal = None
@@ -95,34 +103,59 @@ class Intake:
         elif not stat.S_ISREG(st.st_mode):
             refusal = "not a regular file (a FIFO, socket or device): only regular files are read"
         else:
-            age_s = self.wall_clock() - st.st_mtime
-            if age_s < self.settle_s:
-                # Still being written, probably: look again once it could have settled.
-                self.buffer.retry_later(candidate, self.clock() + self.settle_s - age_s)
+            if not self._settled(candidate, st):
                 return None
             if self.config.inbox.after_success == "keep" and self._already_done(rel, inbox, st):
                 return None
-        key = self.key_for(inbox, rel)
-        item = WorkItem(
-            inbox=inbox,
-            rel=rel,
-            key=key,
-            claimed_path=self.config.processing_dir(inbox) / rel,
-            noticed_s=candidate.noticed_s,
-        )
-        if not self.lifecycle.claim(path, item.claimed_path):
+        try:
+            claimed = self.lifecycle.claim(inbox, rel)
+        except LinkedFolder as exc:
+            self.skipped.note(path, f"refused: {exc.strerror}; it stays where it is")
+            return None
+        except OSError as exc:
+            self.skipped.note(path, claim_problem(exc))
+            return None
+        if claimed is None:
             return None
         self.claimed += 1
+        item = WorkItem(inbox=inbox, rel=rel, key=self.config.key_for(inbox, rel),
+                        claimed_path=claimed, noticed_s=candidate.noticed_s,
+                        identity=identity(st))
         return item, refusal
 
+    def _settled(self, candidate: Candidate, st: os.stat_result) -> bool:
+        """Unchanged for settle_ms, by its mtime (a file renamed in finished is old at once)
+        or by our own observation (whatever its mtime says: clocks can be wrong)."""
+        now_s = self.clock()
+        age_s = self.wall_clock() - st.st_mtime
+        if age_s >= self.settle_s:
+            return True
+        seen = identity(st)
+        if candidate.observed == seen and now_s - candidate.observed_at_s >= self.settle_s:
+            return True
+        if candidate.observed != seen:
+            candidate.observed, candidate.observed_at_s = seen, now_s
+            if age_s < -FUTURE_MTIME_S:
+                self.skipped.note(candidate.path, f"its modification time is {-age_s:.0f} s in "
+                                  "the future (a wrong clock?); it is taken once it has not "
+                                  f"changed for {self.settle_s * 1000:g} ms", level=logging.INFO)
+        due_s = candidate.observed_at_s + self.settle_s
+        if age_s >= 0:
+            due_s = min(due_s, now_s + self.settle_s - age_s)
+        self.buffer.retry_later(candidate, due_s)
+        return False
+
     def _already_done(self, rel: str, inbox: Path, st: os.stat_result) -> bool:
-        """With ``after_success: keep`` sources stay in the inbox: skip those whose result is
-        newer than the file (a changed file gets a fresh result)."""
+        """With ``after_success: keep`` sources stay in the inbox: skip those whose result
+        describes this very file (same inode, size and mtime); anything else, also another
+        photo moved over it with an older mtime, gets a fresh result."""
+        path = self.lifecycle.results.json_path(self.config.key_for(inbox, rel))
         try:
-            result_mtime = os.stat(self.lifecycle.result_path(self.key_for(inbox, rel))).st_mtime
-        except OSError:
+            with open(path, "rb") as handle:
+                recorded = json.load(handle).get("source_identity")
+        except (OSError, ValueError, AttributeError):
             return False
-        return result_mtime >= st.st_mtime
+        return bool(recorded == list(identity(st)))
 
     async def _put(self, item: WorkItem) -> None:
         started = time.perf_counter()
@@ -140,6 +173,17 @@ class Intake:
         self.stats.put_wait_ms.add(waited_ms)
         logs.emit(logging.DEBUG, "enqueued", f"enqueued {item.key}", path=item.key,
                   put_wait_ms=round(waited_ms, 3), queue_size=self.queue.qsize())
+
+
+def claim_problem(exc: OSError) -> str:
+    """Why a file could not be claimed, and what to do about it. It stays where it is."""
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return ("cannot claim it (permission denied): the service must be able to rename files "
+                "in their folder; make the folder writable for the inboxd group (chmod g+ws) or "
+                "drop files with `inboxd submit`")
+    if exc.errno == errno.ENAMETOOLONG:
+        return "cannot claim it: the path is too long for this filesystem; shorten it"
+    return f"cannot claim it: {exc.strerror or exc}"
 
 
 def describe_link(path: Path, inbox: Path) -> str:

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from inboxd import __version__, logs
 from inboxd.config import Config
 from inboxd.files.lifecycle import Lifecycle
+from inboxd.files.settling import still_being_written
 from inboxd.item import PermanentError, WorkItem
 from inboxd.pipeline.retry_list import RetryList, backoff_s
 from inboxd.stats import Stats
@@ -78,29 +79,76 @@ class Outcomes:
         latency_ms = (self.clock() - item.noticed_s) * 1000
         self.stats.latency_ms.add(latency_ms)
         logs.emit(logging.INFO, "completed", f"completed {item.key}", path=item.key,
+                  result=item.name if item.name != item.key else None,
                   sha256=item.sha256, latency_ms=round(latency_ms, 3), attempts=item.attempts + 1,
                   duplicate=int(duplicate) if duplicate else None)
         self._resolved()
 
-    async def duplicate(self, item: WorkItem) -> None:
-        """Its result already exists with the same sha256: finish the source, do not redo it."""
+    async def duplicate(self, item: WorkItem, name: str) -> None:
+        """Its result already exists under ``name`` with the same sha256: finish the source,
+        do not redo it (a rerun after a crash, or the same bytes dropped again)."""
+        item.finishing, item.name = "success", name
+        await self.finish(item, duplicate=True)
+
+    async def finish(self, item: WorkItem, duplicate: bool = False) -> None:
+        """The outcome is decided and recorded; move the source. A full or read-only done/ or
+        failed/ is waited out with backoff like any transient error, and never turns a
+        success into a failure: every input ends with exactly one outcome."""
+        assert item.finishing is not None and item.name is not None
+        name = item.name
         try:
-            await self.run_io(lambda: self.lifecycle.finish_success(
-                item.claimed_path, item.key, item.inbox / item.rel))
+            if item.finishing == "success":
+                await self.run_io(lambda: self.lifecycle.finish_success(
+                    item.claimed_path, name, item.inbox / item.rel, item.sha256 or ""))
+            else:
+                report = item.failure_report or {}
+                await self.run_io(lambda: self.lifecycle.finish_failure(
+                    item.claimed_path, item.key, report))
         except OSError as exc:
-            await self.error(item, exc)
+            await self.finish_later(item, exc)
             return
-        self.completed(item, duplicate=True)
+        if item.finishing == "success":
+            self.completed(item, duplicate=duplicate)
+        else:
+            self._failed(item)
+
+    async def finish_later(self, item: WorkItem, exc: OSError) -> None:
+        where = "done/" if item.finishing == "success" else "failed/"
+        reason = f"cannot move {item.key} to {where}: {exc.strerror or exc}"
+        item.finish_attempts += 1
+        if item.finish_attempts >= self.config.retry.max_attempts:
+            # Still no room after every backoff: the file waits on disk, its outcome not lost
+            # (a durable result is found again by sha256; a failure is decided again).
+            await self.release(item, f"{reason}, after {item.finish_attempts} attempts")
+            return
+        delay_s = backoff_s(item.finish_attempts, self.config.retry, self.rng)
+        if self.retry_list.offer(item, delay_s):
+            self.stats.counters.retried += 1
+            logs.emit(logging.WARNING, "retry", f"{reason}; trying again in {delay_s:.1f} s",
+                      path=item.key, attempt=item.finish_attempts, error=reason,
+                      delay_ms=round(delay_s * 1000))
+            self._settled.set()
+            return
+        # No room to wait here: the file waits on disk. Its durable result (if any) is found
+        # again by sha256, so a later pass only finishes the move.
+        await self.release(item, f"{reason}, and the retry list is full")
 
     async def error(self, item: WorkItem, exc: BaseException) -> None:
         """Permanent errors and exhausted retries go to failed/; the rest to the retry list,
-        or back to disk when the retry list is full."""
+        or back to disk when the retry list is full. A file that turns out to be still being
+        written goes back to the inbox to settle, without counting an attempt."""
         reason = str(exc) or type(exc).__name__
+        if await self.run_io(lambda: still_being_written(item.claimed_path, item.identity)):
+            item.reset_for_retry()
+            await self.release(item, "it is still being written (it changed after it was "
+                               f"claimed); it is taken again once it settles ({reason})")
+            return
         item.errors.append(reason)
         item.attempts += 1
         permanent = isinstance(exc, PermanentError)
         if permanent or item.attempts >= self.config.retry.max_attempts:
-            await self._fail(item, permanent)
+            self._decide_failure(item, permanent)
+            await self.finish(item)
             return
         item.reset_for_retry()
         delay_s = backoff_s(item.attempts, self.config.retry, self.rng)
@@ -120,8 +168,9 @@ class Outcomes:
                   path=item.key, reason=why)
         self._resolved()
 
-    async def _fail(self, item: WorkItem, permanent: bool) -> None:
-        report = {
+    def _decide_failure(self, item: WorkItem, permanent: bool) -> None:
+        item.finishing, item.name = "failure", item.key
+        item.failure_report = {
             "source": item.key,
             "reason": item.errors[-1],
             "permanent": permanent,
@@ -131,16 +180,8 @@ class Outcomes:
             "failed_at": utc_now(),
             "inboxd_version": __version__,
         }
-        try:
-            await self.run_io(
-                lambda: self.lifecycle.finish_failure(item.claimed_path, item.key, report)
-            )
-        except OSError as exc:
-            # Cannot even record the failure (failed/ full or read-only): keep the file safe.
-            logs.emit(logging.ERROR, "failed", f"cannot move {item.key} to failed/ ({exc}); "
-                      "returning it to the inbox", path=item.key, error=str(exc))
-            await self.release(item, f"failed/ not writable: {exc}")
-            return
+
+    def _failed(self, item: WorkItem) -> None:
         self.stats.counters.failed += 1
         logs.emit(logging.WARNING, "failed", f"failed {item.key}: {item.errors[-1]}",
                   path=item.key, error=item.errors[-1], attempts=item.attempts)

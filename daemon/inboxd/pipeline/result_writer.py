@@ -10,13 +10,15 @@ being written, and waits if writing falls behind.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 from typing import Any
 
 from inboxd import __version__
 from inboxd.config import Config
-from inboxd.files.embeddings import embedding_path, write_embeddings
 from inboxd.files.lifecycle import Lifecycle
+from inboxd.files.results import ResultEntry
+from inboxd.files.settling import still_being_written
 from inboxd.item import TransientError, WorkItem
 from inboxd.models.engine import Outcome
 from inboxd.models.model import Embedding, Model, Prediction
@@ -73,53 +75,60 @@ class ResultWriter:
                 await self.outcomes.error(item, outcome)
             else:
                 good.append((item, outcome))
+        # A file that changed since its claim was taken during a writer's pause: its sha256
+        # and pixels are of a partial file. Give it back to settle instead of filing that.
+        changing = await self.run_io(lambda: [still_being_written(item.claimed_path,
+                                                                  item.identity)
+                                              for item, _ in good])
+        for (item, _), changed in zip(good, changing, strict=True):
+            if changed:
+                await self.outcomes.release(item, "it changed after it was claimed (still "
+                                            "being written); it is taken again once it settles")
+        good = [pair for pair, changed in zip(good, changing, strict=True) if not changed]
         if not good:
             return
-        documents = [(item.key, self.document(item, result)) for item, result in good]
-        vectors = [(item.key, result.vector) for item, result in good
-                   if isinstance(result, Embedding)]
+        entries = [ResultEntry(item.key, item.sha256 or "",
+                               functools.partial(self.document, item, result),
+                               result.vector if isinstance(result, Embedding) else None)
+                   for item, result in good]
         try:
-            await self.run_io(lambda: self._write_files(vectors, documents))
+            filed = await self.run_io(lambda: self.lifecycle.results.write(entries))
         except OSError as exc:
             for item, _ in good:
                 await self.outcomes.error(
                     item, TransientError(f"cannot write the result: {exc.strerror or exc}")
                 )
             return
+        for (item, _), (name, _existed) in zip(good, filed, strict=True):
+            item.finishing, item.name = "success", name
         moved = await self.run_io(lambda: [self._finish_source(item) for item, _ in good])
-        for (item, _), problem in zip(good, moved, strict=True):
+        for (item, _), (_name, existed), problem in zip(good, filed, moved, strict=True):
             if problem is None:
-                self.outcomes.completed(item)
+                self.outcomes.completed(item, duplicate=existed)
             else:
-                # The result is durable; the retry finds it by sha256 and only moves the file.
-                await self.outcomes.error(
-                    item, TransientError(f"cannot move the source after success: {problem}")
-                )
-
-    def _write_files(self, vectors: list[tuple[str, Any]],
-                     documents: list[tuple[str, dict[str, Any]]]) -> None:
-        # Vectors first: a JSON result must never exist without the .npy it describes.
-        if vectors:
-            write_embeddings(self.lifecycle.results_dir, self.lifecycle.tmp_dir, vectors)
-        self.lifecycle.write_results(documents)
+                # The result is durable: only the move is retried, never the work.
+                await self.outcomes.finish_later(item, problem)
 
     def _finish_source(self, item: WorkItem) -> OSError | None:
         try:
-            self.lifecycle.finish_success(item.claimed_path, item.key, item.inbox / item.rel)
+            self.lifecycle.finish_success(item.claimed_path, item.name or item.key,
+                                          item.inbox / item.rel, item.sha256 or "")
         except OSError as exc:
             return exc
         return None
 
-    def document(self, item: WorkItem, result: Prediction) -> dict[str, Any]:
+    def document(self, item: WorkItem, result: Prediction, name: str) -> dict[str, Any]:
         image = item.image_info
         return {
             "source": item.key,
+            **({"filed_as": name} if name != item.key else {}),
             "sha256": item.sha256,
             "size_bytes": item.size_bytes,
+            "source_identity": list(item.identity) if item.identity else None,
             "model": self.model.name,
             "device": str(self.model.device),
             "precision": self.model.precision,
-            **self._output(item, result),
+            **self._output(result, name),
             "image": image,
             "timings_ms": item.timings_ms(self.clock()),
             "attempts": item.attempts + 1,
@@ -128,10 +137,10 @@ class ResultWriter:
             "inboxd_version": __version__,
         }
 
-    def _output(self, item: WorkItem, result: Prediction) -> dict[str, Any]:
+    def _output(self, result: Prediction, name: str) -> dict[str, Any]:
         if isinstance(result, Embedding):
             return {"embedding": {
-                "file": embedding_path(self.lifecycle.results_dir, item.key).name,
+                "file": self.lifecycle.results.vector_path(name).name,
                 "dim": result.dim,
                 "norm": round(result.norm, 6),
                 "dtype": str(result.vector.dtype),

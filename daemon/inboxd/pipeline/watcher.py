@@ -158,6 +158,10 @@ class Watcher:
                 logs.emit(logging.WARNING, "scan_error", f"cannot scan {current}: {exc}",
                           path=str(current))
 
+    def count_waiting(self) -> int:
+        """How many files the inbox holds that a run would take (after a stop, for the user)."""
+        return sum(1 for inbox in self.inboxes for _ in self._walk(inbox))
+
     def request_rescan(self) -> None:
         self._rescan_requested = True
         self._wake.set()

@@ -6,6 +6,9 @@ watcher → event buffer → intake (await queue.put) → queue → preprocess �
 Shutdown goes in the same order: stop noticing and claiming, let what is already claimed drain
 (``queue.join()``, then the stages behind it) for at most ``shutdown.grace_s``, cancel the rest
 with a reason, and hand every file still claimed back to the inbox, where it waits on disk.
+
+Longer than 300 lines because construction, the two modes and the ordered shutdown are read
+together: the order things start in and the order they drain in are checked against each other.
 """
 
 from __future__ import annotations
@@ -78,8 +81,8 @@ class Pipeline:
         self.preprocessor = Preprocessor(
             self.queue, self.cache, model.spec, config.preprocess.max_image_pixels,
             config.preprocess.workers, on_error=self.outcomes.error,
-            existing_sha256=self.lifecycle.existing_result_sha256,
-            on_duplicate=self.outcomes.duplicate, clock=clock,
+            existing_sha256=self.lifecycle.results.recorded_sha256,
+            on_duplicate=lambda item: self.outcomes.duplicate(item, item.key), clock=clock,
         )
         self.batcher = Batcher(
             self.cache, config.batch.max_size, config.batch.max_delay_ms, clock,
@@ -100,6 +103,9 @@ class Pipeline:
         return await asyncio.get_running_loop().run_in_executor(self.io_executor, work)
 
     async def _requeue(self, item: WorkItem) -> None:
+        if item.finishing is not None:  # only its move is left: no need to redo the work
+            await self.outcomes.finish(item)
+            return
         started = time.perf_counter()
         await self.queue.put(item)
         self.stats.put_wait_ms.add((time.perf_counter() - started) * 1000)
@@ -114,11 +120,15 @@ class Pipeline:
         for problem in self.lifecycle.prepare():
             logs.emit(logging.WARNING, "prepare_error", f"cannot prepare {problem}; files wait "
                       "in the inbox and writing is retried", error=problem)
-        returned = self.lifecycle.recover()
+        returned, failed = self.lifecycle.recover()
         if returned:
             logs.emit(logging.INFO, "recovered",
                       f"returned {returned} file(s) claimed by an earlier run to the inbox",
                       recovered=returned)
+        if failed:
+            logs.emit(logging.ERROR, "failed", f"{failed} file(s) were in flight at repeated "
+                      "crashes: moved to failed/ with the crash's reason", failed=failed)
+            self.stats.counters.failed += failed
         return returned
 
     def _spawn(self, tasks: list[asyncio.Task[None]], coro: Coroutine[Any, Any, None],
@@ -134,6 +144,10 @@ class Pipeline:
         logs.log.critical("pipeline stage %s crashed: %r", task.get_name(), exc,
                           exc_info=exc)
         self.crashed = exc
+        try:
+            self.lifecycle.record_crash(f"stage {task.get_name()} crashed: {exc!r}")
+        except OSError as record_error:
+            logs.log.error("cannot record which files were in flight: %s", record_error)
         self.crash_event.set()
 
     def start_processing(self) -> None:
@@ -218,25 +232,32 @@ class Pipeline:
         )
         self._stats_changed.set()
 
-    async def process_backlog(self, progress: Callable[[], None] | None = None) -> None:
+    async def process_backlog(self, progress: Callable[[], None] | None = None,
+                              stop: asyncio.Event | None = None) -> None:
         """``inboxd once``: take everything in the inbox now (rescanning while the buffer had
-        to defer), wait until each file has an outcome, then return."""
+        to defer), wait until each file has an outcome, then return. ``stop`` (a signal) ends
+        it early like ``run``'s shutdown: drain, then hand what is still claimed back."""
+        stop = stop or asyncio.Event()
         self.prepare()
         self.start_processing()
         self.start_intake(watch=False)
-        while self.crashed is None:
+        while self.crashed is None and not stop.is_set():
             claimed_before = self.intake.claimed
             await self.watcher.scan()
             await self._until(lambda: self.buffer.size == 0 and not self.intake.busy
-                              and self.outcomes.active() == 0, progress)
+                              and self.outcomes.active() == 0, progress, stop)
             if self.intake.claimed == claimed_before and not self.watcher.backlog_on_disk:
                 if self.retry_list.size == 0:
                     break
-                await self._until(lambda: self.outcomes.in_flight == 0, progress)
-        await self.shutdown(grace_s=None, force=asyncio.Event())  # all drained already
+                await self._until(lambda: self.outcomes.in_flight == 0, progress, stop)
+        if stop.is_set():
+            await self.shutdown(self.config.shutdown.grace_s, asyncio.Event())
+        else:
+            await self.shutdown(grace_s=None, force=asyncio.Event())  # all drained already
 
-    async def _until(self, done: Callable[[], bool], progress: Callable[[], None] | None) -> None:
-        while not done() and self.crashed is None:
+    async def _until(self, done: Callable[[], bool], progress: Callable[[], None] | None,
+                     stop: asyncio.Event) -> None:
+        while not done() and self.crashed is None and not stop.is_set():
             if progress is not None:
                 progress()
             await asyncio.sleep(POLL_S)
@@ -247,15 +268,20 @@ class Pipeline:
         self.watcher.stop()
         await _cancel(self._intake_tasks)
         self.buffer.clear()  # only names: the files are still in the inbox
+        if self.crashed is not None:
+            force.set()  # a crashed stage drains nothing: waiting on it would wait for ever
         drain = asyncio.create_task(self._drain())
         forced = asyncio.create_task(_wait(force))
         await asyncio.wait({drain, forced}, timeout=grace_s,
                            return_when=asyncio.FIRST_COMPLETED)
         if not drain.done():
-            why = "second signal" if force.is_set() else f"grace period of {grace_s:g} s over"
+            why = ("a stage crashed" if self.crashed is not None else "second signal"
+                   if force.is_set() else f"grace period of {grace_s:g} s over")
+            where = ("stay claimed for the next start-up" if self.crashed is not None
+                     else "go back to the inbox")
             logs.emit(logging.WARNING, "stopping",
-                      f"{why} with {self.outcomes.active()} file(s) in flight: they go back to "
-                      "the inbox", in_flight=self.outcomes.active())
+                      f"{why} with {self.outcomes.active()} file(s) in flight: they {where}",
+                      in_flight=self.outcomes.active())
         await _cancel([drain, forced])
         await _cancel(self._processing_tasks)
         self.preprocessor.close()
@@ -264,8 +290,11 @@ class Pipeline:
             self.lifecycle.release(item.claimed_path, item.inbox / item.rel)
             self.stats.counters.released += 1
         self.io_executor.shutdown(wait=True)
-        returned = self.lifecycle.recover()  # anything cancelled mid-flight
-        self.stats.counters.released += returned
+        if self.crashed is None:
+            returned, _ = self.lifecycle.recover()  # anything cancelled mid-flight
+            self.stats.counters.released += returned
+        # After a crash what was in flight stays claimed: the next start-up returns it, and
+        # fails the file instead if it was in flight at the crash before this one too.
         self.lifecycle.unlock_instance()
         self.log_stats()
 

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from inboxd import __version__, logs
-from inboxd.config import Config, ConfigError, load_config
+from inboxd.config import Config, ConfigError
+from inboxd.files.layout import load_checked_config
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.models import faults
 from inboxd.pipeline.wiring import Pipeline
@@ -159,7 +160,7 @@ class Service:
 
     def reload(self, pipeline: Pipeline) -> None:
         try:
-            new = load_config(self.config_path, self.overrides)
+            new = load_checked_config(self.config_path, self.overrides)
         except ConfigError as exc:
             logs.emit(logging.ERROR, "reloaded",
                       f"reload refused, the running configuration stays: {exc}",
@@ -202,6 +203,17 @@ def run_once(config: Config) -> int:
 
 async def _once(config: Config, progress: bool) -> int:
     service = Service(config, None)
+    stopped_by: list[int] = []
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        # Only flags, as in run: the pipeline drains and hands claimed files back itself.
+        stopped_by.append(signum)
+        stop.set()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, on_signal, signum)
     pipeline = await service.load()
     counters = pipeline.stats.counters
 
@@ -210,11 +222,17 @@ async def _once(config: Config, progress: bool) -> int:
                          f"{pipeline.outcomes.in_flight} in progress ")
         sys.stdout.flush()
 
-    await pipeline.process_backlog(show if progress else None)
+    await pipeline.process_backlog(show if progress else None, stop)
     if progress:
         show()
         sys.stdout.write("\n")
     print(f"inboxd once: {counters.completed} completed, {counters.failed} failed")
     if pipeline.crashed is not None:
         return EX_SOFTWARE
+    if stopped_by:
+        waiting = pipeline.watcher.count_waiting()
+        name = signal.Signals(stopped_by[0]).name
+        print(f"inboxd once: stopped by {name}; {waiting} file(s) wait in the inbox for the "
+              "next run", file=sys.stderr)
+        return 128 + stopped_by[0]
     return 1 if counters.failed else 0

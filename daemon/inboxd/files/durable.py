@@ -1,0 +1,94 @@
+"""Writes that survive a crash: temp file, fsync, rename, folder fsync; and moves across
+filesystems that never leave half a file.
+
+Temp files live in a hidden ``.tmp/<instance>/`` folder of the destination's root (same
+filesystem, so the final rename is atomic); ``Lifecycle.prepare`` empties it at start-up, so a
+kill at any instant leaves no temp file behind for longer than one restart.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from inboxd.files.renames import place
+
+TMP_DIRNAME = ".tmp"
+
+
+def tmp_dir_for(root: Path, instance: str) -> Path:
+    return root / TMP_DIRNAME / instance
+
+
+def write_tmp(tmp_dir: Path, data: bytes, suffix: str) -> Path:
+    """``data`` in a new temp file under ``tmp_dir``, fsynced; removed again if writing fails."""
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_dir / f"{uuid.uuid4().hex}{suffix}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except OSError:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    return tmp
+
+
+def json_bytes(document: dict[str, Any]) -> bytes:
+    return json.dumps(document, indent=2, ensure_ascii=True).encode() + b"\n"
+
+
+def move(source: Path, target: Path, token: str, tmp_dir: Path) -> Path:
+    """Move ``source`` to ``target`` or a free variant of its name (never replacing anything);
+    across filesystems copy it to ``tmp_dir`` first (fsynced), so the destination only ever
+    holds the whole file. Returns where it went."""
+    try:
+        return place(source, target, token)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_dir / f"{uuid.uuid4().hex}.copy.tmp"
+    try:
+        with open(source, "rb") as src, open(tmp, "xb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+            dst.flush()
+            os.fsync(dst.fileno())
+        final = place(tmp, target, token)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(final.parent)
+    source.unlink()
+    return final
+
+
+def fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def walk_files(root: Path) -> Iterator[Path]:
+    """Every non-directory under ``root``; links are listed, never followed."""
+    if not root.is_dir():
+        return
+    for folder, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in sorted(files):
+            yield Path(folder) / name
+        for name in dirs:
+            if os.path.islink(os.path.join(folder, name)):
+                yield Path(folder) / name

@@ -1,0 +1,78 @@
+"""Folder layouts that cannot work, refused before anything is touched (exit 78).
+
+An output folder inside a watched inbox is taken back in as new input (``failed/failed/…``
+until the names are too long); an inbox inside an output folder is the same loop the other way;
+an inbox path that is a file makes every start fail. None of these can be fixed at run time,
+so ``check-config`` and start-up say what to change instead.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from inboxd.config import Config, ConfigError, load_config
+from inboxd.files.names import TEMP_SUFFIXES
+
+OUTPUTS = ("results_dir", "done_dir", "failed_dir")
+
+
+def load_checked_config(path: Path | None, overrides: dict[str, Any] | None = None) -> Config:
+    """:func:`inboxd.config.load_config`, then the layout checks below."""
+    config = load_config(path, overrides)
+    problems = layout_problems(config)
+    if problems:
+        raise ConfigError(str(path or "config/inboxd.yaml"), problems)
+    return config
+
+
+def _inside(inner: Path, outer: Path) -> bool:
+    return inner == outer or outer in inner.parents
+
+
+def layout_problems(config: Config) -> list[str]:
+    problems = []
+    # Real paths: a link must not hide that two folders are one.
+    inboxes = [(n, Path(os.path.realpath(p))) for n, p in enumerate(config.inbox.paths)]
+    outputs = [(key, Path(os.path.realpath(getattr(config, key)))) for key in OUTPUTS]
+    for n, inbox in inboxes:
+        where = f"inbox.paths[{n}]"
+        if inbox.exists() and not inbox.is_dir():
+            problems.append(f"{where}: {inbox} is not a folder; give the folder files are "
+                            "dropped into")
+        for key, output in outputs:
+            if _inside(output, inbox):
+                problems.append(f"{key}: {output} is inside the inbox {inbox} ({where}), so the "
+                                "daemon would take its own output as new input; move it out, "
+                                f"e.g. to {inbox.parent / output.name}")
+            elif _inside(inbox, output):
+                problems.append(f"{where}: the inbox {inbox} is inside {key} ({output}); "
+                                "keep inboxes and output folders apart")
+        for m, other in inboxes[n + 1:]:
+            if _inside(other, inbox) or _inside(inbox, other):
+                problems.append(f"inbox.paths[{m}]: {other} and {inbox} overlap; a file would "
+                                "belong to two inboxes")
+    for (key, output), (other_key, other) in ((a, b) for i, a in enumerate(outputs)
+                                              for b in outputs[i + 1:]):
+        if output == other:
+            problems.append(f"{other_key}: the same folder as {key} ({output}); give each "
+                            "outcome its own folder")
+    for n, pattern in enumerate(config.inbox.include):
+        why = pattern_never_matches(pattern)
+        if why:
+            problems.append(f"inbox.include[{n}]: {pattern!r} can never match: {why}")
+    return problems
+
+
+def pattern_never_matches(pattern: str) -> str | None:
+    """Why no file name the daemon takes could match ``pattern`` (None: some could)."""
+    if not pattern:
+        return "it is empty"
+    if "/" in pattern:
+        return "patterns match file names, not paths; drop the folder part"
+    if pattern.startswith("."):
+        return "hidden names (starting with a dot) are never taken"
+    if pattern.lower().endswith(TEMP_SUFFIXES):
+        return f"names ending in {', '.join(TEMP_SUFFIXES)} are temp files, never taken"
+    return None

@@ -1,0 +1,180 @@
+"""Result files: ``results/<name>.json`` (and ``<name>.npy`` for embeddings), one per input,
+never one input's result over another's.
+
+``<name>`` is the input's key (``photo.jpg``), or — when that name already holds the result of
+*different* bytes — ``photo.<sha256[:12]>.jpg``, then ``photo.<sha256[:12]>.1.jpg`` and so on
+without limit. The source later moves to ``done/<name>``, the same name, so a file in ``done/``
+finds its result by name. The same bytes under the same key always map to the same name, so a
+re-drop or a rerun after a crash finds its earlier result in one or two opens.
+
+Durability is grouped per batch: every JSON is written to a temp file and fsynced, then each is
+renamed into place without replacing anything, and each results folder is fsynced once. A
+batch's vectors are made durable *before* its JSON: a rerun treats an existing JSON with the
+same sha256 as done, so a JSON must never exist without its vector.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from inboxd.files.durable import fsync_dir, json_bytes, write_tmp
+from inboxd.files.names import output_path
+from inboxd.files.renames import key_variants, place, rename_noreplace
+
+JSON_SUFFIX = ".json"
+VECTOR_SUFFIX = ".npy"
+SHA_TOKEN_CHARS = 12
+
+
+def sha_token(sha256: str) -> str:
+    return sha256[:SHA_TOKEN_CHARS]
+
+
+@dataclass
+class ResultEntry:
+    key: str
+    sha256: str
+    document: Callable[[str], dict[str, Any]]  # the JSON, given the name it is filed under
+    vector: npt.NDArray[np.float32] | None = None
+
+
+class ResultFiles:
+    def __init__(self, results_dir: Path, tmp_dir: Path, done_dir: Path | None,
+                 replace_kept: bool = False) -> None:
+        self.results_dir = results_dir
+        self.tmp_dir = tmp_dir
+        # With after_success: move, a name is only free when done/ does not hold it either,
+        # so the source can follow its result's name.
+        self.done_dir = done_dir
+        # after_success: keep — the source stays in the inbox under its own name, and the plain
+        # name's result must describe what is there now; an earlier result moves aside.
+        self.replace_kept = replace_kept
+
+    def json_path(self, name: str) -> Path:
+        return output_path(self.results_dir, name, JSON_SUFFIX)
+
+    def vector_path(self, name: str) -> Path:
+        return output_path(self.results_dir, name, VECTOR_SUFFIX)
+
+    def recorded_sha256(self, name: str) -> str | None:
+        """The sha256 in ``name``'s result; "" when the file exists but says none."""
+        try:
+            with open(self.json_path(name), "rb") as existing:
+                sha = json.load(existing).get("sha256")
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, AttributeError):
+            return ""
+        return sha if isinstance(sha, str) else ""
+
+    def find(self, key: str, sha256: str) -> str | None:
+        """The name under which these bytes' result already exists, if it does."""
+        for name in key_variants(key, sha_token(sha256)):
+            recorded = self.recorded_sha256(name)
+            if recorded is None:
+                return None
+            if recorded == sha256:
+                return name
+        return None  # pragma: no cover - key_variants never ends
+
+    def _free_names(self, key: str, sha256: str) -> Iterator[str]:
+        for name in key_variants(key, sha_token(sha256)):
+            if os.path.lexists(self.json_path(name)):
+                continue
+            if self.done_dir is not None and os.path.lexists(output_path(self.done_dir, name)):
+                continue
+            yield name
+
+    def write(self, entries: Sequence[ResultEntry]) -> list[tuple[str, bool]]:
+        """Durably file every entry's result. Returns, per entry, the name it is filed under
+        and whether that result was already there (the same bytes, filed earlier)."""
+        outcome: list[tuple[str, bool] | None] = []
+        todo: list[tuple[int, ResultEntry, str]] = []
+        for index, entry in enumerate(entries):
+            known = None if self.replace_kept else self.find(entry.key, entry.sha256)
+            outcome.append(None if known is None else (known, True))
+            if known is None:
+                todo.append((index, entry, self._claim_name(entry)))
+        vector_folders = {self._write_vector(name, entry.vector)
+                          for _, entry, name in todo if entry.vector is not None}
+        for folder in vector_folders:
+            fsync_dir(folder)
+        temps: list[Path] = []
+        try:
+            for _, entry, name in todo:
+                temps.append(write_tmp(self.tmp_dir, json_bytes(entry.document(name)),
+                                       JSON_SUFFIX))
+        except OSError:
+            for tmp in temps:  # a full disk fails the batch part-way: give the space back
+                tmp.unlink(missing_ok=True)
+            raise
+        folders: set[Path] = set()
+        for (index, entry, name), tmp in zip(todo, temps, strict=True):
+            filed = self._place_json(tmp, entry, name)
+            outcome[index] = (filed, False)
+            folders.add(self.json_path(filed).parent)
+        for folder in folders:
+            fsync_dir(folder)
+        return [filed for filed in outcome if filed is not None]
+
+    def _claim_name(self, entry: ResultEntry) -> str:
+        if self.replace_kept:
+            self._move_aside(entry.key, entry.sha256)
+            return entry.key
+        return next(self._free_names(entry.key, entry.sha256))
+
+    def _move_aside(self, key: str, sha256: str) -> None:
+        """keep: an older result of different bytes under the plain name moves to its own
+        sha-named variant, so the plain name can describe the file now in the inbox."""
+        recorded = self.recorded_sha256(key)
+        if recorded in (None, sha256):
+            return
+        token = sha_token(recorded) if recorded else "old"
+        for suffix in (VECTOR_SUFFIX, JSON_SUFFIX):  # vector first: never a JSON without it
+            current = output_path(self.results_dir, key, suffix)
+            if os.path.lexists(current):
+                place(current, output_path(self.results_dir, key + "." + token, suffix), token)
+
+    def _write_vector(self, name: str, vector: npt.NDArray[np.float32]) -> Path:
+        tmp = self.tmp_dir / f"{os.getpid()}-{abs(hash(name)):x}{VECTOR_SUFFIX}.tmp"
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        # 0o644 like the JSON results: never writable by others, whatever the umask.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "wb") as handle:
+            # allow_pickle=False: a float32 array never needs it, and readers can refuse it.
+            np.save(handle, vector, allow_pickle=False)
+            handle.flush()
+            os.fsync(handle.fileno())
+        final = self.vector_path(name)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        # No JSON names this file yet (its name was free of a JSON), so replacing a leftover
+        # of a killed earlier attempt loses nothing.
+        os.replace(tmp, final)
+        return final.parent
+
+    def _place_json(self, tmp: Path, entry: ResultEntry, name: str) -> str:
+        """Rename ``tmp`` to ``name``'s JSON; if another writer took that name meanwhile, the
+        next free one (rewriting the JSON, and the vector, for it)."""
+        while True:
+            target = self.json_path(name)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                rename_noreplace(tmp, target)
+                return name
+            except FileExistsError:
+                if self.recorded_sha256(name) == entry.sha256:
+                    tmp.unlink(missing_ok=True)  # the same bytes' result is already there
+                    return name
+            tmp.unlink(missing_ok=True)
+            name = next(self._free_names(entry.key, entry.sha256))
+            if entry.vector is not None:
+                fsync_dir(self._write_vector(name, entry.vector))
+            tmp = write_tmp(self.tmp_dir, json_bytes(entry.document(name)), JSON_SUFFIX)

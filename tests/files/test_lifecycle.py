@@ -1,0 +1,133 @@
+"""Claims, results, failures and moves on a real filesystem: no input replaces another, every
+name stays findable, nothing is taken through a linked folder."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from inboxd.config import load_config
+from inboxd.files.lifecycle import Lifecycle
+from inboxd.files.results import ResultEntry
+from inboxd.files.safe_paths import LinkedFolder
+
+from tests.conftest import write_config
+
+
+def lifecycle_for(tmp_path: Path, **overrides: object) -> Lifecycle:
+    lifecycle = Lifecycle(load_config(write_config(tmp_path, **overrides)))
+    lifecycle.prepare()
+    return lifecycle
+
+
+def entry(key: str, data: bytes) -> ResultEntry:
+    sha = hashlib.sha256(data).hexdigest()
+    return ResultEntry(key, sha, lambda name: {"source": key, "filed_as": name, "sha256": sha})
+
+
+def test_a_second_file_of_a_name_in_flight_is_claimed_beside_it(tmp_path: Path) -> None:
+    lifecycle = lifecycle_for(tmp_path)
+    inbox = tmp_path / "inbox"
+    (inbox / "scan.jpg").write_bytes(b"first")
+    first = lifecycle.claim(inbox, "scan.jpg")
+    (inbox / "scan.jpg").write_bytes(b"second")
+    second = lifecycle.claim(inbox, "scan.jpg")
+    assert first is not None and second is not None and first != second
+    assert first.read_bytes() == b"first" and second.read_bytes() == b"second"
+
+
+def test_nothing_is_claimed_through_a_linked_folder(tmp_path: Path) -> None:
+    lifecycle = lifecycle_for(tmp_path)
+    elsewhere = tmp_path / "alice"
+    elsewhere.mkdir()
+    (elsewhere / "x.jpg").write_bytes(b"alice's")
+    (tmp_path / "inbox" / "photos").symlink_to(elsewhere)
+    with pytest.raises(LinkedFolder):
+        lifecycle.claim(tmp_path / "inbox", "photos/x.jpg")
+    assert (elsewhere / "x.jpg").read_bytes() == b"alice's"
+
+
+def test_two_different_files_of_one_name_get_two_results(tmp_path: Path) -> None:
+    lifecycle = lifecycle_for(tmp_path)
+    (first_name, first_known), = lifecycle.results.write([entry("photo.jpg", b"one")])
+    (second_name, second_known), = lifecycle.results.write([entry("photo.jpg", b"two")])
+    sha_two = hashlib.sha256(b"two").hexdigest()
+    assert (first_name, first_known) == ("photo.jpg", False)
+    assert (second_name, second_known) == (f"photo.{sha_two[:12]}.jpg", False)
+    results = tmp_path / "results"
+    assert json.loads((results / "photo.jpg.json").read_text())["sha256"] == hashlib.sha256(
+        b"one").hexdigest()
+    assert json.loads((results / f"{second_name}.json").read_text())["sha256"] == sha_two
+    # The same bytes again: found where they were filed, nothing new written.
+    assert lifecycle.results.write([entry("photo.jpg", b"two")]) == [(second_name, True)]
+    assert lifecycle.results.find("photo.jpg", sha_two) == second_name
+
+
+def test_a_done_file_follows_its_result_name(tmp_path: Path) -> None:
+    lifecycle = lifecycle_for(tmp_path)
+    inbox, done = tmp_path / "inbox", tmp_path / "done"
+    for data in (b"one", b"two"):
+        (inbox / "photo.jpg").write_bytes(data)
+        claimed = lifecycle.claim(inbox, "photo.jpg")
+        assert claimed is not None
+        (name, _), = lifecycle.results.write([entry("photo.jpg", data)])
+        lifecycle.finish_success(claimed, name, inbox / "photo.jpg",
+                                 hashlib.sha256(data).hexdigest())
+        assert (done / name).read_bytes() == data
+        result = json.loads((tmp_path / "results" / f"{name}.json").read_text())
+        assert result["sha256"] == hashlib.sha256(data).hexdigest()
+
+
+def test_failures_of_one_name_never_overwrite_each_other(tmp_path: Path) -> None:
+    lifecycle = lifecycle_for(tmp_path)
+    inbox, failed = tmp_path / "inbox", tmp_path / "failed"
+    names = []
+    for n in range(3):
+        (inbox / "bad.jpg").write_bytes(f"broken {n}".encode())
+        claimed = lifecycle.claim(inbox, "bad.jpg")
+        names.append(lifecycle.finish_failure(claimed, "bad.jpg", {"reason": f"broken {n}",
+                                                                   "sha256": None}))
+    assert len(set(names)) == 3 and names[0] == "bad.jpg"
+    for n, name in enumerate(names):
+        assert (failed / name).read_bytes() == f"broken {n}".encode()
+        assert json.loads((failed / f"{name}.error.json").read_text())["reason"] == f"broken {n}"
+
+
+def test_a_release_never_replaces_a_new_file_of_the_same_name(tmp_path: Path) -> None:
+    lifecycle = lifecycle_for(tmp_path)
+    inbox = tmp_path / "inbox"
+    (inbox / "a.jpg").write_bytes(b"old")
+    claimed = lifecycle.claim(inbox, "a.jpg")
+    assert claimed is not None
+    (inbox / "a.jpg").write_bytes(b"new")
+    back = lifecycle.release(claimed, inbox / "a.jpg")
+    assert back is not None and back != inbox / "a.jpg"
+    assert {back.read_bytes(), (inbox / "a.jpg").read_bytes()} == {b"old", b"new"}
+
+
+def test_a_file_in_flight_at_two_crashes_goes_to_failed(tmp_path: Path) -> None:
+    lifecycle = lifecycle_for(tmp_path)
+    inbox = tmp_path / "inbox"
+    (inbox / "killer.jpg").write_bytes(b"boom")
+    for crash in (1, 2):
+        claimed = lifecycle.claim(inbox, "killer.jpg")
+        assert claimed is not None
+        lifecycle.record_crash("stage preprocess-0 crashed: RuntimeError('boom')")
+        returned, failed = lifecycle.recover()
+        assert (returned, failed) == ((1, 0) if crash == 1 else (0, 1))
+    report = json.loads((tmp_path / "failed" / "killer.jpg.error.json").read_text())
+    assert "crashed 2 times" in report["reason"] and "RuntimeError" in report["reason"]
+    assert (tmp_path / "failed" / "killer.jpg").read_bytes() == b"boom"
+
+
+def test_a_kill_is_not_a_crash_of_the_file(tmp_path: Path) -> None:
+    """SIGKILL leaves no ledger: however often a file is in flight at kills, it is retried."""
+    lifecycle = lifecycle_for(tmp_path)
+    inbox = tmp_path / "inbox"
+    (inbox / "a.jpg").write_bytes(b"fine")
+    for _ in range(3):
+        assert lifecycle.claim(inbox, "a.jpg") is not None
+        assert lifecycle.recover() == (1, 0)
+    assert (inbox / "a.jpg").read_bytes() == b"fine"

@@ -1,0 +1,338 @@
+"""A model-based test of the file guarantees: a seeded random sequence of what users and the
+system do, against the real daemon, checked against a reference model of where every input's
+bytes must end up.
+
+What users and the system do: drop (temp + rename), drop under a name that is in use, write in
+place without a temp name, drop the same bytes again, replace or delete a file still waiting,
+rename it inside the inbox, move a whole folder in, put a link in (to a file and to a folder
+outside), drop with a future mtime, drop a corrupt file, fill the output disk and free it,
+SIGKILL the daemon and start it again.
+
+The reference model only tracks bytes (by sha256): every input must end exactly once in done/
+(with ``results/<its name>.json`` describing those bytes, or — for a byte-identical re-drop — an
+earlier result of the same bytes) or in failed/ with its ``.error.json``; an input the *user*
+replaced or deleted before it was claimed may instead vanish. Nothing outside the inbox may
+change, and after the drain nothing is left in ``.processing/`` or in a temp folder.
+
+CI runs ``STEPS_CI`` steps; ``make soak`` runs ``STEPS_SOAK`` with ≥ 20 kills. The seed is
+printed; replay with ``INBOXD_MODEL_SEED=N``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from tests.conftest import DaemonProcess, read_json, write_config
+
+STEPS_CI = 320
+STEPS_SOAK = 2000
+KILL_EVERY_STEPS = 60  # on average: 5 kills in CI, ~33 in the soak
+NAMES = ["scan.png", "a.png", "b.png", "deep/c.png", "deep/er/d.png"]
+ROOT = os.geteuid() == 0
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass
+class Reference:
+    """Where the bytes of every input must end up."""
+
+    must_end: collections.Counter[str] = field(default_factory=collections.Counter)
+    may_vanish: collections.Counter[str] = field(default_factory=collections.Counter)
+    corrupt: set[str] = field(default_factory=set)
+    outside: dict[Path, str] = field(default_factory=dict)  # files that must not change
+
+    def added(self, data: bytes) -> None:
+        self.must_end[sha(data)] += 1
+
+    def vanished_maybe(self, digest: str) -> None:
+        """The user replaced or deleted it: if nobody had claimed it yet, it is gone."""
+        if self.must_end[digest] > 0:
+            self.must_end[digest] -= 1
+            self.may_vanish[digest] += 1
+
+
+class World:
+    def __init__(self, root: Path, seed: int) -> None:
+        self.root = root
+        self.rng = random.Random(seed)
+        self.inbox = root / "inbox"
+        self.outputs = root / "out"
+        self.elsewhere = root / "elsewhere"
+        self.elsewhere.mkdir()
+        self.ref = Reference()
+        self.counter = 0
+        self.ballast: Path | None = None
+        self.config = write_config(
+            root, inbox={"settle_ms": 100, "rescan_interval_s": 2},
+            results_dir=str(self.outputs / "results"), done_dir=str(self.outputs / "done"),
+            failed_dir=str(self.outputs / "failed"),
+            capacity={"event_buffer": 32, "queue": 2, "preprocess_cache": 4, "retry_list": 64},
+            retry={"max_attempts": 200, "backoff_initial_ms": 50, "backoff_max_ms": 400},
+            shutdown={"grace_s": 5})
+        self.daemon: DaemonProcess | None = None
+        self.kills = 0
+
+    # -- bytes ---------------------------------------------------------------------------
+
+    def image_bytes(self) -> bytes:
+        self.counter += 1
+        n = self.counter
+        image = Image.new("RGB", (24 + n % 9, 20), (n % 251, (n * 7) % 253, (n * 13) % 255))
+        path = self.root / "tmp.png"
+        image.save(path)
+        return path.read_bytes()
+
+    def waiting(self) -> list[Path]:
+        """Files in the inbox not yet claimed (what a user could still touch), links and
+        what lies behind linked folders left out."""
+        found = []
+        for folder, dirs, files in os.walk(self.inbox):  # never follows links
+            dirs[:] = [d for d in dirs if d != ".processing"]
+            found += [Path(folder) / f for f in files
+                      if f.endswith(".png") and not os.path.islink(os.path.join(folder, f))]
+        return found
+
+    # -- what users do ---------------------------------------------------------------------
+
+    def drop(self, data: bytes | None = None, name: str | None = None) -> None:
+        data = data if data is not None else self.image_bytes()
+        target = self.inbox / (name or self.rng.choice(NAMES))
+        if target.exists() or target.is_symlink():
+            target = target.with_name(f"n{self.counter}-{target.name}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.part")
+        tmp.write_bytes(data)
+        os.rename(tmp, target)
+        self.ref.added(data)
+
+    def write_in_place(self) -> None:
+        data = self.image_bytes()
+        target = self.inbox / f"inplace{self.counter}.png"
+        with open(target, "wb") as handle:
+            handle.write(data[:20])
+            handle.flush()
+            time.sleep(self.rng.choice([0, 0.05, 0.3]))
+            handle.write(data[20:])
+        self.ref.added(data)
+
+    def drop_again(self) -> None:
+        done = [p for p in (self.outputs / "done").rglob("*.png") if p.is_file()]
+        if done:
+            self.drop(self.rng.choice(done).read_bytes())
+
+    def replace_or_delete(self) -> None:
+        waiting = self.waiting()
+        if not waiting:
+            return
+        victim = self.rng.choice(waiting)
+        try:
+            old = victim.read_bytes()
+        except OSError:
+            return  # claimed in between
+        if self.rng.random() < 0.5:
+            data = self.image_bytes()
+            tmp = victim.with_name(f".{victim.name}.new")
+            tmp.write_bytes(data)
+            os.replace(tmp, victim)  # the user's own overwrite
+            self.ref.added(data)
+        else:
+            with contextlib.suppress(FileNotFoundError):  # claimed in between
+                victim.unlink()
+        self.ref.vanished_maybe(sha(old))
+
+    def rename_inside(self) -> None:
+        waiting = self.waiting()
+        if waiting:
+            source = self.rng.choice(waiting)
+            target = self.inbox / "moved" / f"r{self.counter}-{source.name}"
+            target.parent.mkdir(exist_ok=True)
+            self.counter += 1
+            # Claimed first: the daemon has it, the reference is unchanged.
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(source, target)
+
+    def move_folder_in(self) -> None:
+        folder = self.root / f"batch{self.counter}"
+        for rel in ("x.png", "sub/y.png", "sub/deeper/z.png"):
+            data = self.image_bytes()
+            (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+            (folder / rel).write_bytes(data)
+            self.ref.added(data)
+        os.rename(folder, self.inbox / folder.name)
+
+    def link_in(self) -> None:
+        target = self.elsewhere / f"private{self.counter}.png"
+        target.write_bytes(self.image_bytes())
+        self.ref.outside[target] = sha(target.read_bytes())
+        if self.rng.random() < 0.5:
+            (self.inbox / f"link{self.counter}.png").symlink_to(target)
+        else:
+            (self.inbox / f"linkdir{self.counter}").symlink_to(self.elsewhere)
+
+    def future_mtime(self) -> None:
+        data = self.image_bytes()
+        target = self.inbox / f"future{self.counter}.png"
+        tmp = target.with_name(f".{target.name}.part")
+        tmp.write_bytes(data)
+        ahead = time.time() + 86400 * 365
+        os.utime(tmp, (ahead, ahead))
+        os.rename(tmp, target)
+        self.ref.added(data)
+
+    def corrupt(self) -> None:
+        data = self.image_bytes()[: self.rng.randint(0, 60)] + os.urandom(8)
+        self.drop(data, f"bad{self.counter}.png")
+        self.ref.corrupt.add(sha(data))
+
+    def fill_or_free_disk(self) -> None:
+        if self.ballast is None:
+            self.ballast = self.outputs / "ballast"
+            with open(self.ballast, "wb") as handle:
+                try:
+                    while True:
+                        handle.write(b"\0" * 65536)
+                except OSError:
+                    pass
+        else:
+            self.ballast.unlink()
+            self.ballast = None
+
+    # -- what the system does --------------------------------------------------------------
+
+    def start(self) -> None:
+        self.daemon = DaemonProcess(self.config)
+        self.daemon.wait_for("ready", 180)
+
+    def kill_and_restart(self) -> None:
+        assert self.daemon is not None
+        self.daemon.proc.send_signal(signal.SIGKILL)
+        self.daemon.proc.wait(30)
+        self.kills += 1
+        self.start()
+
+    def step(self) -> str:
+        actions = [(self.drop, 30), (self.write_in_place, 6), (self.drop_again, 5),
+                   (self.replace_or_delete, 8), (self.rename_inside, 5),
+                   (self.move_folder_in, 3), (self.link_in, 3), (self.future_mtime, 3),
+                   (self.corrupt, 4)]
+        if ROOT:
+            actions.append((self.fill_or_free_disk, 2))
+        if self.rng.random() < 1 / KILL_EVERY_STEPS:
+            self.kill_and_restart()
+            return "kill"
+        action = self.rng.choices([a for a, _ in actions], [w for _, w in actions])[0]
+        action()
+        time.sleep(self.rng.choice([0, 0.01, 0.05]))
+        return action.__name__
+
+
+def outcomes(out: Path) -> tuple[collections.Counter[str], set[str], dict[str, str]]:
+    """sha256 → how many times those bytes ended in done/ or failed/; the sha256s in done/;
+    failed name → its reason. Checks on the way that every done file's result, found by its
+    name, describes its bytes."""
+    ended: collections.Counter[str] = collections.Counter()
+    in_done: set[str] = set()
+    failed_reasons = {}
+    for folder in ("done", "failed"):
+        for path in (out / folder).rglob("*"):
+            if not path.is_file() and not path.is_symlink():
+                continue
+            if ".tmp" in path.relative_to(out).parts or path.name.endswith(".error.json"):
+                continue
+            name = path.relative_to(out / folder).as_posix()
+            if folder == "failed":
+                failed_reasons[name] = read_json(out / "failed" / f"{name}.error.json")["reason"]
+                if path.is_symlink():
+                    continue  # a refused link: not an input's bytes
+            digest = sha(path.read_bytes())
+            ended[digest] += 1
+            if folder == "done":
+                in_done.add(digest)
+                by_name = out / "results" / f"{name}.json"
+                if by_name.exists():
+                    assert read_json(by_name)["sha256"] == digest, f"done/{name}: other bytes"
+    return ended, in_done, failed_reasons
+
+
+def run_model(tmp_path: Path, steps: int, seed: int) -> dict[str, int]:
+    print(f"model-based: {steps} steps, seed {seed} (replay: INBOXD_MODEL_SEED={seed})")
+    world = World(tmp_path, seed)
+    mount = ROOT
+    if mount:
+        world.outputs.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(world.outputs)],
+                       check=True)
+    try:
+        world.start()
+        done_actions = collections.Counter(world.step() for _ in range(steps))
+        if world.ballast is not None:
+            world.fill_or_free_disk()
+        assert world.daemon is not None
+        assert world.daemon.stop(timeout_s=90) == 0
+        drained = subprocess.run([sys.executable, "-m", "inboxd", "once", "-c",
+                                  str(world.config)], cwd=tmp_path, capture_output=True,
+                                 text=True, timeout=600)
+        assert drained.returncode in (0, 1), drained.stderr[-3000:]
+        ended, in_done, failed_reasons = outcomes(world.outputs)
+        ref = world.ref
+        lost = {d: n for d, n in ref.must_end.items() if ended[d] < n}
+        doubled = {d: ended[d] for d in ended
+                   if ended[d] > ref.must_end[d] + ref.may_vanish[d]}
+        assert lost == {}, f"inputs without an outcome: {lost}"
+        assert doubled == {}, f"inputs with two outcomes: {doubled}"
+        result_shas = {read_json(r)["sha256"] for r in (world.outputs / "results").rglob("*.json")
+                       if ".tmp" not in r.parts}
+        assert in_done <= result_shas, "bytes in done/ without any result"
+        assert not (ref.corrupt & in_done), "a corrupt input was filed as a success"
+        for path, digest in ref.outside.items():
+            assert sha(path.read_bytes()) == digest, f"{path} outside the inbox changed"
+        processing = tmp_path / "inbox" / ".processing" / "default"
+        assert not [p for p in processing.rglob("*") if p.is_file()], "left in .processing/"
+        temps = [p for p in world.outputs.rglob("*") if ".tmp" in p.parts and p.is_file()]
+        assert temps == [], f"temp files outlived their operation: {temps}"
+        waiting = world.waiting()
+        assert waiting == [], f"still in the inbox after the drain: {waiting}"
+        figures = {"steps": steps, "kills": world.kills, "inputs": sum(ref.must_end.values()),
+                   "vanishable": sum(ref.may_vanish.values()), "lost": 0, "doubled": 0,
+                   "failed": len(failed_reasons), **{f"op_{k}": v for k, v in
+                                                     done_actions.items()}}
+        print("model-based figures:", figures)
+        return figures
+    finally:
+        if world.daemon is not None:
+            world.daemon.kill()
+        if mount:
+            subprocess.run(["umount", "-l", str(world.outputs)], check=False)
+
+
+def seed_from_env() -> int:
+    return int(os.environ.get("INBOXD_MODEL_SEED") or random.SystemRandom().randrange(10**9))
+
+
+@pytest.mark.timeout(600)
+def test_model_based_user_and_system_actions(tmp_path: Path) -> None:
+    figures = run_model(tmp_path, STEPS_CI, int(os.environ.get("INBOXD_MODEL_SEED", "20261201")))
+    assert figures["kills"] >= 1
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(3600)
+def test_model_based_soak(tmp_path: Path) -> None:
+    figures = run_model(tmp_path, STEPS_SOAK, seed_from_env())
+    assert figures["kills"] >= 20
