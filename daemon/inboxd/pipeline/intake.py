@@ -82,13 +82,13 @@ class Intake:
         path, inbox = candidate.path, candidate.inbox
         rel = relative_inside(path, inbox)
         if rel is None:
-            return None
+            return self._ignored()
         try:
             st = os.lstat(path)
         except (FileNotFoundError, NotADirectoryError):
-            return None  # claimed by another instance, or removed by its writer
+            return self._ignored()  # claimed by another instance, or removed by its writer
         if stat.S_ISDIR(st.st_mode):
-            return None  # folders are walked by the scan, never processed
+            return self._ignored()  # folders are walked by the scan, never processed
         refusal = None
         if stat.S_ISLNK(st.st_mode):
             refusal = describe_link(path, inbox)
@@ -101,7 +101,7 @@ class Intake:
                 self.buffer.retry_later(candidate, self.clock() + self.settle_s - age_s)
                 return None
             if self.config.inbox.after_success == "keep" and self._already_done(rel, inbox, st):
-                return None
+                return self._ignored()
         key = self.key_for(inbox, rel)
         item = WorkItem(
             inbox=inbox,
@@ -111,9 +111,15 @@ class Intake:
             noticed_s=candidate.noticed_s,
         )
         if not self.lifecycle.claim(path, item.claimed_path):
-            return None
+            return self._ignored()
         self.claimed += 1
         return item, refusal
+
+    def _ignored(self) -> tuple[WorkItem, str | None] | None:
+        """Admitted to the buffer but not ours after all: counted, so that every accepted path
+        ends up either claimed or ignored. Returns None: nothing to put on the queue."""
+        self.stats.counters.ignored += 1
+        return None
 
     def _already_done(self, rel: str, inbox: Path, st: os.stat_result) -> bool:
         """With ``after_success: keep`` sources stay in the inbox: skip those whose result is

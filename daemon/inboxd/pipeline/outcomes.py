@@ -19,7 +19,7 @@ from inboxd.config import Config
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.item import PermanentError, WorkItem
 from inboxd.pipeline.retry_list import RetryList, backoff_s
-from inboxd.stats import Stats
+from inboxd.stats import Stats, classify_failure
 
 T = TypeVar("T")
 RunIO = Callable[[Callable[[], T]], Awaitable[T]]
@@ -100,7 +100,7 @@ class Outcomes:
         item.attempts += 1
         permanent = isinstance(exc, PermanentError)
         if permanent or item.attempts >= self.config.retry.max_attempts:
-            await self._fail(item, permanent)
+            await self._fail(item, permanent, classify_failure(exc))
             return
         item.reset_for_retry()
         delay_s = backoff_s(item.attempts, self.config.retry, self.rng)
@@ -120,10 +120,11 @@ class Outcomes:
                   path=item.key, reason=why)
         self._resolved()
 
-    async def _fail(self, item: WorkItem, permanent: bool) -> None:
+    async def _fail(self, item: WorkItem, permanent: bool, reason_class: str) -> None:
         report = {
             "source": item.key,
             "reason": item.errors[-1],
+            "reason_class": reason_class,
             "permanent": permanent,
             "attempts": item.errors,
             "sha256": item.sha256,
@@ -142,8 +143,10 @@ class Outcomes:
             await self.release(item, f"failed/ not writable: {exc}")
             return
         self.stats.counters.failed += 1
+        self.stats.failed_by_class[reason_class] += 1
         logs.emit(logging.WARNING, "failed", f"failed {item.key}: {item.errors[-1]}",
-                  path=item.key, error=item.errors[-1], attempts=item.attempts)
+                  path=item.key, error=item.errors[-1], attempts=item.attempts,
+                  reason_class=reason_class)
         self._resolved()
 
     async def refused(self, item: WorkItem, reason: str) -> None:

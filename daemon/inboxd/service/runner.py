@@ -43,6 +43,7 @@ class Service:
         self.force = asyncio.Event()
         self.reload_requested = asyncio.Event()
         self.pipeline: Pipeline | None = None
+        self.metrics: Any = None  # service.metrics.Metrics, only when metrics: is configured
 
     # -- start-up ----------------------------------------------------------------------------
 
@@ -53,6 +54,13 @@ class Service:
         # Refuse a second daemon of this instance before spending seconds on the model.
         lifecycle = Lifecycle(self.config)
         lifecycle.lock_instance()
+        metrics = self.config.metrics
+        if metrics.textfile is not None or metrics.listen is not None:
+            # Imported only here: without metrics: no prometheus_client in the process at all.
+            from inboxd.service.metrics import Metrics
+
+            self.metrics = Metrics(self.config)
+            self.metrics.start()  # before the model: a port in use fails at once
         started = time.perf_counter()
         extending = asyncio.create_task(self._extend_start_timeout())
         try:
@@ -68,7 +76,13 @@ class Service:
                   model=model.name, device=str(model.device), warmup_s=round(warm_s, 3),
                   instance=self.config.instance, version=__version__)
         self.pipeline = Pipeline(self.config, model, lifecycle=lifecycle)
+        if self.metrics is not None:
+            self.metrics.attach(self.pipeline)
         return self.pipeline
+
+    def close_metrics(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
 
     async def _extend_start_timeout(self) -> None:
         while True:
@@ -109,6 +123,7 @@ class Service:
         for task in helpers:
             task.cancel()
         await asyncio.gather(*helpers, return_exceptions=True)
+        self.close_metrics()
         logs.emit(logging.INFO, "stopped", "stopped", instance=self.config.instance)
         self.notifier.close()
         return EX_SOFTWARE if pipeline.crashed else 0
@@ -211,6 +226,7 @@ async def _once(config: Config, progress: bool) -> int:
         sys.stdout.flush()
 
     await pipeline.process_backlog(show if progress else None)
+    service.close_metrics()
     if progress:
         show()
         sys.stdout.write("\n")
