@@ -10,6 +10,7 @@ files on disk.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -30,7 +31,7 @@ from inboxd.pipeline.intake import describe_link
 from inboxd.stats import REASON_CLASSES, classify_failure
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import DaemonProcess, make_image, wait_until, write_config
+from tests.conftest import REPO, DaemonProcess, make_image, wait_until, write_config
 
 CAPACITY = {"event_buffer": 4, "queue": 1, "preprocess_cache": 2, "preprocess_cache_mb": 64,
             "retry_list": 2}
@@ -197,6 +198,13 @@ def test_textfile_via_node_exporter_and_http_during_a_flood(
             assert now <= high <= capacity, (layer, now, high, capacity)
             peak[layer] = max(peak[layer], high)
     assert peak["queue"] == 1 and peak["event_buffer"] == 4, peak
+    # The Grafana dashboard only asks for series that exist (the CUDA ones: on a GPU).
+    dashboard = (REPO / "contrib" / "grafana-dashboard.json").read_text()
+    exposed = {sample.name for family in direct.values()
+               for sample in family.samples}  # type: ignore[attr-defined]
+    wanted = set(re.findall(r"inboxd_[a-z_]+", dashboard)) - {
+        "inboxd_cuda_allocated_bytes", "inboxd_cuda_reserved_bytes"}
+    assert wanted and wanted <= exposed, wanted - exposed
     # node_exporter read a complete file every time: it reports no textfile error.
     with urllib.request.urlopen(exporter_url.replace("/metrics", "/metrics"), timeout=5) as r:
         text = r.read().decode()
