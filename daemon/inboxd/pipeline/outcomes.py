@@ -123,6 +123,8 @@ class Outcomes:
     async def _fail(self, item: WorkItem, permanent: bool, reason_class: str) -> None:
         report = {
             "source": item.key,
+            "inbox": str(item.inbox),  # where `inboxd retry` returns it, under rel
+            "rel": item.rel,
             "reason": item.errors[-1],
             "reason_class": reason_class,
             "permanent": permanent,
