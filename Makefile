@@ -76,6 +76,16 @@ $(VENV)/.test-installed: pyproject.toml | system-deps $(VENV)/bin/python
 clean:
 	rm -rf var .pytest_cache .mypy_cache .ruff_cache
 
+# The service, as root: the program in $(PREFIX)/.venv, the inboxd user and folders, the units,
+# /etc/inboxd/inboxd.yaml (never overwritten), daemon-reload. Idempotent. See systemd/install.sh.
+PREFIX ?= /opt/inboxd
+.PHONY: install uninstall
+install:
+	@PREFIX=$(PREFIX) PYTHON=$(PYTHON) bash systemd/install.sh install
+
+uninstall:
+	@PREFIX=$(PREFIX) bash systemd/install.sh uninstall
+
 # Benchmarks (bench/): one table + JSON + PNG under bench/out/. Not tests: figures, not asserts.
 .PHONY: bench bench-sweep
 bench: setup-test
