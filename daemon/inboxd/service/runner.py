@@ -111,6 +111,9 @@ class Service:
         pipeline = await self.load()
 
         def ready() -> None:
+            # STATUS= first: `systemctl start` returns on READY=1, and what it shows next must
+            # already have the status line (the status task runs only after this returns).
+            self.notifier.status(pipeline.status_line())
             self.notifier.ready()
             logs.emit(logging.INFO, "ready", "ready: watching "
                       + ", ".join(str(p) for p in self.config.inbox.paths),
