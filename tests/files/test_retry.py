@@ -119,10 +119,13 @@ def test_a_retry_killed_half_way_loses_no_report(setup: tuple[Path, Config]) -> 
 def test_with_a_live_daemon_a_fixed_file_gets_its_result_in_its_own_inbox(
         tmp_path: Path) -> None:
     """Two inboxes with a file of the same name failing in each: the one retried goes back to
-    its own inbox (not the other, not the first) and the running daemon processes it."""
+    its own inbox (not the other, not the first) and the running daemon processes it.
+
+    This daemon has no ``metrics:`` and runs with Python's import log on: it also shows that
+    prometheus_client is then never imported (one daemon start fewer in the suite)."""
     photos, scans = tmp_path / "photos", tmp_path / "scans"
     config = write_config(tmp_path, inbox={"paths": [str(photos), str(scans)]})
-    daemon = DaemonProcess(config)
+    daemon = DaemonProcess(config, env={"PYTHONPROFILEIMPORTTIME": "1"})
     try:
         daemon.wait_for("ready", 120)
         for inbox in (photos, scans):
@@ -153,4 +156,7 @@ def test_with_a_live_daemon_a_fixed_file_gets_its_result_in_its_own_inbox(
         assert (failed / "photos" / "a.jpg.error.json").exists()
         assert not (tmp_path / "results" / "photos").exists()
     finally:
-        assert daemon.stop() == 0, daemon.output()
+        assert daemon.stop() == 0, daemon.output()[-3000:]
+    imports = daemon.output()
+    assert "inboxd.pipeline.wiring" in imports  # the import log is really there
+    assert "prometheus_client" not in imports

@@ -211,16 +211,6 @@ def test_textfile_via_node_exporter_and_http_during_a_flood(
     assert "node_textfile_scrape_error 0" in text
 
 
-def test_without_metrics_prometheus_client_is_never_imported(tmp_path: Path) -> None:
-    config = write_config(tmp_path)
-    done = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "inboxd", "once", "-c", str(config)],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "inboxd.pipeline.wiring" in done.stderr  # the import log is really there
-    assert "prometheus_client" not in done.stderr
-
-
 @pytest.mark.parametrize(("metrics", "message"), [
     ({"textfile": "/var/lib/inboxd/inboxd.txt"}, "only reads *.prom files: name it inboxd.prom"),
     ({"listen": "9464"}, "give HOST:PORT"),
