@@ -9,6 +9,8 @@ files on disk.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import re
 import shutil
@@ -22,16 +24,19 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from inboxd.config import ConfigError, parse_config
+from inboxd.config import ConfigError, load_config, parse_config
 from inboxd.decode.pillow import decode_image
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.files.reading import read_and_hash
 from inboxd.item import PermanentError, TransientError
 from inboxd.pipeline.intake import describe_link
+from inboxd.pipeline.wiring import Pipeline
+from inboxd.service.metrics import Metrics
 from inboxd.stats import REASON_CLASSES, classify_failure
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import REPO, DaemonProcess, make_image, wait_until, write_config
+from tests.fakes import FakeModel
 
 CAPACITY = {"event_buffer": 4, "queue": 1, "preprocess_cache": 2, "preprocess_cache_mb": 64,
             "retry_list": 2}
@@ -265,3 +270,31 @@ def test_reason_classes_of_the_real_errors(tmp_path: Path) -> None:
     for reason_class, errors in cases.items():
         for exc in errors:
             assert classify_failure(exc) == reason_class, (reason_class, exc)
+
+
+def test_an_unwritable_textfile_is_logged_once_and_never_stops_the_pipeline(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """In-process, with the fake model: the textfile's folder is a file (so even root cannot
+    write it). Files still get results, the warning comes once, and once the folder can be
+    made the next stats record writes a complete file, with no temp file left behind."""
+    blocker = tmp_path / "metrics"
+    blocker.write_text("not a folder")
+    config = load_config(write_config(tmp_path, metrics={"textfile": str(blocker / "i.prom")}))
+    pipeline = Pipeline(config, FakeModel())  # type: ignore[arg-type]
+    metrics = Metrics(config)
+    metrics.attach(pipeline)
+    for n in range(3):
+        make_image(tmp_path / "inbox" / f"{n}.png")
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(pipeline.process_backlog())
+        pipeline.log_stats()
+    assert len(list((tmp_path / "results").glob("*.json"))) == 3
+    warnings = [r for r in caplog.records if "cannot write the metrics textfile" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+    blocker.unlink()
+    pipeline.log_stats()
+    families = {f.name: f for f in text_string_to_metric_families(
+        (blocker / "i.prom").read_text())}
+    assert families["inboxd_completed"].samples[0].value == 3
+    assert [p.name for p in blocker.iterdir()] == ["i.prom"]
+    assert oct((blocker / "i.prom").stat().st_mode & 0o777) == "0o644"
