@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 CONFIG ?= config/inboxd.yaml
 PYTEST_ARGS ?=
 
-.PHONY: run test setup setup-test system-deps lint soak clean
+.PHONY: run test setup setup-test system-deps test-system-deps lint soak clean
 
 run: setup
 	$(BIN)/inboxd run -c $(CONFIG)
@@ -30,7 +30,7 @@ nspawn-test: setup-test
 	$(BIN)/python -m pytest -m nspawn -p no:cacheprovider tests/systemd/test_systemd_nspawn.py $(PYTEST_ARGS)
 
 setup: $(VENV)/.runtime-installed
-setup-test: $(VENV)/.test-installed
+setup-test: $(VENV)/.test-installed | test-system-deps
 
 # systemd-python compiles against libsystemd: install its headers when we can, else say how.
 system-deps:
@@ -43,6 +43,20 @@ system-deps:
 	    echo "systemd-python needs the libsystemd headers. Install them, then re-run make:"; \
 	    echo "  sudo apt-get install libsystemd-dev pkg-config gcc python3-dev"; \
 	    exit 1; \
+	  fi; \
+	fi
+
+# The metrics tests scrape a real node_exporter (Debian's prometheus-node-exporter); the test
+# starts it itself on 127.0.0.1, so its packaged service is not needed (or started here).
+test-system-deps:
+	@if ! command -v prometheus-node-exporter >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing prometheus-node-exporter (the metrics tests scrape a real one)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends prometheus-node-exporter >/dev/null; \
+	  else \
+	    echo "the metrics tests need node_exporter (they skip without it, fail in CI):"; \
+	    echo "  sudo apt-get install prometheus-node-exporter"; \
 	  fi; \
 	fi
 
@@ -61,6 +75,16 @@ $(VENV)/.test-installed: pyproject.toml | system-deps $(VENV)/bin/python
 
 clean:
 	rm -rf var .pytest_cache .mypy_cache .ruff_cache
+
+# The service, as root: the program in $(PREFIX)/.venv, the inboxd user and folders, the units,
+# /etc/inboxd/inboxd.yaml (never overwritten), daemon-reload. Idempotent. See systemd/install.sh.
+PREFIX ?= /opt/inboxd
+.PHONY: install uninstall
+install:
+	@PREFIX=$(PREFIX) PYTHON=$(PYTHON) bash systemd/install.sh install
+
+uninstall:
+	@PREFIX=$(PREFIX) bash systemd/install.sh uninstall
 
 # Benchmarks (bench/): one table + JSON + PNG under bench/out/. Not tests: figures, not asserts.
 .PHONY: bench bench-sweep

@@ -68,6 +68,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also list the architecture names torchvision: accepts")
     with_config("recover", "return the files an instance had claimed to the inbox "
                 "(only while that instance is not running; start-up does this by itself)")
+    retry = with_config("retry", "move failed files back into their inbox (after fixing the "
+                        "cause), under their original names; safe while the daemon runs")
+    retry.add_argument("paths", nargs="*", type=Path, metavar="PATH",
+                       help="failed files (in failed_dir, or their .error.json, or their name "
+                       "relative to failed_dir)")
+    retry.add_argument("--reason", metavar="TEXT",
+                       help="only failures of this reason class (decode, too_large, io, model, "
+                       "refused, other) or whose reason contains TEXT")
+    retry.add_argument("--all", action="store_true", help="every failed file of this instance")
+    retry.add_argument("-n", "--dry-run", action="store_true",
+                       help="only print what would be returned")
     stats = sub.add_parser("stats", help="the latest stats record from the journal")
     report = sub.add_parser("report", help="a PNG of the journal's stats records over time")
     for reader in (stats, report):
@@ -180,6 +191,39 @@ def cmd_recover(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_retry(args: argparse.Namespace) -> int:
+    from inboxd.files import retry
+
+    if not (args.paths or args.all or args.reason):
+        print("inboxd retry: name the failed files (PATH…), or use --reason TEXT or --all",
+              file=sys.stderr)
+        return 2
+    config = read_config(args)
+    if not args.dry_run:
+        retry.put_back_stranded(config)
+    chosen, problems = retry.select(config, args.paths, args.all, args.reason)
+    for problem in problems:
+        print(f"inboxd retry: {problem}", file=sys.stderr)
+    returned = 0
+    for failed in chosen:
+        if args.dry_run:
+            print(f"would return {failed.input_path} -> {failed.destination} "
+                  f"({failed.reason})")
+            returned += 1
+            continue
+        try:
+            target = retry.retry(config, failed)
+        except OSError as exc:
+            print(f"inboxd retry: {failed.input_path}: {exc.strerror or exc}", file=sys.stderr)
+            problems.append(str(exc))
+            continue
+        print(f"returned {failed.input_path} -> {target}")
+        returned += 1
+    verb = "would return" if args.dry_run else "returned"
+    print(f"{verb} {returned} failed file(s) to the inbox")
+    return 1 if problems and args.paths else 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from inboxd.service.runner import run_service
 
@@ -217,6 +261,7 @@ COMMANDS: dict[str, Any] = {
     "models": cmd_models,
     "submit": cmd_submit,
     "recover": cmd_recover,
+    "retry": cmd_retry,
     "stats": cmd_stats,
     "report": cmd_report,
 }

@@ -234,6 +234,41 @@ class StatsConfig(Section):
     interval_s: Annotated[float, Field(gt=0)] = 10
 
 
+class MetricsConfig(Section):
+    """Prometheus metrics, both off by default. ``textfile`` is written atomically every
+    ``stats.interval_s`` for node_exporter's textfile collector (no network needed: works with
+    the shipped unit); ``listen`` serves HTTP on HOST:PORT (the unit then needs the README's
+    drop-in, since it has no network)."""
+
+    textfile: Path | None = None  # e.g. /var/lib/inboxd/metrics/inboxd.prom
+    listen: str | None = None  # e.g. 127.0.0.1:9464
+
+    @field_validator("textfile")
+    @classmethod
+    def _prom_suffix(cls, path: Path | None) -> Path | None:
+        # node_exporter reads only *.prom files: any other name would be silently unread.
+        if path is not None and path.suffix != ".prom":
+            raise ValueError("node_exporter's textfile collector only reads *.prom files: "
+                             f"name it {path.with_suffix('.prom').name}")
+        return path
+
+    @field_validator("listen")
+    @classmethod
+    def _host_port(cls, listen: str | None) -> str | None:
+        if listen is None:
+            return None
+        host, sep, port = listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("give HOST:PORT, e.g. 127.0.0.1:9464 (or [::1]:9464)")
+        return listen
+
+    def address(self) -> tuple[str, int]:
+        """``listen`` as (host, port), brackets of an IPv6 host removed."""
+        assert self.listen is not None
+        host, _, port = self.listen.rpartition(":")
+        return host.strip("[]"), int(port)
+
+
 class ShutdownConfig(Section):
     # How long SIGTERM waits for in-flight work; the unit's TimeoutStopSec must be longer.
     grace_s: NonNegative = 30
@@ -252,6 +287,7 @@ class Config(Section):
     retry: RetryConfig = RetryConfig()
     stats: StatsConfig = StatsConfig()
     shutdown: ShutdownConfig = ShutdownConfig()
+    metrics: MetricsConfig = MetricsConfig()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @field_validator("instance")
@@ -271,9 +307,13 @@ class Config(Section):
             return Path(os.path.normpath(base / path.expanduser()))
 
         inbox = self.inbox.model_copy(update={"paths": [absolute(p) for p in self.inbox.paths]})
+        textfile = self.metrics.textfile
+        metrics = self.metrics.model_copy(
+            update={"textfile": absolute(textfile) if textfile is not None else None})
         return self.model_copy(
             update={
                 "inbox": inbox,
+                "metrics": metrics,
                 "results_dir": absolute(self.results_dir),
                 "done_dir": absolute(self.done_dir),
                 "failed_dir": absolute(self.failed_dir),

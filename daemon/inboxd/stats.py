@@ -3,7 +3,11 @@
 The names follow the article: *accepted* (noticed and admitted to the event buffer), *enqueued*
 (``queue.put()`` returned), *completed* (result durable); plus *failed*, *retried*, *deferred*
 (noticed while the event buffer was full: left on disk for the next scan) and *released*
-(handed back to the inbox on disk: retry list full, or shutdown).
+(handed back to the inbox on disk: retry list full, or shutdown) and *ignored* (admitted to the
+event buffer, then not claimed: gone before the claim, a folder, or already done).
+
+Failures are also counted by ``reason_class``, a small fixed set (never free text or a path),
+so that a metrics label can never grow with the inputs.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from inboxd.item import PermanentError, TransientError
 
 # Percentiles are taken over the most recent samples only, so this window never grows.
 SAMPLE_WINDOW = 2048
@@ -37,10 +43,14 @@ class Layer(Protocol):
 class Window:
     samples: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLE_WINDOW))
     max_seen: float = 0.0
+    # Every sample is also handed here (the metrics histograms), when something listens.
+    on_add: Callable[[float], None] | None = None
 
     def add(self, value: float) -> None:
         self.samples.append(value)
         self.max_seen = max(self.max_seen, value)
+        if self.on_add is not None:
+            self.on_add(value)
 
     def percentile(self, q: float) -> float:
         if not self.samples:
@@ -60,16 +70,43 @@ class Counters:
     deferred: int = 0
     released: int = 0
     duplicates: int = 0  # same name and content as an existing result: finished without inference
+    ignored: int = 0  # admitted to the event buffer, then not claimed (gone, a folder, done)
+
+
+# Why a file failed, coarsely: the metrics label. An exception may name its own class with a
+# ``reason_class`` attribute; otherwise classify_failure() decides from its type and message.
+REASON_CLASSES = ("decode", "too_large", "io", "model", "refused", "other")
+
+
+def classify_failure(exc: BaseException) -> str:
+    """The reason class of the exception that made a file fail (one of REASON_CLASSES)."""
+    declared = getattr(exc, "reason_class", None)
+    if declared in REASON_CLASSES:
+        return str(declared)
+    text = str(exc).lower()
+    if text.startswith(("refused", "not a regular file")):
+        return "refused"
+    if "decompression bomb" in text or "too large" in text or "larger than" in text:
+        return "too_large"
+    if "the model failed" in text:
+        return "model"
+    if isinstance(exc, (OSError, TransientError)):
+        return "io"  # transient errors that used up every attempt
+    if isinstance(exc, PermanentError):
+        return "decode"
+    return "other"
 
 
 class Stats:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.counters = Counters()
+        self.failed_by_class = dict.fromkeys(REASON_CLASSES, 0)
         self.layers: list[Layer] = []
         self.put_wait_ms = Window()
         self.latency_ms = Window()
         self.batch_sizes = Window()
+        self.inference_ms = Window()  # one sample per model call (a whole batch)
         self.started_s = clock()
         self._last_completed = 0
         self._last_s = self.started_s

@@ -3,7 +3,10 @@ rootfs with this checkout, its venv and the venv's base Python bound in read-onl
 unit inside (tests/systemd/nspawn/scenario.py) installs the unit as a package would — only its paths
 changed, plus a test drop-in (6 s watchdog, a model call that hangs, quick restart) — and runs
 start → READY → results → journal stats → reload → watchdog restart → stop. The hardening
-directives are applied for real, by systemd 252, so one that breaks start-up fails here.
+directives are applied for real, by systemd 252, so one that breaks start-up fails here. Then
+the same service the way users install it: ``make install`` (from the checkout bound at
+/opt/inboxd), ``systemctl enable --now``, a file dropped by a member of the inboxd group,
+``inboxd retry`` of a fixed failed file, the metrics textfile, ``make uninstall``.
 
 One boot serves every test below (about 50 s: the CPU model loads twice). Run just these with
 ``make nspawn-test``, or by hand ``tests/systemd/nspawn/inboxd-scenario.sh`` (prints where its
@@ -49,9 +52,9 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         _unavailable(f"cannot build the rootfs (network? debootstrap?):\n{build.stderr[-2000:]}")
 
     out = tmp_path_factory.mktemp("nspawn")
-    # boot.sh kills the container itself after 240 + 75 s.
-    done = subprocess.run([NSPAWN / "inboxd-scenario.sh", "-t", "240", "-o", str(out)],
-                          capture_output=True, text=True, timeout=360, check=False)
+    # boot.sh kills the container itself after 360 + 75 s.
+    done = subprocess.run([NSPAWN / "inboxd-scenario.sh", "-t", "360", "-o", str(out)],
+                          capture_output=True, text=True, timeout=480, check=False)
     result_file = out / "scenario.json"
     if not result_file.exists():
         nspawn_log = (out / "nspawn.log").read_text() if (out / "nspawn.log").exists() else ""
@@ -217,3 +220,76 @@ def test_stop_drains_and_exits_0(scenario: dict[str, Any]) -> None:
     assert stop["stopped_records"] == [str(stop["pid"])]
     assert "inboxd.service: Deactivated successfully." in stop["systemd_messages"]
     assert stop["inbox_left"] == []
+
+
+def test_make_install_installs_the_shipped_unit_and_never_overwrites_the_config(
+        scenario: dict[str, Any]) -> None:
+    install = step(scenario, "make_install")
+    # Before: only the config of the steps above and the checkout's venv.
+    assert [p for p, present in install["before"].items() if present] == [
+        "/etc/inboxd/inboxd.yaml", "/opt/inboxd/.venv/bin/inboxd"]
+    assert all(install["after"].values()), install["after"]
+    assert install["first"]["rc"] == 0 and install["second"]["rc"] == 0
+    assert "kept /etc/inboxd/inboxd.yaml" in install["first"]["output"]
+    assert "kept /etc/inboxd/inboxd.yaml" in install["second"]["output"]
+    assert install["config_kept"] is True
+    assert install["unit_as_shipped"] is True  # PREFIX is /opt/inboxd: not one byte changed
+    assert "/opt/inboxd/.venv/bin/inboxd" in install["exec_start"]
+    assert install["inboxd_user"].startswith("inboxd:")
+    # Only the test machine's pyenv Python needs a drop-in, and only for ProtectHome.
+    keys = {line.split("=", 1)[0] for line in install["dropin"][1:]}
+    assert keys <= {"ProtectHome", "BindReadOnlyPaths"}
+    assert install["enable_now"]["rc"] == 0, install["enable_now"]["stderr"]
+    show = install["show"]
+    assert (show["ActiveState"], show["SubState"], show["UnitFileState"]) == (
+        "active", "running", "enabled")
+    assert show["FragmentPath"] == "/etc/systemd/system/inboxd.service"
+
+
+def test_a_member_of_the_inboxd_group_drops_a_file_and_reads_its_result(
+        scenario: dict[str, Any]) -> None:
+    drop = step(scenario, "group_drop")
+    assert drop["drop_rc"] == 0, drop["drop_stderr"]
+    assert drop["top1"]["label"]
+    assert drop["member_reads_result"] is True
+    assert drop["stranger_reads_result"] is False
+    assert drop["stranger_drop_rc"] != 0
+
+
+def test_inboxd_retry_brings_back_a_failed_file_once_it_is_fixed(
+        scenario: dict[str, Any]) -> None:
+    retry = step(scenario, "retry")
+    assert retry["reason_class"] == "decode"
+    assert retry["rc"] == 0, retry["stderr"]
+    assert "returned 1 failed file(s) to the inbox" in retry["stdout"]
+    assert retry["top1"]["label"]
+    assert retry["report_left"] is False and retry["done"] is True
+
+
+def test_the_metrics_textfile_is_written_under_the_shipped_sandbox(
+        scenario: dict[str, Any]) -> None:
+    metrics = step(scenario, "metrics_textfile")
+    assert metrics["mode"] == "0o644"  # readable by node_exporter despite UMask=0027
+    lines = metrics["lines"]
+    assert 'inboxd_completed_total{instance="default"} 2.0' in lines
+    assert 'inboxd_failed_total{instance="default",reason_class="decode"} 1.0' in lines
+    assert 'inboxd_layer_capacity_items{instance="default",layer="queue"} 5.0' in lines
+
+
+def test_make_uninstall_keeps_the_data_and_removes_the_rest(scenario: dict[str, Any]) -> None:
+    uninstall = step(scenario, "make_uninstall")
+    assert uninstall["first"]["rc"] == 0, uninstall["first"]["output"]
+    assert uninstall["second"]["rc"] == 0, uninstall["second"]["output"]
+    after = uninstall["after"]
+    removed = [p for p in after if p.startswith(("/etc/systemd", "/usr/lib"))]
+    assert removed and not any(after[p] for p in removed), after
+    # Kept: a config that differs from the example, the checkout at /opt/inboxd (it is the
+    # user's clone), the data, the user.
+    assert after["/etc/inboxd/inboxd.yaml"] is True
+    assert "kept /etc/inboxd/inboxd.yaml: it differs from the example" in (
+        uninstall["first"]["output"])
+    assert after["/opt/inboxd/.venv/bin/inboxd"] is True
+    assert all(uninstall["data_kept"].values()), uninstall["data_kept"]
+    assert uninstall["user_kept"] is True
+    assert uninstall["show"]["LoadState"] == "not-found"
+    assert uninstall["inboxd_processes"] == []

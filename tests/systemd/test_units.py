@@ -210,3 +210,33 @@ def test_sysusers_and_tmpfiles_create_the_layout(tmp_path: Path) -> None:
     ):
         st = (root / "var/lib/inboxd" / name).stat()
         assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (mode, int(uid), int(gid)), name
+
+
+METRICS_DROPIN = UNITS / "inboxd-metrics-http.conf"
+
+
+def _exposure(*args: str) -> float:
+    proc = subprocess.run([_tool("systemd-analyze"), "security", "--offline=true", *args],
+                          capture_output=True, text=True, timeout=120, check=False)
+    match = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", proc.stdout)
+    assert match, proc.stdout + proc.stderr
+    return float(match.group(1))
+
+
+def test_the_metrics_http_dropin_opens_only_loopback_and_stays_within_target(
+        tmp_path: Path) -> None:
+    """metrics.listen needs the README's drop-in; applied as systemd applies it (a drop-in
+    folder under --root), the unit stays within MAX_EXPOSURE and still denies every IP address
+    but localhost."""
+    system = tmp_path / "etc" / "systemd" / "system"
+    (system / "inboxd.service.d").mkdir(parents=True)
+    shutil.copy(SERVICE, system / "inboxd.service")
+    shutil.copy(METRICS_DROPIN, system / "inboxd.service.d" / "metrics-http.conf")
+    without = _exposure(str(SERVICE))
+    with_dropin = _exposure(f"--root={tmp_path}", "inboxd.service")
+    print(f"\nexposure: {without} without the drop-in, {with_dropin} with it")
+    assert without < with_dropin <= MAX_EXPOSURE
+    dropin = directives(METRICS_DROPIN)
+    assert dropin["PrivateNetwork"] == ["no"]
+    assert dropin["IPAddressAllow"] == ["localhost"]
+    assert "IPAddressDeny" in directives(SERVICE)  # the deny-all the allow list punches through

@@ -158,12 +158,13 @@ class Lifecycle:
                 rel = claimed.relative_to(processing).as_posix()
                 crashes, reason = ledger.get(rel, (0, ""))
                 if crashes >= CRASHES_BEFORE_FAILING:
-                    self.finish_failure(claimed, self.config.key_for(inbox, rel), {
-                        "source": self.config.key_for(inbox, rel),
+                    key = self.config.key_for(inbox, rel)
+                    self.finish_failure(claimed, key, {
+                        "source": key, "inbox": str(inbox), "rel": rel,
                         "reason": f"the daemon crashed {crashes} times while this file was in "
                                   f"flight: {reason}",
-                        "permanent": True, "attempts": [reason] * crashes,
-                        "instance": self.config.instance})
+                        "reason_class": "other", "permanent": True,
+                        "attempts": [reason] * crashes, "instance": self.config.instance})
                     failed += 1
                 else:
                     self.release(claimed, inbox / rel)

@@ -87,16 +87,16 @@ class Intake:
         path, inbox = candidate.path, candidate.inbox
         rel = relative_inside(path, inbox)
         if rel is None:
-            return None
+            return self._ignored()
         try:
             st = os.lstat(path)
         except (FileNotFoundError, NotADirectoryError):
-            return None  # claimed by another instance, or removed by its writer
+            return self._ignored()  # claimed by another instance, or removed by its writer
         except OSError as exc:  # ENAMETOOLONG, EACCES on a folder, ELOOP: this path's problem
             self.skipped.note(path, f"cannot look at it: {exc.strerror}")
-            return None
+            return self._ignored()
         if stat.S_ISDIR(st.st_mode):
-            return None  # folders are walked by the scan, never processed
+            return self._ignored()  # folders are walked by the scan, never processed
         refusal = None
         if stat.S_ISLNK(st.st_mode):
             refusal = describe_link(path, inbox)
@@ -106,22 +106,28 @@ class Intake:
             if not self._settled(candidate, st):
                 return None
             if self.config.inbox.after_success == "keep" and self._already_done(rel, inbox, st):
-                return None
+                return self._ignored()
         try:
             claimed = self.lifecycle.claim(inbox, rel)
         except LinkedFolder as exc:
             self.skipped.note(path, f"refused: {exc.strerror}; it stays where it is")
-            return None
+            return self._ignored()
         except OSError as exc:
             self.skipped.note(path, claim_problem(exc))
-            return None
+            return self._ignored()
         if claimed is None:
-            return None
+            return self._ignored()
         self.claimed += 1
         item = WorkItem(inbox=inbox, rel=rel, key=self.config.key_for(inbox, rel),
                         claimed_path=claimed, noticed_s=candidate.noticed_s,
                         identity=identity(st))
         return item, refusal
+
+    def _ignored(self) -> tuple[WorkItem, str | None] | None:
+        """Admitted to the buffer but not ours after all: counted, so that every accepted path
+        ends up either claimed or ignored. Returns None: nothing to put on the queue."""
+        self.stats.counters.ignored += 1
+        return None
 
     def _settled(self, candidate: Candidate, st: os.stat_result) -> bool:
         """Unchanged for settle_ms, by its mtime (a file renamed in finished is old at once)

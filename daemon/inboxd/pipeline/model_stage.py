@@ -21,11 +21,13 @@ class ModelWorker:
         batcher: Batcher,
         deliver: Callable[[list[Outcome]], Awaitable[None]],
         clock: Callable[[], float] = time.monotonic,
+        on_inferred: Callable[[float], None] = lambda seconds: None,
     ) -> None:
         self.engine = engine
         self.batcher = batcher
         self.deliver = deliver
         self.clock = clock
+        self.on_inferred = on_inferred  # the seconds each engine call took (stats, metrics)
         self.batches_done = 0
         # When the batch now on the model started (None: idle). The watchdog reads it: a model
         # call that never returns must stop the WATCHDOG=1 pings so systemd restarts us.
@@ -36,12 +38,13 @@ class ModelWorker:
         while True:
             batch = await self.batcher.next_batch()
             self.in_hand = len(batch)
-            self.busy_since_s = self.clock()
+            started_s = self.busy_since_s = self.clock()
             try:
                 outcomes = await self.engine.infer(batch)
             finally:
                 self.busy_since_s = None
             now = self.clock()
+            self.on_inferred(now - started_s)
             for item, _ in outcomes:
                 item.inferred_s = now
                 item.image = None  # the pixels are done with: free them before the write

@@ -20,7 +20,7 @@ from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.settling import still_being_written
 from inboxd.item import PermanentError, WorkItem
 from inboxd.pipeline.retry_list import RetryList, backoff_s
-from inboxd.stats import Stats
+from inboxd.stats import Stats, classify_failure
 
 T = TypeVar("T")
 RunIO = Callable[[Callable[[], T]], Awaitable[T]]
@@ -147,7 +147,7 @@ class Outcomes:
         item.attempts += 1
         permanent = isinstance(exc, PermanentError)
         if permanent or item.attempts >= self.config.retry.max_attempts:
-            self._decide_failure(item, permanent)
+            self._decide_failure(item, permanent, classify_failure(exc))
             await self.finish(item)
             return
         item.reset_for_retry()
@@ -168,11 +168,14 @@ class Outcomes:
                   path=item.key, reason=why)
         self._resolved()
 
-    def _decide_failure(self, item: WorkItem, permanent: bool) -> None:
+    def _decide_failure(self, item: WorkItem, permanent: bool, reason_class: str) -> None:
         item.finishing, item.name = "failure", item.key
         item.failure_report = {
             "source": item.key,
+            "inbox": str(item.inbox),  # where `inboxd retry` returns it, under rel
+            "rel": item.rel,
             "reason": item.errors[-1],
+            "reason_class": reason_class,
             "permanent": permanent,
             "attempts": item.errors,
             "sha256": item.sha256,
@@ -182,9 +185,12 @@ class Outcomes:
         }
 
     def _failed(self, item: WorkItem) -> None:
+        reason_class = str((item.failure_report or {}).get("reason_class", "other"))
         self.stats.counters.failed += 1
+        self.stats.failed_by_class[reason_class] += 1
         logs.emit(logging.WARNING, "failed", f"failed {item.key}: {item.errors[-1]}",
-                  path=item.key, error=item.errors[-1], attempts=item.attempts)
+                  path=item.key, error=item.errors[-1], attempts=item.attempts,
+                  reason_class=reason_class)
         self._resolved()
 
     async def refused(self, item: WorkItem, reason: str) -> None:

@@ -90,7 +90,8 @@ class Pipeline:
             more_coming=lambda: self.queue.qsize() > 0 or self.preprocessor.in_progress > 0,
         )
         self.writer = ResultWriter(config, model, self.lifecycle, self.outcomes, self.run_io, clock)
-        self.worker = ModelWorker(LocalEngine(model), self.batcher, self.writer.submit, clock)
+        self.worker = ModelWorker(LocalEngine(model), self.batcher, self.writer.submit, clock,
+                                  on_inferred=lambda s: self.stats.inference_ms.add(s * 1000))
         self.stats.register(self.buffer, self.queue, self.cache, self.batcher, self.writer,
                             self.retry_list)
         self._intake_tasks: list[asyncio.Task[None]] = []
@@ -98,6 +99,9 @@ class Pipeline:
         self.crashed: BaseException | None = None
         self.crash_event = asyncio.Event()
         self._stats_changed = asyncio.Event()
+        # Called after each stats record (every stats.interval_s and at shutdown): the
+        # metrics textfile is written here, so it is exactly as fresh as the journal.
+        self.on_stats: list[Callable[[], None]] = []
 
     async def run_io(self, work: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.io_executor, work)
@@ -129,6 +133,7 @@ class Pipeline:
             logs.emit(logging.ERROR, "failed", f"{failed} file(s) were in flight at repeated "
                       "crashes: moved to failed/ with the crash's reason", failed=failed)
             self.stats.counters.failed += failed
+            self.stats.failed_by_class["other"] += failed
         return returned
 
     def _spawn(self, tasks: list[asyncio.Task[None]], coro: Coroutine[Any, Any, None],
@@ -179,6 +184,8 @@ class Pipeline:
             instance=self.config.instance,
             **fields,
         )
+        for hook in self.on_stats:
+            hook()
         return fields
 
     async def run_stats(self) -> None:

@@ -44,6 +44,7 @@ class Service:
         self.force = asyncio.Event()
         self.reload_requested = asyncio.Event()
         self.pipeline: Pipeline | None = None
+        self.metrics: Any = None  # service.metrics.Metrics, only when metrics: is configured
 
     # -- start-up ----------------------------------------------------------------------------
 
@@ -54,6 +55,13 @@ class Service:
         # Refuse a second daemon of this instance before spending seconds on the model.
         lifecycle = Lifecycle(self.config)
         lifecycle.lock_instance()
+        metrics = self.config.metrics
+        if metrics.textfile is not None or metrics.listen is not None:
+            # Imported only here: without metrics: no prometheus_client in the process at all.
+            from inboxd.service.metrics import Metrics
+
+            self.metrics = Metrics(self.config)
+            self.metrics.start()  # before the model: a port in use fails at once
         started = time.perf_counter()
         extending = asyncio.create_task(self._extend_start_timeout())
         try:
@@ -69,7 +77,13 @@ class Service:
                   model=model.name, device=str(model.device), warmup_s=round(warm_s, 3),
                   instance=self.config.instance, version=__version__)
         self.pipeline = Pipeline(self.config, model, lifecycle=lifecycle)
+        if self.metrics is not None:
+            self.metrics.attach(self.pipeline)
         return self.pipeline
+
+    def close_metrics(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
 
     async def _extend_start_timeout(self) -> None:
         while True:
@@ -98,6 +112,9 @@ class Service:
         pipeline = await self.load()
 
         def ready() -> None:
+            # STATUS= first: `systemctl start` returns on READY=1, and what it shows next must
+            # already have the status line (the status task runs only after this returns).
+            self.notifier.status(pipeline.status_line())
             self.notifier.ready()
             logs.emit(logging.INFO, "ready", "ready: watching "
                       + ", ".join(str(p) for p in self.config.inbox.paths),
@@ -110,6 +127,7 @@ class Service:
         for task in helpers:
             task.cancel()
         await asyncio.gather(*helpers, return_exceptions=True)
+        self.close_metrics()
         logs.emit(logging.INFO, "stopped", "stopped", instance=self.config.instance)
         self.notifier.close()
         return EX_SOFTWARE if pipeline.crashed else 0
@@ -223,6 +241,7 @@ async def _once(config: Config, progress: bool) -> int:
         sys.stdout.flush()
 
     await pipeline.process_backlog(show if progress else None, stop)
+    service.close_metrics()
     if progress:
         show()
         sys.stdout.write("\n")

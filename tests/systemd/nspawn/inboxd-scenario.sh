@@ -34,6 +34,10 @@ mkdir -p "$outdir"
 # paths that the bookworm container lacks (its libc and libexpat are then the container's).
 base=$("$python" -c 'import sys; print(sys.base_prefix)')
 binds=(--bind-ro="$repo")
+# `make install` runs inside, from the checkout cloned to /opt/inboxd as the README does it:
+# the same checkout bound there too (its venv's scripts point at $repo, which is also bound),
+# and the host's make (the minimal rootfs has none; both are Debian bookworm).
+binds+=(--bind-ro="$repo:/opt/inboxd" --bind-ro="$(command -v make):/usr/bin/make")
 if [[ $base == /usr ]]; then
     # Every hop of the symlink chain outside the venv (/usr/bin/python3 -> python3.11) gets
     # the real binary bound onto it, and the standard library goes in beside it.

@@ -38,6 +38,10 @@ UNIT = "inboxd.service"
 DATA = Path("/var/lib/inboxd")
 INBOX, RESULTS, DONE = DATA / "inbox", DATA / "results", DATA / "done"
 CONFIG = Path("/etc/inboxd/inboxd.yaml")
+FAILED = DATA / "failed"
+METRICS_TEXTFILE = DATA / "metrics" / "inboxd.prom"
+PREFIX = Path("/opt/inboxd")  # the same checkout, bound there too (inboxd-scenario.sh)
+MEMBER_UID, STRANGER_UID = 4242, 4343
 WATCHDOG_SEC = 6
 HANG_ON_CALL = 3  # model calls 1 and 2 (one file each) succeed, the 3rd hangs
 QUEUE_BEFORE, QUEUE_AFTER = 2, 5
@@ -202,6 +206,8 @@ def install(data: dict[str, Any]) -> None:
     config["stats"]["interval_s"] = 1
     config["shutdown"]["grace_s"] = 10
     config["capacity"]["queue"] = QUEUE_BEFORE
+    # Metrics through the shipped sandbox: a textfile is just a file under /var/lib/inboxd.
+    config["metrics"] = {"textfile": str(METRICS_TEXTFILE)}
     CONFIG.parent.mkdir(parents=True, exist_ok=True)
     CONFIG.write_text(yaml.safe_dump(config, sort_keys=False))
     CONFIG.chmod(0o644)
@@ -429,9 +435,148 @@ def stop(data: dict[str, Any]) -> None:
                                 if p.is_file() and not p.name.endswith(".lock"))
 
 
+# --- make install, as a user would run it ---------------------------------------------------
+
+def hidden_python_dropin() -> list[str]:
+    """The one concession to this test machine: the venv's base Python may live in a pyenv under
+    /root, which ProtectHome=yes hides (README: build the venv from /usr/bin/python3)."""
+    hidden = [str(path) for path in (Path(sys.base_prefix), REPO)
+              if any(path.is_relative_to(p) for p in ("/root", "/home", "/run/user"))]
+    return ["[Service]", "ProtectHome=tmpfs", f"BindReadOnlyPaths={' '.join(hidden)}"] if (
+        hidden) else []
+
+
+def as_uid(uid: int, groups: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    """A process of an unprivileged user whose only extra right is ``groups`` (or none)."""
+    group_arg = f"--groups={groups}" if groups else "--clear-groups"
+    return run("setpriv", f"--reuid={uid}", f"--regid={uid}", group_arg, "--", *argv)
+
+
+def member_drops(name: str, data: bytes) -> subprocess.CompletedProcess[str]:
+    staged = Path("/tmp") / name
+    staged.write_bytes(data)
+    staged.chmod(0o644)
+    gid = run("getent", "group", "inboxd").stdout.split(":")[2]
+    return as_uid(MEMBER_UID, gid, "sh", "-c", f"cp {staged} {INBOX}/.{name}.part && "
+                  f"mv {INBOX}/.{name}.part {INBOX}/{name}")
+
+
+def jpeg(color: tuple[int, int, int]) -> bytes:
+    buffer = OUT / ".jpeg.tmp"
+    Image.new("RGB", (96, 64), color).save(buffer, format="JPEG")
+    return buffer.read_bytes()
+
+
+def installed_files() -> dict[str, bool]:
+    return {str(p): p.exists() for p in (
+        Path("/etc/systemd/system/inboxd.service"), Path("/etc/systemd/system/inboxd@.service"),
+        Path("/usr/lib/sysusers.d/inboxd.conf"), Path("/usr/lib/tmpfiles.d/inboxd.conf"),
+        CONFIG, PREFIX / ".venv" / "bin" / "inboxd")}
+
+
+@step("make_install")
+def make_install(data: dict[str, Any]) -> None:
+    # Clear away the hand-made install of the steps above; the data and the config stay (the
+    # config to see that make install never overwrites one).
+    run("systemctl", "disable", UNIT)
+    shutil.rmtree(Path("/etc/systemd/system", UNIT + ".d"), ignore_errors=True)
+    for path in (Path("/etc/systemd/system", UNIT), Path("/etc/sysusers.d/inboxd.conf"),
+                 Path("/etc/tmpfiles.d/inboxd.conf")):
+        path.unlink(missing_ok=True)
+    run("systemctl", "daemon-reload")
+    data["before"] = installed_files()
+    config_before = CONFIG.read_bytes()
+    for attempt in ("first", "second"):  # idempotent: the second run changes nothing
+        done = run("make", "-C", str(PREFIX), "install", timeout_s=180)
+        data[attempt] = {"rc": done.returncode, "output": (done.stdout + done.stderr).strip()}
+        if done.returncode != 0:
+            raise RuntimeError(f"make install ({attempt}) failed: {data[attempt]['output']}")
+    data["after"] = installed_files()
+    data["config_kept"] = CONFIG.read_bytes() == config_before
+    data["unit_as_shipped"] = (Path("/etc/systemd/system", UNIT).read_text()
+                               == (REPO / "systemd" / UNIT).read_text())
+    data["exec_start"] = show("ExecStart")["ExecStart"]
+    data["inboxd_user"] = run("getent", "passwd", "inboxd").stdout.strip()
+    dropin = hidden_python_dropin()
+    if dropin:
+        folder = Path("/etc/systemd/system", UNIT + ".d")
+        folder.mkdir(exist_ok=True)
+        (folder / "test-python.conf").write_text("\n".join(dropin) + "\n")
+        run("systemctl", "daemon-reload")
+    data["dropin"] = dropin
+    began = time.monotonic()
+    done = run("systemctl", "enable", "--now", UNIT, timeout_s=150)
+    data["enable_now"] = {"rc": done.returncode, "stderr": done.stderr.strip(),
+                          "s": round(time.monotonic() - began, 2)}
+    data["show"] = show("ActiveState", "SubState", "UnitFileState", "User", "FragmentPath")
+    if done.returncode != 0:
+        data["journal_tail"] = run("journalctl", "-u", UNIT, "-n", "40", "--no-pager").stdout
+        raise RuntimeError(f"systemctl enable --now failed: {done.stderr.strip()}")
+
+
+@step("group_drop")
+def group_drop(data: dict[str, Any]) -> None:
+    done = member_drops("member.jpg", jpeg((200, 120, 30)))
+    data["drop_rc"], data["drop_stderr"] = done.returncode, done.stderr.strip()
+    result = wait_for(partial(result_of, "member.jpg"), 60, "the result of member.jpg")
+    data["top1"] = result["top_k"][0] if result.get("top_k") else None
+    path = str(RESULTS / "member.jpg.json")
+    gid = run("getent", "group", "inboxd").stdout.split(":")[2]
+    data["member_reads_result"] = as_uid(MEMBER_UID, gid, "cat", path).returncode == 0
+    data["stranger_reads_result"] = as_uid(STRANGER_UID, "", "cat", path).returncode == 0
+    data["stranger_drop_rc"] = as_uid(STRANGER_UID, "", "sh", "-c",
+                                      f"echo x > {INBOX}/stranger.jpg").returncode
+
+
+@step("retry")
+def retry(data: dict[str, Any]) -> None:
+    done = member_drops("broken.jpg", b"not a jpeg at all" * 10)
+    data["drop_rc"] = done.returncode
+    report_path = FAILED / "broken.jpg.error.json"
+    report_doc = json.loads(wait_for(lambda: report_path.exists() and report_path.read_text(),
+                                     60, "broken.jpg to fail"))
+    data["reason_class"] = report_doc.get("reason_class")
+    (FAILED / "broken.jpg").write_bytes(jpeg((30, 160, 90)))  # the cause fixed: a real photo
+    done = run(str(PREFIX / ".venv" / "bin" / "inboxd"), "retry", "-c", str(CONFIG),
+               str(FAILED / "broken.jpg"))
+    data["rc"], data["stdout"], data["stderr"] = (done.returncode, done.stdout.strip(),
+                                                  done.stderr.strip())
+    result = wait_for(partial(result_of, "broken.jpg"), 60, "the result of the retried file")
+    data["top1"] = result["top_k"][0] if result.get("top_k") else None
+    data["report_left"] = report_path.exists()
+    data["done"] = (DONE / "broken.jpg").exists()
+
+
+@step("metrics_textfile")
+def metrics_textfile(data: dict[str, Any]) -> None:
+    def written() -> str | None:
+        text = METRICS_TEXTFILE.read_text() if METRICS_TEXTFILE.exists() else ""
+        return text if 'inboxd_completed_total{instance="default"} 2.0' in text else None
+
+    text = wait_for(written, 15, "a textfile counting the two files of this start")
+    data["mode"] = oct(METRICS_TEXTFILE.stat().st_mode & 0o777)
+    data["lines"] = [line for line in text.splitlines()
+                     if line.startswith(("inboxd_completed_total", "inboxd_failed_total",
+                                         "inboxd_layer_capacity_items"))]
+
+
+@step("make_uninstall")
+def make_uninstall(data: dict[str, Any]) -> None:
+    for attempt in ("first", "second"):
+        done = run("make", "-C", str(PREFIX), "uninstall", timeout_s=120)
+        data[attempt] = {"rc": done.returncode, "output": (done.stdout + done.stderr).strip()}
+    data["after"] = installed_files()
+    data["show"] = show("LoadState", "ActiveState")
+    data["inboxd_processes"] = run("pgrep", "-u", "inboxd").stdout.split()
+    data["data_kept"] = {str(p): p.exists() for p in (
+        RESULTS / "member.jpg.json", RESULTS / "broken.jpg.json", DONE / "member.jpg")}
+    data["user_kept"] = bool(run("getent", "passwd", "inboxd").stdout.strip())
+
+
 def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
-    for body in (install, start, cgroup, results, stats, reload, watchdog, stop):
+    for body in (install, start, cgroup, results, stats, reload, watchdog, stop,
+                 make_install, group_drop, retry, metrics_textfile, make_uninstall):
         if not body():
             break
     # For whoever reads a failure: the whole unit journal, as systemd and inboxd wrote it.
