@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 from inboxd.config import load_config
+from inboxd.files.durable import move
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.results import ResultEntry
 from inboxd.files.safe_paths import LinkedFolder
@@ -131,3 +134,21 @@ def test_a_kill_is_not_a_crash_of_the_file(tmp_path: Path) -> None:
         assert lifecycle.claim(inbox, "a.jpg") is not None
         assert lifecycle.recover() == (1, 0)
     assert (inbox / "a.jpg").read_bytes() == b"fine"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a second filesystem needs root")
+def test_a_link_moved_across_filesystems_stays_a_link(tmp_path: Path) -> None:
+    """Found by the model-based test: failed/ on another filesystem made the move copy the
+    *target* of a refused link — a private file from outside the inbox, filed in failed/."""
+    other = tmp_path / "other"
+    other.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(other)], check=True)
+    try:
+        secret = tmp_path / "secret.txt"
+        secret.write_bytes(b"private")
+        (tmp_path / "link.png").symlink_to(secret)
+        where = move(tmp_path / "link.png", other / "link.png", "x", other / ".tmp")
+        assert where.is_symlink() and os.readlink(where) == str(secret)
+        assert not (tmp_path / "link.png").exists()
+    finally:
+        subprocess.run(["umount", "-l", str(other)], check=False)

@@ -56,9 +56,11 @@ class Reference:
     may_vanish: collections.Counter[str] = field(default_factory=collections.Counter)
     corrupt: set[str] = field(default_factory=set)
     outside: dict[Path, str] = field(default_factory=dict)  # files that must not change
+    origin: dict[str, str] = field(default_factory=dict)  # sha256 → how it came, for a report
 
-    def added(self, data: bytes) -> None:
+    def added(self, data: bytes, how: str = "") -> None:
         self.must_end[sha(data)] += 1
+        self.origin.setdefault(sha(data), how)
 
     def vanished_maybe(self, digest: str) -> None:
         """The user replaced or deleted it: if nobody had claimed it yet, it is gone."""
@@ -113,13 +115,14 @@ class World:
     def drop(self, data: bytes | None = None, name: str | None = None) -> None:
         data = data if data is not None else self.image_bytes()
         target = self.inbox / (name or self.rng.choice(NAMES))
-        if target.exists() or target.is_symlink():
+        while os.path.lexists(target):  # the user's own rename would replace it: not ours
+            self.counter += 1
             target = target.with_name(f"n{self.counter}-{target.name}")
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.part")
         tmp.write_bytes(data)
         os.rename(tmp, target)
-        self.ref.added(data)
+        self.ref.added(data, f"drop {target.relative_to(self.inbox)}")
 
     def write_in_place(self) -> None:
         data = self.image_bytes()
@@ -129,7 +132,7 @@ class World:
             handle.flush()
             time.sleep(self.rng.choice([0, 0.05, 0.3]))
             handle.write(data[20:])
-        self.ref.added(data)
+        self.ref.added(data, f"in place {target.name}")
 
     def drop_again(self) -> None:
         done = [p for p in (self.outputs / "done").rglob("*.png") if p.is_file()]
@@ -150,7 +153,7 @@ class World:
             tmp = victim.with_name(f".{victim.name}.new")
             tmp.write_bytes(data)
             os.replace(tmp, victim)  # the user's own overwrite
-            self.ref.added(data)
+            self.ref.added(data, f"replaced {victim.relative_to(self.inbox)}")
         else:
             with contextlib.suppress(FileNotFoundError):  # claimed in between
                 victim.unlink()
@@ -173,7 +176,7 @@ class World:
             data = self.image_bytes()
             (folder / rel).parent.mkdir(parents=True, exist_ok=True)
             (folder / rel).write_bytes(data)
-            self.ref.added(data)
+            self.ref.added(data, f"folder {folder.name}/{rel}")
         os.rename(folder, self.inbox / folder.name)
 
     def link_in(self) -> None:
@@ -193,7 +196,7 @@ class World:
         ahead = time.time() + 86400 * 365
         os.utime(tmp, (ahead, ahead))
         os.rename(tmp, target)
-        self.ref.added(data)
+        self.ref.added(data, f"future {target.name}")
 
     def corrupt(self) -> None:
         data = self.image_bytes()[: self.rng.randint(0, 60)] + os.urandom(8)
@@ -270,6 +273,18 @@ def outcomes(out: Path) -> tuple[collections.Counter[str], set[str], dict[str, s
     return ended, in_done, failed_reasons
 
 
+def where_are(root: Path, digest: str) -> list[str]:
+    """Every file under ``root`` holding these bytes (for the report of a lost input)."""
+    found = []
+    for folder, _, files in os.walk(root):
+        for name in files:
+            path = Path(folder) / name
+            with contextlib.suppress(OSError):
+                if not path.is_symlink() and sha(path.read_bytes()) == digest:
+                    found.append(str(path.relative_to(root)))
+    return found
+
+
 def run_model(tmp_path: Path, steps: int, seed: int) -> dict[str, int]:
     print(f"model-based: {steps} steps, seed {seed} (replay: INBOXD_MODEL_SEED={seed})")
     world = World(tmp_path, seed)
@@ -291,8 +306,9 @@ def run_model(tmp_path: Path, steps: int, seed: int) -> dict[str, int]:
         assert drained.returncode in (0, 1), drained.stderr[-3000:]
         ended, in_done, failed_reasons = outcomes(world.outputs)
         ref = world.ref
-        lost = {d: n for d, n in ref.must_end.items() if ended[d] < n}
-        doubled = {d: ended[d] for d in ended
+        lost = {d: (n, ref.origin.get(d), where_are(tmp_path, d))
+                for d, n in ref.must_end.items() if ended[d] < n}
+        doubled = {d: (ended[d], ref.origin.get(d), where_are(tmp_path, d)) for d in ended
                    if ended[d] > ref.must_end[d] + ref.may_vanish[d]}
         assert lost == {}, f"inputs without an outcome: {lost}"
         assert doubled == {}, f"inputs with two outcomes: {doubled}"

@@ -9,6 +9,7 @@ import errno
 import hashlib
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,9 @@ from tests.fakes import FakeModel
 FAST_RETRY = {"max_attempts": 4, "backoff_initial_ms": 5, "backoff_max_ms": 20}
 
 
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chattr +i needs root")
+
+
 def pipeline_for(root: Path, **sections: Any) -> Pipeline:
     return Pipeline(load_config(write_config(root, **sections)), FakeModel())  # type: ignore[arg-type]
 
@@ -34,6 +38,23 @@ def sha(path: Path) -> str:
 def files_in(folder: Path) -> dict[str, Path]:
     return {p.relative_to(folder).as_posix(): p for p in folder.rglob("*")
             if p.is_file() and ".tmp" not in p.parts}
+
+
+def failing_first(monkeypatch: pytest.MonkeyPatch, owner: Any, method: str, times: int,
+                  err: int) -> dict[str, int]:
+    """``owner.method`` raises ``OSError(err)`` on its first ``times`` calls (a disk that is
+    full or read-only for a while: a fake at the filesystem boundary). Returns the call count."""
+    real = getattr(owner, method)
+    calls = {"n": 0}
+
+    def flaky(*args: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] <= times:
+            raise OSError(err, os.strerror(err))
+        return real(*args)
+
+    monkeypatch.setattr(owner, method, flaky)
+    return calls
 
 
 @pytest.mark.timeout(60)
@@ -70,16 +91,7 @@ def test_an_unwritable_failed_folder_is_waited_out_without_a_loop(
     """failed/ read-only used to release → rescan → fail again, 24 ERROR lines a second."""
     pipeline = pipeline_for(tmp_path, inbox={"settle_ms": 0}, retry=FAST_RETRY)
     (tmp_path / "inbox" / "bad.png").write_bytes(b"not an image")
-    real = pipeline.lifecycle.finish_failure
-    calls = {"n": 0}
-
-    def read_only_twice(*args: Any) -> str:
-        calls["n"] += 1
-        if calls["n"] <= 2:
-            raise OSError(errno.EROFS, "Read-only file system")
-        return real(*args)
-
-    monkeypatch.setattr(pipeline.lifecycle, "finish_failure", read_only_twice)
+    calls = failing_first(monkeypatch, pipeline.lifecycle, "finish_failure", 2, errno.EROFS)
     asyncio.run(pipeline.process_backlog())
     assert calls["n"] == 3, "each attempt waits its backoff; the decode is not redone"
     assert sorted(files_in(tmp_path / "failed")) == ["bad.png", "bad.png.error.json"]
@@ -92,16 +104,7 @@ def test_a_full_done_folder_never_turns_a_success_into_a_failure(
     pipeline = pipeline_for(tmp_path, inbox={"settle_ms": 0}, retry=FAST_RETRY)
     photo = make_image(tmp_path / "inbox" / "a.png")
     expected = sha(photo)
-    real = pipeline.lifecycle.finish_success
-    calls = {"n": 0}
-
-    def full_three_times(*args: Any) -> None:
-        calls["n"] += 1
-        if calls["n"] <= 3:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real(*args)
-
-    monkeypatch.setattr(pipeline.lifecycle, "finish_success", full_three_times)
+    failing_first(monkeypatch, pipeline.lifecycle, "finish_success", 3, errno.ENOSPC)
     asyncio.run(pipeline.process_backlog())
     assert files_in(tmp_path / "failed") == {}
     assert sha(tmp_path / "done" / "a.png") == expected
@@ -129,3 +132,47 @@ def test_kept_file_replaced_by_another_with_an_older_mtime_is_processed_again(
     again = pipeline_for(tmp_path, inbox={"settle_ms": 0, "after_success": "keep"})
     asyncio.run(again.process_backlog())
     assert again.stats.counters.completed == 0
+
+
+def deep_tree(root: Path, min_path_bytes: int, payload: bytes) -> Path:
+    """A folder whose path is longer than PATH_MAX: made one level at a time, relative to the
+    level above, as an unzip or a sync tool can."""
+    root.mkdir()
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    length = len(os.fsencode(root))
+    part = "d" * 200
+    try:
+        while length < min_path_bytes:
+            os.mkdir(part, dir_fd=fd)
+            child = os.open(part, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = child
+            length += len(part) + 1
+        with open(os.open("deep.png", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd), "wb") as out:
+            out.write(payload)
+    finally:
+        os.close(fd)
+    return root
+
+
+@needs_root
+def test_claim_problems_are_the_files_own_and_never_stop_the_pipeline(tmp_path: Path) -> None:
+    """Each of these was a stage crash (exit 70), and after a restart the same crash again:
+    a name a folder once had in .processing/ (IsADirectoryError), a file the service may not
+    rename (EPERM), a tree deeper than PATH_MAX (ENAMETOOLONG)."""
+    pipeline = pipeline_for(tmp_path, inbox={"settle_ms": 0})
+    inbox = tmp_path / "inbox"
+    (inbox / ".processing" / "default" / "was-a-folder.png").mkdir(parents=True)
+    make_image(inbox / "was-a-folder.png")
+    immutable = make_image(inbox / "immutable.png")
+    subprocess.run(["chattr", "+i", str(immutable)], check=True)  # rename → EPERM, even as root
+    deep_tree(inbox / "deep", 4200, make_image(tmp_path / "src.png").read_bytes())
+    make_image(inbox / "ordinary.png")
+    try:
+        asyncio.run(pipeline.process_backlog())
+    finally:
+        subprocess.run(["chattr", "-i", str(immutable)], check=True)
+    assert pipeline.crashed is None
+    assert (tmp_path / "results" / "was-a-folder.png.json").exists()
+    assert (tmp_path / "results" / "ordinary.png.json").exists()
+    assert immutable.exists(), "a file that cannot be claimed stays where it is"

@@ -60,10 +60,16 @@ def move(source: Path, target: Path, token: str, tmp_dir: Path) -> Path:
     tmp_dir.mkdir(parents=True, exist_ok=True)
     tmp = tmp_dir / f"{uuid.uuid4().hex}.copy.tmp"
     try:
-        with open(source, "rb") as src, open(tmp, "xb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
-            dst.flush()
-            os.fsync(dst.fileno())
+        if os.path.islink(source):
+            # A refused link travels as a link: copying would read (and file) what it points
+            # to, a file from outside the inbox.
+            os.symlink(os.readlink(source), tmp)
+        else:
+            fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as src, open(tmp, "xb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+                dst.flush()
+                os.fsync(dst.fileno())
         final = place(tmp, target, token)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -154,7 +154,7 @@ class Watcher:
                                 stack.append(Path(entry.path))
                         elif self.names.wanted(entry.name):
                             yield Path(entry.path)
-            except (FileNotFoundError, NotADirectoryError, PermissionError) as exc:
+            except OSError as exc:  # gone, not a folder, no permission, a path too long
                 logs.emit(logging.WARNING, "scan_error", f"cannot scan {current}: {exc}",
                           path=str(current))
 
