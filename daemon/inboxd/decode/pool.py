@@ -72,11 +72,11 @@ class DecodeResult:
 
 
 class _Process:
-    def __init__(self, settings: WorkerSettings) -> None:
+    def __init__(self, settings: WorkerSettings, env: dict[str, str]) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "inboxd.decode.worker"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
-            env=worker_env(),
+            env=env,
         )
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.requests, self.replies = self.proc.stdin.fileno(), self.proc.stdout.fileno()
@@ -106,6 +106,7 @@ class _Process:
 class DecodePool:
     def __init__(self, workers: int, settings: WorkerSettings) -> None:
         self.settings = settings
+        self.env = worker_env()  # taken once: a replacement runs exactly as the first did
         self.max_payload_bytes = settings.spec.crop ** 2 * 3
         self._spawner = ThreadPoolExecutor(1, thread_name_prefix="inboxd-decode-spawn")
         self._idle: queue.SimpleQueue[_Process] = queue.SimpleQueue()
@@ -123,14 +124,14 @@ class DecodePool:
             if self.started or self.closed:
                 return
             self.started = True
-        if os.environ.get(FAULTS_ENV):
+        if self.env.get(FAULTS_ENV):
             logs.emit(logging.WARNING, "faults", f"DECODE FAULT INJECTION ACTIVE: {FAULTS_ENV}="
-                      f"{os.environ[FAULTS_ENV]}", faults=os.environ[FAULTS_ENV])
+                      f"{self.env[FAULTS_ENV]}", faults=self.env[FAULTS_ENV])
         for _ in range(self.workers):
             self._idle.put(self._start())
 
     def _start(self) -> _Process:
-        process = self._spawner.submit(_Process, self.settings).result()
+        process = self._spawner.submit(_Process, self.settings, self.env).result()
         with self._lock:
             self._all.add(process)
         return process
@@ -158,28 +159,38 @@ class DecodePool:
             raise TransientError("inboxd is shutting down")
         self.start()
         process = self._idle.get()
+        request = {"path_hex": os.fsencode(path).hex(), "expected_sha256": expected_sha256}
         try:
-            process = self._ensure_ready(process)
-            request = {"path_hex": os.fsencode(path).hex(), "expected_sha256": expected_sha256}
-            try:
-                wire.send(process.requests, request)
-            except OSError:  # it died while idle (killed from outside): not this file's doing
-                process = self._ensure_ready(self._replace(process, "died while idle"))
-                try:
-                    wire.send(process.requests, request)
-                except OSError as exc:
-                    raise TransientError(f"cannot reach a decode worker: {exc}") from exc
-            result, process = self._answer(process)
-            return result
+            for attempt in range(2):
+                process = self._ensure_ready(process)
+                if self._deliver(process, request):
+                    result, process = self._answer(process)
+                    return result
+                # It died before it took the file (killed while idle, the OOM killer, say):
+                # not this file's doing, so the file goes to a fresh worker, once.
+                process = self._replace(process, "died while idle")
+                if attempt:
+                    raise TransientError("decode workers die before they can take a file; "
+                                         "see the journal")
+            raise AssertionError("unreachable")
         finally:
             if not self.closed:
                 self._idle.put(process)
+
+    def _deliver(self, process: _Process, request: dict[str, Any]) -> bool:
+        """Send the request and wait for the worker's receipt. False: it was already dead."""
+        try:
+            wire.send(process.requests, request)
+            header, _ = wire.recv(process.replies, time.monotonic() + STARTUP_TIMEOUT_S)
+        except (OSError, EOFError, TimeoutError, wire.WireError):
+            return False
+        return header.get("ack") is True
 
     def _ensure_ready(self, process: _Process) -> _Process:
         if process.ready is not None and process.proc.poll() is None:
             return process
         for _attempt in range(2):
-            if process.ready is not None:  # was ready, died while idle
+            if process.ready is not None:  # was ready, has died since
                 process = self._replace(process, "died while idle")
             try:
                 header, _ = wire.recv(process.replies, time.monotonic() + STARTUP_TIMEOUT_S)

@@ -20,12 +20,15 @@ import io
 import os
 import resource
 import signal
+import struct
 import sys
 import time
+import warnings
 from typing import Any
 
 from PIL import Image
 
+import inboxd
 from inboxd.decode import wire
 from inboxd.decode.pillow import decode_image
 from inboxd.decode.spec import PreprocessSpec
@@ -40,7 +43,7 @@ FAULT_KINDS = {"abort", "segv", "hang", "alloc", "exit", "raise"}
 RAISABLE: dict[str, type[BaseException]] = {
     e.__name__: e for e in (RuntimeError, NotImplementedError, AttributeError, MemoryError,
                             KeyError, IndexError, TypeError, RecursionError, ZeroDivisionError)
-}
+} | {"struct.error": struct.error}
 
 
 def parse_faults(spec: str) -> list[tuple[str, str]]:
@@ -182,6 +185,8 @@ def main() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     faulthandler.enable()  # a C crash leaves a Python traceback in the journal
+    # Pillow warns about every oddity of hostile metadata; the outcome says what matters.
+    warnings.simplefilter("ignore")
     init, _ = wire.recv(requests)
     die_with_parent(init["parent_pid"])
     worker = Worker(init)
@@ -189,13 +194,14 @@ def main() -> None:
     limit_error = worker.limit_memory()
     wire.send(replies, {"ready": True, "pid": os.getpid(), "limit_error": limit_error,
                         "heavy_modules": [m for m in ("torch", "torchvision") if m in sys.modules],
-                        "faults": os.environ.get(FAULTS_ENV, ""), "peak_rss_bytes":
-                        peak_rss_bytes()})
+                        "faults": os.environ.get(FAULTS_ENV, ""), "inboxd_path": inboxd.__file__,
+                        "peak_rss_bytes": peak_rss_bytes()})
     while True:
         try:
             request, _ = wire.recv(requests)
         except EOFError:
             return
+        wire.send(replies, {"ack": True})  # from here on, a death is this file's doing
         header, payload, recycle = worker.handle(request)
         header["peak_rss_bytes"] = peak_rss_bytes()
         header["recycle"] = recycle
