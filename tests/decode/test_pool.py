@@ -24,6 +24,7 @@ from inboxd.item import PermanentError, TransientError
 
 from tests.conftest import make_image, wait_until
 from tests.decode import bombs
+from tests.decode.processes import alive
 
 SPEC = PreprocessSpec(256, 224, "bicubic", (0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
 FAULTS = ("abort=abort,segv=segv,hang=hang,alloc=balloon,exit=exits,"
@@ -204,14 +205,6 @@ def test_no_worker_outlives_a_killed_parent(tmp_path: Path) -> None:
     parent.kill()
     parent.wait(10)
     wait_until(lambda: not any(alive(pid) for pid in pids), 10, "the workers to die")
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_close_ends_every_worker() -> None:

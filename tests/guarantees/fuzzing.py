@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import random
 import struct
+import warnings
 from collections.abc import Callable
 from functools import cache
 
@@ -33,7 +34,9 @@ INTERESTING_INTS = (0, 1, 0x7F, 0x80, 0xFF, 0x100, 0x7FFF, 0x8000, 0xFFFF, 0x100
 
 def _save(image: Image.Image, fmt: str, **options: object) -> bytes:
     data = io.BytesIO()
-    image.save(data, fmt, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # IM: deprecated, still decoded
+        image.save(data, fmt, **options)
     return data.getvalue()
 
 

@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import DaemonProcess, read_json, wait_until, write_config
 from tests.decode import bombs
-from tests.decode.test_pool import alive
+from tests.decode.processes import alive, decode_workers_of
 from tests.photos import photo_paths
 
 CRASHERS = Path(__file__).parent / "crashers"
@@ -115,21 +115,6 @@ def test_the_daemon_carried_on_past_every_bad_file(run: dict[str, Any]) -> None:
     for name in ("before.jpg", "zz-after.jpg"):
         assert completed(run, name)["top_k"]
     assert "DECODE FAULT INJECTION ACTIVE" in run["done"].stderr, "it says so when armed"
-
-
-def decode_workers_of(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(stat[1]) == pid and b"inboxd.decode.worker" in cmdline:
-            found.append(int(entry.name))
-    return found
 
 
 def test_no_decode_worker_outlives_a_killed_daemon(tmp_path: Path) -> None:

@@ -68,7 +68,7 @@ class DecodeResult:
     image: DecodedImage | None = None
     duplicate: bool = False
     error: PermanentError | TransientError | None = None
-    peak_rss_bytes: int = 0  # the worker's high-water mark so far
+    peak_rss_bytes: int = 0  # the worker's peak RSS while it worked on this file
 
 
 class _Process:

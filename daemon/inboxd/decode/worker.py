@@ -156,16 +156,31 @@ def _error(exc: PermanentError | TransientError, state: dict[str, Any]) -> dict[
             "reason": str(exc) or type(exc).__name__, **state}
 
 
-def vm_size_bytes() -> int:
+def _status_bytes(field: str) -> int:
     with open("/proc/self/status") as status:
         for line in status:
-            if line.startswith("VmSize:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def vm_size_bytes() -> int:
+    return _status_bytes("VmSize")
 
 
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """VmHWM, not ``ru_maxrss``: the latter survives exec and so starts at the peak of
+    whatever process started this one."""
+    return _status_bytes("VmHWM")
+
+
+def reset_peak_rss() -> None:
+    """Start VmHWM again from the current RSS, so each reply reports that file's own peak."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+    except OSError:
+        pass  # an old kernel or a sandbox: the peak is then the worker's lifetime peak
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -202,6 +217,7 @@ def main() -> None:
         except EOFError:
             return
         wire.send(replies, {"ack": True})  # from here on, a death is this file's doing
+        reset_peak_rss()
         header, payload, recycle = worker.handle(request)
         header["peak_rss_bytes"] = peak_rss_bytes()
         header["recycle"] = recycle
