@@ -19,6 +19,7 @@ import logging
 import os
 import queue
 import signal
+import site
 import subprocess
 import sys
 import threading
@@ -40,13 +41,18 @@ STARTUP_TIMEOUT_S = 60.0  # a cold interpreter importing numpy and Pillow on a b
 # One allocator arena and one BLAS thread: a worker decodes one file with one thread, and each
 # extra arena or thread would reserve address space under RLIMIT_AS for nothing.
 WORKER_ENV = {"MALLOC_ARENA_MAX": "2", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-# The workers import the very inboxd the daemon runs, wherever it was imported from.
+# The workers import the very inboxd the daemon runs, wherever it was imported from (a source
+# tree, PYTHONPATH); an installed one is found through site-packages, which must not be put
+# ahead of the standard library.
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(inboxd.__file__)))
 
 
 def worker_env() -> dict[str, str]:
-    path = os.pathsep.join(filter(None, [PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))
-    return {**os.environ, **WORKER_ENV, "PYTHONPATH": path}
+    env = {**os.environ, **WORKER_ENV}
+    if PACKAGE_ROOT not in {*site.getsitepackages(), site.getusersitepackages()}:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_ROOT,
+                                                          os.environ.get("PYTHONPATH")]))
+    return env
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,13 +87,11 @@ class _Process:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.requests, self.replies = self.proc.stdin.fileno(), self.proc.stdout.fileno()
         self.ready: dict[str, Any] | None = None
-        self.killed = False  # by us, on a timeout or at close
         init = {**asdict(settings), "parent_pid": os.getpid()}
         init["spec"] = asdict(settings.spec)
         wire.send(self.requests, init)  # small: fits the pipe, never blocks
 
     def signal_kill(self) -> None:
-        self.killed = True
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
 
