@@ -207,6 +207,26 @@ def test_no_worker_outlives_a_killed_parent(tmp_path: Path) -> None:
     wait_until(lambda: not any(alive(pid) for pid in pids), 10, "the workers to die")
 
 
+def test_a_worker_that_cannot_be_replaced_is_a_transient_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    os.environ["INBOXD_DECODE_FAULTS"] = "exit=exits"
+    try:
+        pool = DecodePool(1, settings())
+        pool.decode(make_image(tmp_path / "warm.png"))
+    finally:
+        del os.environ["INBOXD_DECODE_FAULTS"]
+    try:
+        def refuse(*args: object, **kwargs: object) -> None:
+            raise BlockingIOError(11, "Resource temporarily unavailable")  # fork: EAGAIN
+        monkeypatch.setattr(subprocess, "Popen", refuse)
+        with pytest.raises(TransientError, match="cannot start a decode worker"):
+            pool.decode(make_image(tmp_path / "exits.png"))  # the worker dies, none replaces it
+        monkeypatch.undo()
+        still_works(pool, tmp_path)  # the next file starts a worker again
+    finally:
+        pool.close()
+
+
 def test_close_ends_every_worker() -> None:
     pool = DecodePool(2, settings())
     pool.start()

@@ -38,6 +38,7 @@ from inboxd.decode.worker import FAULTS_ENV
 from inboxd.item import DecodedImage, PermanentError, TransientError
 
 STARTUP_TIMEOUT_S = 60.0  # a cold interpreter importing numpy and Pillow on a busy machine
+EXIT_WAIT_S = 5.0  # from the EOF on a worker's replies to its exit status
 # One allocator arena and one BLAS thread: a worker decodes one file with one thread, and each
 # extra arena or thread would reserve address space under RLIMIT_AS for nothing.
 WORKER_ENV = {"MALLOC_ARENA_MAX": "2", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
@@ -135,7 +136,10 @@ class DecodePool:
             self._idle.put(self._start())
 
     def _start(self) -> _Process:
-        process = self._spawner.submit(_Process, self.settings, self.env).result()
+        try:
+            process = self._spawner.submit(_Process, self.settings, self.env).result()
+        except OSError as exc:  # fork refused (EAGAIN, ENOMEM), out of descriptors, ...
+            raise TransientError(f"cannot start a decode worker: {exc}") from exc
         with self._lock:
             self._all.add(process)
         return process
@@ -219,13 +223,22 @@ class DecodePool:
                 "the decoder was stopped (raise decode_timeout_s if such files are real images)"
             )), self._replace(process, "decode timeout")
         except EOFError:
-            code = process.reap()
+            try:
+                code = process.proc.wait(EXIT_WAIT_S)
+            except subprocess.TimeoutExpired:  # alive, yet its reply pipe is closed: broken
+                return DecodeResult(None, None, error=PermanentError(
+                    "the decoder closed its reply pipe on this file")), self._replace(
+                    process, "closed its reply pipe")
             return DecodeResult(None, None, error=_death(code)), self._replace(
                 process, f"exited with {_describe(code)}")
         except wire.WireError as exc:
             return DecodeResult(None, None, error=PermanentError(
                 f"the decoder sent a malformed reply: {exc}")), self._replace(process, str(exc))
-        result = _result(header, payload)
+        try:
+            result = _result(header, payload)
+        except (KeyError, TypeError, ValueError) as exc:  # a worker that lost its mind
+            return DecodeResult(None, None, error=PermanentError(
+                f"the decoder sent a malformed reply: {exc!r}")), self._replace(process, repr(exc))
         if header.get("recycle"):
             process = self._replace(process, "recycled after running out of memory")
         return result, process
