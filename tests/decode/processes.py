@@ -3,6 +3,7 @@ decode workers."""
 
 from __future__ import annotations
 
+from os import readlink as os_readlink
 from pathlib import Path
 
 
@@ -27,4 +28,17 @@ def decode_workers_of(pid: int) -> list[int]:
             continue
         if int(stat[1]) == pid and b"inboxd.decode.worker" in cmdline:
             found.append(int(entry.name))
+    return found
+
+
+def decode_workers_in(cwd: Path) -> list[int]:
+    """Live decode workers whose working directory is ``cwd`` (they inherit the daemon's)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if (entry.name.isdigit() and b"inboxd.decode.worker" in (entry / "cmdline").read_bytes()
+                    and Path(os_readlink(entry / "cwd")) == cwd and alive(int(entry.name))):
+                found.append(int(entry.name))
+        except OSError:
+            continue
     return found

@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import DaemonProcess, read_json, wait_until, write_config
 from tests.decode import bombs
-from tests.decode.processes import alive, decode_workers_of
+from tests.decode.processes import alive, decode_workers_in, decode_workers_of
 from tests.photos import photo_paths
 
 CRASHERS = Path(__file__).parent / "crashers"
@@ -115,6 +115,7 @@ def test_the_daemon_carried_on_past_every_bad_file(run: dict[str, Any]) -> None:
     for name in ("before.jpg", "zz-after.jpg"):
         assert completed(run, name)["top_k"]
     assert "DECODE FAULT INJECTION ACTIVE" in run["done"].stderr, "it says so when armed"
+    assert decode_workers_in(run["root"]) == [], "no decode worker outlives `inboxd once`"
 
 
 def test_no_decode_worker_outlives_a_killed_daemon(tmp_path: Path) -> None:
