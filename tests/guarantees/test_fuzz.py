@@ -89,10 +89,12 @@ def test_seeded_mutations_each_end_as_an_image_or_a_reason(tmp_path: Path) -> No
           f"{peak_rss_bytes / 2**20:.0f} MiB, workers replaced {pool.replaced}")
     for kind, name, _ in found:
         print(f"  {kind}: {name}")
-    if SAVE:
+    if SAVE:  # new finds only: the same bytes kept under another name are not added again
         Path(SAVE).mkdir(parents=True, exist_ok=True)
+        kept = {p.read_bytes() for p in Path(SAVE).iterdir() if p.is_file()}
         for kind, name, data in found:
-            Path(SAVE, f"{kind.replace(' ', '-')}-seed{SEED}-{name}").write_bytes(data)
+            if data not in kept:
+                Path(SAVE, f"{kind.replace(' ', '-')}-seed{SEED}-{name}").write_bytes(data)
     assert sum(outcomes.values()) == CASES
     assert outcomes["decoded"] > CASES // 10, "the mutations must leave some images decodable"
     assert peak_rss_bytes < (PreprocessConfig().decode_memory_mb + 256) << 20
