@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 CONFIG ?= config/inboxd.yaml
 PYTEST_ARGS ?=
 
-.PHONY: run test setup setup-test system-deps test-system-deps lint soak clean
+.PHONY: run test setup setup-test system-deps test-system-deps lint soak fuzz clean
 
 run: setup
 	$(BIN)/inboxd run -c $(CONFIG)
@@ -23,6 +23,16 @@ lint: setup-test
 soak: setup-test
 	@bash .ci/journald.sh
 	$(BIN)/python -m pytest -m soak -p no:cacheprovider $(PYTEST_ARGS)
+
+# The decoder fuzzer at full size: 20,000 seeded cases through the real decode workers (CI runs
+# 5,000 of the same seed). Crashers land in tests/guarantees/crashers/ to be kept as regressions.
+FUZZ_CASES ?= 20000
+FUZZ_SEED ?= 20261201
+fuzz: setup-test
+	INBOXD_FUZZ_CASES=$(FUZZ_CASES) INBOXD_FUZZ_SEED=$(FUZZ_SEED) \
+	  INBOXD_FUZZ_SAVE=tests/guarantees/crashers \
+	  $(BIN)/python -m pytest -p no:cacheprovider -s tests/guarantees/test_fuzz.py \
+	  -k seeded_mutations $(PYTEST_ARGS)
 
 # The shipped unit under a real systemd (PID 1) in systemd-nspawn; part of `make test` too.
 .PHONY: nspawn-test

@@ -71,9 +71,20 @@ class BatchConfig(Section):
 
 
 class PreprocessConfig(Section):
-    workers: Positive = 2
+    """Decoding untrusted bytes, in ``workers`` processes, each file bounded before any work."""
+
+    workers: Positive = 2  # decode worker processes, one file each at a time
     # Pillow's own default: larger images are refused as decompression bombs.
     max_image_pixels: Positive = 89_478_485
+    # Checked on the opened file before a byte is read. 256 MiB holds max_image_pixels of
+    # uncompressed 8-bit RGB; a JPEG header followed by gigabytes of junk is refused.
+    max_file_mb: Positive = 256
+    # Address space a worker may add for one decode (RLIMIT_AS above its warmed-up size):
+    # measured peaks at max_image_pixels are ~390 MB for an RGB PNG and ~1.4 GB for an RGBA one.
+    decode_memory_mb: Positive = 1536
+    # Hashing and decoding one file; past it the worker is killed and replaced, the file fails.
+    # The slowest legitimate decode measured (a max_image_pixels RGBA PNG, busy 2-core CPU) ~12 s.
+    decode_timeout_s: Annotated[float, Field(gt=0)] = 30
 
 
 Interpolation = Literal["bilinear", "bicubic", "nearest", "lanczos"]

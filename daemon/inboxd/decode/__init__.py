@@ -1,4 +1,6 @@
-"""Untrusted bytes → the pixels a model wants: Pillow decoding, orientation, resize and crop.
+"""Untrusted bytes → the pixels a model wants, in worker processes that can fail alone.
 
-Pure functions over bytes and arrays; no disk, no event loop, so they can run in any worker.
+``pillow.py`` and ``spec.py`` are pure functions over bytes and arrays; ``worker.py`` runs them in
+a separate process over one file at a time, ``pool.py`` keeps ``preprocess.workers`` of those
+processes and turns every way one can fail into that file's error, ``wire.py`` is their framing.
 """

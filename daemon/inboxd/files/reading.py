@@ -1,4 +1,9 @@
-"""Reading one untrusted input file: links refused, only regular files, bytes and sha256."""
+"""Reading one untrusted input file: links refused, only regular files, its size bounded before a
+byte is read, its sha256 streamed in chunks.
+
+The decode workers (``decode/worker.py``) read each file themselves through these functions, so a
+file's bytes never cross a pipe and never sit whole in memory just to be hashed.
+"""
 
 from __future__ import annotations
 
@@ -6,31 +11,74 @@ import errno
 import hashlib
 import os
 import stat
+from typing import BinaryIO
 
 from inboxd.item import PermanentError, TransientError
 
 # Errors reading a file that a later attempt may not see (it is being replaced, the disk
 # hiccuped, permissions are being fixed); anything else about the bytes is permanent.
 TRANSIENT_READ_ERRNOS = {errno.EACCES, errno.EPERM, errno.EIO, errno.EAGAIN, errno.EBUSY,
-                         errno.ENOENT, errno.ESTALE, errno.ETIMEDOUT}
+                         errno.ENOENT, errno.ESTALE, errno.ETIMEDOUT, errno.ENOMEM,
+                         errno.EINTR, errno.ENFILE, errno.EMFILE}
+HASH_CHUNK_BYTES = 1 << 20  # big enough to amortise the syscalls, small next to any image
 
 
-def read_and_hash(path: os.PathLike[str] | str) -> tuple[bytes, str]:
-    """The file's bytes and their sha256. Links are not followed and only regular files are
-    read (a FIFO opened for reading would block a worker for ever)."""
+def open_input(path: os.PathLike[str] | str, max_bytes: int | None = None) -> BinaryIO:
+    """The file, opened for reading after checking what it is on the open descriptor (not the
+    path, which an adversary can swap): not a link, a regular file (a FIFO opened for reading
+    would block a worker for ever), and not larger than ``max_bytes``."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise PermanentError("refused: a symbolic link; links are never followed") from exc
-        if exc.errno in TRANSIENT_READ_ERRNOS:
-            raise TransientError(f"cannot open the file: {exc.strerror}") from exc
-        raise PermanentError(f"cannot open the file: {exc.strerror}") from exc
-    with os.fdopen(fd, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise classify(exc, "cannot open the file") from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
             raise PermanentError("not a regular file: only regular files are read")
+        if max_bytes is not None and info.st_size > max_bytes:
+            raise PermanentError(
+                f"file is {info.st_size} bytes, more than preprocess.max_file_mb = "
+                f"{max_bytes / 2**20:g} MiB allows (raise it if such files are real images)"
+            )
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def hash_stream(handle: BinaryIO, max_bytes: int | None = None) -> tuple[str, int]:
+    """sha256 and length of what is left in ``handle``, read in chunks. A file that grows past
+    ``max_bytes`` while being read is refused like one that was too large from the start."""
+    digest = hashlib.sha256()
+    total = 0
+    try:
+        while chunk := handle.read(HASH_CHUNK_BYTES):
+            total += len(chunk)
+            if max_bytes is not None and total > max_bytes:
+                raise PermanentError(f"file grew past preprocess.max_file_mb = "
+                                     f"{max_bytes / 2**20:g} MiB while being read")
+            digest.update(chunk)
+    except OSError as exc:
+        raise classify(exc, "cannot read the file") from exc
+    return digest.hexdigest(), total
+
+
+def classify(exc: OSError, what: str) -> PermanentError | TransientError:
+    """An OS error about one file as that file's outcome: transient when a later attempt may
+    not see it (by errno), permanent otherwise."""
+    kind = TransientError if exc.errno in TRANSIENT_READ_ERRNOS else PermanentError
+    return kind(f"{what}: {exc.strerror or exc}")
+
+
+def read_and_hash(path: os.PathLike[str] | str,
+                  max_bytes: int | None = None) -> tuple[bytes, str]:
+    """The file's bytes and their sha256, for callers that want the bytes (benchmarks, tests);
+    the daemon's decode workers use :func:`open_input` and :func:`hash_stream` instead."""
+    with open_input(path, max_bytes) as handle:
         try:
             data = handle.read()
         except OSError as exc:
-            raise TransientError(f"cannot read the file: {exc.strerror}") from exc
+            raise classify(exc, "cannot read the file") from exc
     return data, hashlib.sha256(data).hexdigest()

@@ -1,8 +1,11 @@
-"""Stage 3: queue → read, hash and decode each file (in a thread pool) → preprocess cache.
+"""Stage 3: queue → read, hash and decode each file (in a decode worker process) → preprocess cache.
 
-Decoding is CPU work that releases the GIL inside Pillow, so ``preprocess.workers`` threads run
-it in parallel while the event loop stays free. Each worker holds at most one file, so the memory
-in this stage is bounded by ``workers`` × the largest image allowed (``max_image_pixels``).
+The untrusted bytes are never parsed in the daemon: ``decode/pool.py`` runs ``preprocess.workers``
+worker processes, each under a memory and a time limit, and every outcome of one file — whatever
+a decoder raised, a hang, a crash — comes back as that file's ``PermanentError`` or
+``TransientError``. ``workers`` threads here wait on them, so the event loop stays free. Each
+worker holds at most one file, so the memory in this stage is bounded by ``workers`` ×
+``decode_memory_mb``, and what comes back per file is one crop.
 """
 
 from __future__ import annotations
@@ -13,12 +16,8 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from PIL import Image
-
 from inboxd import logs
-from inboxd.decode.pillow import decode_image
-from inboxd.decode.spec import PreprocessSpec
-from inboxd.files.reading import read_and_hash
+from inboxd.decode.pool import DecodePool
 from inboxd.item import PermanentError, TransientError, WorkItem
 from inboxd.pipeline.preprocess_cache import PreprocessCache
 from inboxd.pipeline.queue import PipelineQueue
@@ -33,8 +32,7 @@ class Preprocessor:
         self,
         queue: PipelineQueue,
         cache: PreprocessCache,
-        spec: PreprocessSpec,
-        max_pixels: int,
+        pool: DecodePool,
         workers: int,
         on_error: Outcome,
         existing_sha256: Callable[[str], str | None],
@@ -43,8 +41,7 @@ class Preprocessor:
     ) -> None:
         self.queue = queue
         self.cache = cache
-        self.spec = spec
-        self.max_pixels = max_pixels
+        self.pool = pool
         self.workers = workers
         self.on_error = on_error
         self.existing_sha256 = existing_sha256
@@ -52,7 +49,6 @@ class Preprocessor:
         self.clock = clock
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix="inboxd-preprocess")
         self.in_progress = 0
-        Image.MAX_IMAGE_PIXELS = max_pixels
 
     async def run_worker(self) -> None:
         loop = asyncio.get_running_loop()
@@ -78,16 +74,20 @@ class Preprocessor:
     def _prepare(self, item: WorkItem) -> bool:
         """Read, hash and decode one file; True when its result already exists (a rerun after
         a crash between the result and the move, or the same file dropped twice)."""
-        data, item.sha256 = read_and_hash(item.claimed_path)
-        item.size_bytes = len(data)
-        if self.existing_sha256(item.key) == item.sha256:
+        result = self.pool.decode(item.claimed_path, self.existing_sha256(item.key))
+        item.sha256, item.size_bytes = result.sha256, result.size_bytes
+        if result.error is not None:
+            raise result.error
+        if result.duplicate:
             return True
-        image = item.image = decode_image(data, self.spec, self.max_pixels)
+        image = item.image = result.image
+        assert image is not None
         item.image_info = {"width": image.width, "height": image.height,
                            "format": image.format, "mode": image.mode}
         logs.emit(logging.DEBUG, "preprocessed", f"preprocessed {item.key}", path=item.key,
-                  bytes=item.size_bytes)
+                  bytes=item.size_bytes, worker_peak_rss_bytes=result.peak_rss_bytes)
         return False
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from inboxd import logs
 from inboxd.config import Config
+from inboxd.decode.pool import DecodePool, WorkerSettings
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.names import NameFilter
 from inboxd.item import WorkItem
@@ -78,9 +79,12 @@ class Pipeline:
             on_enqueued=lambda item: self.outcomes.admitted(),
             on_refused=self.outcomes.refused, clock=clock,
         )
+        pre = config.preprocess
+        self.decode_pool = DecodePool(pre.workers, WorkerSettings(
+            model.spec, pre.max_image_pixels, pre.max_file_mb << 20, pre.decode_memory_mb << 20,
+            pre.decode_timeout_s))
         self.preprocessor = Preprocessor(
-            self.queue, self.cache, model.spec, config.preprocess.max_image_pixels,
-            config.preprocess.workers, on_error=self.outcomes.error,
+            self.queue, self.cache, self.decode_pool, pre.workers, on_error=self.outcomes.error,
             existing_sha256=self.lifecycle.results.recorded_sha256,
             on_duplicate=lambda item: self.outcomes.duplicate(item, item.key), clock=clock,
         )
@@ -156,6 +160,7 @@ class Pipeline:
         self.crash_event.set()
 
     def start_processing(self) -> None:
+        self.decode_pool.start()  # the workers import Pillow while the rest starts up
         for n in range(self.config.preprocess.workers):
             self._spawn(self._processing_tasks, self.preprocessor.run_worker(), f"preprocess-{n}")
         self._spawn(self._processing_tasks, self.worker.run(), "model-worker")

@@ -1,0 +1,293 @@
+"""A small pool of decode worker processes: one file each at a time, over pipes.
+
+Not ``concurrent.futures.ProcessPoolExecutor``: one dead worker breaks that whole pool
+(``BrokenProcessPool``), and a hang cannot be cut short. Here each worker is a separate
+``python -m inboxd.decode.worker`` with a request and a reply pipe; a request that is not
+answered within ``decode_timeout_s`` gets the worker SIGKILLed, a worker that dies (a C decoder's
+segfault, an abort, the OOM killer) is reaped, and either way a new one takes its place and that
+one file gets the reason. One round trip per file: the request names the file (the worker opens,
+checks and hashes it itself), the reply carries the crop (``crop``×``crop``×3 bytes).
+
+Blocking and thread-safe: each call holds one worker; callers run it in their own threads.
+Workers are started from one dedicated thread, because ``PR_SET_PDEATHSIG`` fires when the
+*thread* that started a child exits, not only the process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import site
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+import inboxd
+from inboxd import logs
+from inboxd.decode import wire
+from inboxd.decode.spec import PreprocessSpec
+from inboxd.decode.worker import FAULTS_ENV
+from inboxd.item import DecodedImage, PermanentError, TransientError
+
+STARTUP_TIMEOUT_S = 60.0  # a cold interpreter importing numpy and Pillow on a busy machine
+EXIT_WAIT_S = 5.0  # from the EOF on a worker's replies to its exit status
+# One allocator arena and one BLAS thread: a worker decodes one file with one thread, and each
+# extra arena or thread would reserve address space under RLIMIT_AS for nothing.
+WORKER_ENV = {"MALLOC_ARENA_MAX": "2", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+# The workers import the very inboxd the daemon runs, wherever it was imported from (a source
+# tree, PYTHONPATH); an installed one is found through site-packages, which must not be put
+# ahead of the standard library.
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(inboxd.__file__)))
+
+
+def worker_env() -> dict[str, str]:
+    env = {**os.environ, **WORKER_ENV}
+    if PACKAGE_ROOT not in {*site.getsitepackages(), site.getusersitepackages()}:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_ROOT,
+                                                          os.environ.get("PYTHONPATH")]))
+    return env
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    spec: PreprocessSpec
+    max_image_pixels: int
+    max_file_bytes: int
+    decode_memory_bytes: int
+    decode_timeout_s: float
+
+
+@dataclass(slots=True)
+class DecodeResult:
+    """What one file came to. ``error`` is set when it failed (``sha256`` may still be known);
+    ``image`` is None for a duplicate (its sha256 was the expected one) and for failures."""
+
+    sha256: str | None
+    size_bytes: int | None
+    image: DecodedImage | None = None
+    duplicate: bool = False
+    error: PermanentError | TransientError | None = None
+    peak_rss_bytes: int = 0  # the worker's peak RSS while it worked on this file
+
+
+class _Process:
+    def __init__(self, settings: WorkerSettings, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "inboxd.decode.worker"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
+            env=env,
+        )
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.requests, self.replies = self.proc.stdin.fileno(), self.proc.stdout.fileno()
+        self.ready: dict[str, Any] | None = None
+        init = {**asdict(settings), "parent_pid": os.getpid()}
+        init["spec"] = asdict(settings.spec)
+        wire.send(self.requests, init)  # small: fits the pipe, never blocks
+
+    def signal_kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+
+    def kill(self) -> None:
+        self.signal_kill()
+        self.reap()
+
+    def reap(self) -> int:
+        code = self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
+        return code
+
+
+class DecodePool:
+    def __init__(self, workers: int, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.env = worker_env()  # taken once: a replacement runs exactly as the first did
+        self.max_payload_bytes = settings.spec.crop ** 2 * 3
+        self._spawner = ThreadPoolExecutor(1, thread_name_prefix="inboxd-decode-spawn")
+        self._idle: queue.SimpleQueue[_Process] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._all: set[_Process] = set()
+        self.workers = workers
+        self.started = False
+        self.closed = False
+        self.replaced = 0  # workers started to replace a dead, hung or recycled one
+
+    def start(self) -> None:
+        """Start the workers (they get ready in parallel, in the background). Idempotent; the
+        first ``decode`` calls it too."""
+        with self._lock:
+            if self.started or self.closed:
+                return
+            self.started = True
+        if self.env.get(FAULTS_ENV):
+            logs.emit(logging.WARNING, "faults", f"DECODE FAULT INJECTION ACTIVE: {FAULTS_ENV}="
+                      f"{self.env[FAULTS_ENV]}", faults=self.env[FAULTS_ENV])
+        for _ in range(self.workers):
+            self._idle.put(self._start())
+
+    def _start(self) -> _Process:
+        try:
+            process = self._spawner.submit(_Process, self.settings, self.env).result()
+        except OSError as exc:  # fork refused (EAGAIN, ENOMEM), out of descriptors, ...
+            raise TransientError(f"cannot start a decode worker: {exc}") from exc
+        with self._lock:
+            self._all.add(process)
+        return process
+
+    def _replace(self, process: _Process, why: str) -> _Process:
+        process.kill()
+        with self._lock:
+            self._all.discard(process)
+        if self.closed:
+            raise TransientError("inboxd is shutting down")
+        self.replaced += 1
+        logs.emit(logging.WARNING, "decode_worker", f"decode worker {process.proc.pid} "
+                  f"replaced: {why}", pid=process.proc.pid, reason=why)
+        return self._start()
+
+    def worker_pids(self) -> list[int]:
+        with self._lock:
+            return sorted(p.proc.pid for p in self._all)
+
+    def decode(self, path: os.PathLike[str] | str, expected_sha256: str | None = None
+               ) -> DecodeResult:
+        """Read, hash and decode one file in a worker. Every outcome of that one file is a
+        returned ``DecodeResult``; only a pool that is closed or cannot start workers raises."""
+        if self.closed:
+            raise TransientError("inboxd is shutting down")
+        self.start()
+        process = self._idle.get()
+        request = {"path_hex": os.fsencode(path).hex(), "expected_sha256": expected_sha256}
+        try:
+            for attempt in range(2):
+                process = self._ensure_ready(process)
+                if self._deliver(process, request):
+                    result, process = self._answer(process)
+                    return result
+                # It died before it took the file (killed while idle, the OOM killer, say):
+                # not this file's doing, so the file goes to a fresh worker, once.
+                process = self._replace(process, "died while idle")
+                if attempt:
+                    raise TransientError("decode workers die before they can take a file; "
+                                         "see the journal")
+            raise AssertionError("unreachable")
+        finally:
+            if not self.closed:
+                self._idle.put(process)
+
+    def _deliver(self, process: _Process, request: dict[str, Any]) -> bool:
+        """Send the request and wait for the worker's receipt. False: it was already dead."""
+        try:
+            wire.send(process.requests, request)
+            header, _ = wire.recv(process.replies, time.monotonic() + STARTUP_TIMEOUT_S)
+        except (OSError, EOFError, TimeoutError, wire.WireError):
+            return False
+        return header.get("ack") is True
+
+    def _ensure_ready(self, process: _Process) -> _Process:
+        if process.ready is not None and process.proc.poll() is None:
+            return process
+        for _attempt in range(2):
+            if process.ready is not None:  # was ready, has died since
+                process = self._replace(process, "died while idle")
+            try:
+                header, _ = wire.recv(process.replies, time.monotonic() + STARTUP_TIMEOUT_S)
+            except (EOFError, TimeoutError, wire.WireError) as exc:
+                process = self._replace(process, f"did not start ({type(exc).__name__})")
+                continue
+            process.ready = header
+            if header.get("limit_error"):
+                logs.emit(logging.WARNING, "decode_worker", "decode worker runs WITHOUT its "
+                          f"memory limit: {header['limit_error']}", error=header["limit_error"])
+            return process
+        raise TransientError("decode workers fail to start; see the journal")
+
+    def _answer(self, process: _Process) -> tuple[DecodeResult, _Process]:
+        deadline_s = time.monotonic() + self.settings.decode_timeout_s
+        try:
+            header, payload = wire.recv(process.replies, deadline_s, self.max_payload_bytes)
+        except TimeoutError:
+            timeout_s = self.settings.decode_timeout_s
+            return DecodeResult(None, None, error=PermanentError(
+                f"decoding took longer than preprocess.decode_timeout_s = {timeout_s:g} s; "
+                "the decoder was stopped (raise decode_timeout_s if such files are real images)"
+            )), self._replace(process, "decode timeout")
+        except EOFError:
+            try:
+                code = process.proc.wait(EXIT_WAIT_S)
+            except subprocess.TimeoutExpired:  # alive, yet its reply pipe is closed: broken
+                return DecodeResult(None, None, error=PermanentError(
+                    "the decoder closed its reply pipe on this file")), self._replace(
+                    process, "closed its reply pipe")
+            return DecodeResult(None, None, error=_death(code)), self._replace(
+                process, f"exited with {_describe(code)}")
+        except wire.WireError as exc:
+            return DecodeResult(None, None, error=PermanentError(
+                f"the decoder sent a malformed reply: {exc}")), self._replace(process, str(exc))
+        try:
+            result = _result(header, payload)
+        except (KeyError, TypeError, ValueError) as exc:  # a worker that lost its mind
+            return DecodeResult(None, None, error=PermanentError(
+                f"the decoder sent a malformed reply: {exc!r}")), self._replace(process, repr(exc))
+        if header.get("recycle"):
+            process = self._replace(process, "recycled after running out of memory")
+        return result, process
+
+    def close(self) -> None:
+        """End every worker: EOF on its pipe, then SIGKILL for one still busy. Idempotent."""
+        with self._lock:
+            self.closed = True
+            processes = list(self._all)
+            self._all.clear()
+        # SIGKILL only: a thread still waiting on a busy worker sees EOF, finds the pool closed
+        # and gives up (its file goes back to the inbox); it closes that worker's pipes itself.
+        for process in processes:
+            process.signal_kill()
+        for process in processes:
+            process.proc.wait()
+        self._spawner.shutdown(wait=True)
+
+
+def _result(header: dict[str, Any], payload: bytearray) -> DecodeResult:
+    sha256, size_bytes = header.get("sha256"), header.get("size_bytes")
+    peak = int(header.get("peak_rss_bytes", 0))
+    if not header.get("ok"):
+        kind = PermanentError if header.get("permanent", True) else TransientError
+        return DecodeResult(sha256, size_bytes, error=kind(str(header.get("reason"))),
+                            peak_rss_bytes=peak)
+    if header.get("duplicate"):
+        return DecodeResult(sha256, size_bytes, duplicate=True, peak_rss_bytes=peak)
+    shape = tuple(int(n) for n in header["shape"])
+    pixels = np.frombuffer(payload, dtype=np.uint8).reshape(shape)  # writable: a bytearray
+    image = DecodedImage(pixels, int(header["width"]), int(header["height"]),
+                         header.get("format"), str(header.get("mode")))
+    return DecodeResult(sha256, size_bytes, image=image, peak_rss_bytes=peak)
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit status {code}"
+
+
+def _death(code: int) -> PermanentError | TransientError:
+    if code == -signal.SIGKILL:
+        # Not us (we count our own kills as timeouts): most likely the kernel's OOM killer,
+        # which says more about the machine than about this file. Try it again later.
+        return TransientError("the decode worker was killed from outside (SIGKILL: the OOM "
+                              "killer?) while decoding this file")
+    return PermanentError(f"the decoder crashed on this file ({_describe(code)}); "
+                          "the decode worker was replaced")

@@ -1,0 +1,230 @@
+"""One decode worker process: reads, hashes and decodes one untrusted file at a time.
+
+Started by ``decode/pool.py`` as ``python -m inboxd.decode.worker``: a fresh interpreter, never a
+fork of the daemon (which has threads and torch), importing only Pillow, numpy and the small
+modules below. Whatever a file does to it — any exception, a runaway allocation (it runs under
+``RLIMIT_AS``), a hang (the daemon kills it), a crash in a C decoder — costs that file and, at
+worst, this process; the daemon answers the file and starts a new worker.
+
+Lifetime: it exits when its request pipe reaches EOF and is killed by the kernel
+(``PR_SET_PDEATHSIG``) when the daemon dies, even by SIGKILL, even mid-decode. SIGINT, SIGTERM
+and SIGHUP are ignored: a Ctrl-C on the terminal or systemd's stop signal to the whole cgroup
+must not kill a decode the daemon is still draining; the daemon ends its workers itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import io
+import os
+import resource
+import signal
+import struct
+import sys
+import time
+import warnings
+from typing import Any
+
+from PIL import Image
+
+import inboxd
+from inboxd.decode import wire
+from inboxd.decode.pillow import decode_image
+from inboxd.decode.spec import PreprocessSpec
+from inboxd.files.reading import classify, hash_stream, open_input
+from inboxd.item import PermanentError, TransientError
+
+PR_SET_PDEATHSIG = 1
+# Test-only fault injection, read only here: "abort=crash,hang=slow,raise:RuntimeError=rt"
+# makes a file whose name contains "crash" abort this process, and so on. Unset in production.
+FAULTS_ENV = "INBOXD_DECODE_FAULTS"
+FAULT_KINDS = {"abort", "segv", "hang", "alloc", "exit", "raise"}
+RAISABLE: dict[str, type[BaseException]] = {
+    e.__name__: e for e in (RuntimeError, NotImplementedError, AttributeError, MemoryError,
+                            KeyError, IndexError, TypeError, RecursionError, ZeroDivisionError)
+} | {"struct.error": struct.error}
+
+
+def parse_faults(spec: str) -> list[tuple[str, str]]:
+    """``kind[:detail]=name-substring`` pairs, e.g. ``[("raise:RuntimeError", "rt")]``."""
+    faults = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        kind, _, needle = part.partition("=")
+        name, _, detail = kind.partition(":")
+        if name not in FAULT_KINDS or not needle or (name == "raise" and detail not in RAISABLE):
+            raise ValueError(f"{FAULTS_ENV}: cannot parse {part!r} (kinds: {sorted(FAULT_KINDS)},"
+                             f" raise:<one of {sorted(RAISABLE)}>)")
+        faults.append((kind, needle))
+    return faults
+
+
+def inject(faults: list[tuple[str, str]], path: str) -> None:
+    name = os.path.basename(path)
+    for kind, needle in faults:
+        if needle not in name:
+            continue
+        if kind == "abort":
+            os.abort()
+        elif kind == "segv":
+            ctypes.string_at(0)  # a real SIGSEGV, as a C decoder would take
+        elif kind == "hang":
+            while True:
+                time.sleep(1)
+        elif kind == "alloc":
+            hog = [bytearray(1 << 26) for _ in range(1 << 20)]  # until RLIMIT_AS says no
+            del hog
+        elif kind == "exit":
+            os._exit(3)
+        else:
+            raise RAISABLE[kind.partition(":")[2]](f"injected by {FAULTS_ENV}")
+
+
+class Worker:
+    def __init__(self, init: dict[str, Any]) -> None:
+        spec = init["spec"]
+        self.spec = PreprocessSpec(spec["resize"], spec["crop"], spec["interpolation"],
+                                   tuple(spec["mean"]), tuple(spec["std"]))
+        self.max_pixels: int = init["max_image_pixels"]
+        self.max_file_bytes: int = init["max_file_bytes"]
+        self.decode_memory_bytes: int = init["decode_memory_bytes"]
+        self.faults = parse_faults(os.environ.get(FAULTS_ENV, ""))
+        Image.MAX_IMAGE_PIXELS = self.max_pixels
+
+    def warm_up(self) -> None:
+        """Load every Pillow plugin and decoder library now, so the memory limit is measured
+        from a worker that has them mapped, and the first real file is not slower."""
+        Image.init()
+        for fmt in ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF"):
+            data = io.BytesIO()
+            Image.new("RGB", (8, 8)).save(data, fmt)
+            decode_image(data.getvalue(), self.spec, self.max_pixels)
+
+    def limit_memory(self) -> str | None:
+        """Address space = what the warmed-up worker maps now + ``decode_memory_mb``. Returns
+        why it could not be set (a seccomp filter, say), for the daemon to log."""
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash must not dump gigabytes
+        limit = vm_size_bytes() + self.decode_memory_bytes
+        try:
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        except (OSError, ValueError) as exc:
+            return str(exc)
+        return None
+
+    def handle(self, request: dict[str, Any]) -> tuple[dict[str, Any], bytes, bool]:
+        """(reply header, pixel bytes, whether this process should exit after replying)."""
+        path = os.fsdecode(bytes.fromhex(request["path_hex"]))
+        state: dict[str, Any] = {"sha256": None, "size_bytes": None}
+        try:
+            header, pixels = self._decode(path, request.get("expected_sha256"), state)
+            return header, pixels, False
+        except (PermanentError, TransientError) as exc:
+            return _error(exc, state), b"", False
+        except MemoryError:
+            return _error(PermanentError(
+                f"decoding needs more memory than preprocess.decode_memory_mb = "
+                f"{self.decode_memory_bytes >> 20} allows (a decompression bomb? raise it if "
+                "such files are real images)"), state), b"", True  # start clean after this
+        except OSError as exc:
+            return _error(classify(exc, "cannot read the file"), state), b"", False
+        except Exception as exc:
+            # Any other type from a decoder on hostile bytes (RuntimeError, struct.error,
+            # NotImplementedError, ...): a decoder bug this file found, not ours to crash on.
+            return _error(PermanentError(
+                f"the decoder failed on this file: {type(exc).__name__}: {exc}"), state), b"", False
+
+    def _decode(self, path: str, expected: str | None,
+                state: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        with open_input(path, self.max_file_bytes) as handle:
+            before = os.fstat(handle.fileno())
+            state["sha256"], state["size_bytes"] = hash_stream(handle, self.max_file_bytes)
+            if expected is not None and state["sha256"] == expected:
+                return {"ok": True, "duplicate": True, **state}, b""
+            inject(self.faults, path)
+            handle.seek(0)
+            image = decode_image(handle, self.spec, self.max_pixels)
+            after = os.fstat(handle.fileno())
+        if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+            raise TransientError("the file changed while it was being read; it is read again")
+        return {"ok": True, "duplicate": False, **state, "shape": list(image.pixels.shape),
+                "width": image.width, "height": image.height, "format": image.format,
+                "mode": image.mode}, image.pixels.tobytes()
+
+
+def _error(exc: PermanentError | TransientError, state: dict[str, Any]) -> dict[str, Any]:
+    return {"ok": False, "permanent": isinstance(exc, PermanentError),
+            "reason": str(exc) or type(exc).__name__, **state}
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def vm_size_bytes() -> int:
+    return _status_bytes("VmSize")
+
+
+def peak_rss_bytes() -> int:
+    """VmHWM, not ``ru_maxrss``: the latter survives exec and so starts at the peak of
+    whatever process started this one."""
+    return _status_bytes("VmHWM")
+
+
+def reset_peak_rss() -> None:
+    """Start VmHWM again from the current RSS, so each reply reports that file's own peak."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+    except OSError:
+        pass  # an old kernel or a sandbox: the peak is then the worker's lifetime peak
+
+
+def die_with_parent(parent_pid: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl: nobody will signal us
+        os._exit(0)
+
+
+def main() -> None:
+    # The protocol gets private copies of the pipes; fds 0 and 1 become /dev/null and stderr, so
+    # a library that prints to stdout cannot corrupt a frame.
+    requests, replies = os.dup(0), os.dup(1)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(2, 1)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    faulthandler.enable()  # a C crash leaves a Python traceback in the journal
+    # Pillow warns about every oddity of hostile metadata; the outcome says what matters.
+    warnings.simplefilter("ignore")
+    init, _ = wire.recv(requests)
+    die_with_parent(init["parent_pid"])
+    worker = Worker(init)
+    worker.warm_up()
+    limit_error = worker.limit_memory()
+    wire.send(replies, {"ready": True, "pid": os.getpid(), "limit_error": limit_error,
+                        "heavy_modules": [m for m in ("torch", "torchvision") if m in sys.modules],
+                        "faults": os.environ.get(FAULTS_ENV, ""), "inboxd_path": inboxd.__file__,
+                        "peak_rss_bytes": peak_rss_bytes()})
+    while True:
+        try:
+            request, _ = wire.recv(requests)
+        except EOFError:
+            return
+        wire.send(replies, {"ack": True})  # from here on, a death is this file's doing
+        reset_peak_rss()
+        header, payload, recycle = worker.handle(request)
+        header["peak_rss_bytes"] = peak_rss_bytes()
+        header["recycle"] = recycle
+        wire.send(replies, header, payload)
+        if recycle:
+            return
+
+
+if __name__ == "__main__":
+    main()

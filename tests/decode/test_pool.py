@@ -1,0 +1,237 @@
+"""The decode worker pool with real worker processes: every way a decode can go wrong costs that
+one file, with a reason, and the pool carries on with a fresh worker.
+
+Faults a real file cannot be relied on to cause (a segfault, an abort, a hang, any exception
+type) are injected inside the worker by ``INBOXD_DECODE_FAULTS``, keyed by file name; the real
+bombs (tests/decode/bombs.py) are real files.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from inboxd.decode.pool import DecodePool, WorkerSettings
+from inboxd.decode.spec import PreprocessSpec
+from inboxd.item import PermanentError, TransientError
+
+from tests.conftest import make_image, wait_until
+from tests.decode import bombs
+from tests.decode.processes import alive
+
+SPEC = PreprocessSpec(256, 224, "bicubic", (0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
+FAULTS = ("abort=abort,segv=segv,hang=hang,alloc=balloon,exit=exits,"
+          "raise:RuntimeError=runtime,raise:NotImplementedError=notimpl,"
+          "raise:AttributeError=attribute,raise:struct.error=struct,raise:MemoryError=memory")
+MiB = 1 << 20
+
+
+def settings(**overrides: float) -> WorkerSettings:
+    values = {"max_image_pixels": 89_478_485, "max_file_bytes": 256 * MiB,
+              "decode_memory_bytes": 512 * MiB, "decode_timeout_s": 20.0, **overrides}
+    return WorkerSettings(SPEC, int(values["max_image_pixels"]), int(values["max_file_bytes"]),
+                          int(values["decode_memory_bytes"]), float(values["decode_timeout_s"]))
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[DecodePool]:
+    """One pool for the module (workers take ~1 s to start), faults armed by file name."""
+    os.environ["INBOXD_DECODE_FAULTS"] = FAULTS
+    try:
+        decode_pool = DecodePool(2, settings(decode_timeout_s=3))
+        decode_pool.start()
+    finally:
+        del os.environ["INBOXD_DECODE_FAULTS"]
+    yield decode_pool
+    decode_pool.close()
+
+
+def still_works(pool: DecodePool, tmp_path: Path) -> None:
+    good = make_image(tmp_path / "good-after.png", size=(300, 200))
+    for _ in range(pool.workers + 1):  # every worker, the replaced one included
+        result = pool.decode(good)
+        assert result.error is None and result.image is not None
+        assert result.image.pixels.shape == (224, 224, 3)
+
+
+def test_a_good_file_decodes_with_its_sha256(pool: DecodePool, tmp_path: Path) -> None:
+    path = make_image(tmp_path / "photo.jpg", size=(640, 480))
+    result = pool.decode(path)
+    assert result.error is None and result.image is not None
+    assert (result.image.width, result.image.height, result.image.format) == (640, 480, "JPEG")
+    import hashlib
+    assert result.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert result.size_bytes == path.stat().st_size
+    assert pool.decode(path, expected_sha256=result.sha256).duplicate, "known: not decoded"
+
+
+def test_workers_run_this_checkout_without_torch(pool: DecodePool) -> None:
+    pool.decode(__file__)  # any request: the workers are ready after it
+    import inboxd
+    for process in list(pool._all):
+        if process.ready is None:
+            continue
+        assert process.ready["heavy_modules"] == [], "a decode worker must not import torch"
+        assert process.ready["inboxd_path"] == inboxd.__file__
+        assert process.ready["limit_error"] is None, "the memory limit is in force"
+
+
+@pytest.mark.parametrize("kind", ["runtime", "notimpl", "attribute", "struct", "memory"])
+def test_any_exception_from_a_decoder_fails_only_that_file(
+        pool: DecodePool, tmp_path: Path, kind: str) -> None:
+    result = pool.decode(make_image(tmp_path / f"{kind}.png"))
+    assert isinstance(result.error, PermanentError), result
+    expected = "more memory than" if kind == "memory" else "the decoder failed on this file"
+    assert expected in str(result.error)
+    assert result.sha256 is not None, "what was learnt before the failure is kept"
+    still_works(pool, tmp_path)
+
+
+def test_real_files_that_raise_unexpected_types_fail_alone(pool: DecodePool,
+                                                           tmp_path: Path) -> None:
+    path = bombs.write(tmp_path / "texture.jpg", bombs.dds_unknown_fourcc())
+    result = pool.decode(path)
+    assert isinstance(result.error, PermanentError)
+    assert "NotImplementedError" in str(result.error)
+    still_works(pool, tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["abort", "segv", "exits"])
+def test_a_crashing_decoder_fails_that_file_and_is_replaced(
+        pool: DecodePool, tmp_path: Path, kind: str) -> None:
+    replaced = pool.replaced
+    result = pool.decode(make_image(tmp_path / f"{kind}.png"))
+    assert isinstance(result.error, PermanentError), result
+    assert "the decoder crashed on this file" in str(result.error)
+    assert {"abort": "SIGABRT", "segv": "SIGSEGV", "exits": "exit status 3"}[kind] in str(
+        result.error)
+    assert pool.replaced == replaced + 1
+    still_works(pool, tmp_path)
+
+
+def test_a_hang_is_cut_at_decode_timeout_s(pool: DecodePool, tmp_path: Path) -> None:
+    started = time.monotonic()
+    result = pool.decode(make_image(tmp_path / "hang.png"))
+    assert 3 <= time.monotonic() - started < 10
+    assert isinstance(result.error, PermanentError)
+    assert "longer than preprocess.decode_timeout_s = 3 s" in str(result.error)
+    still_works(pool, tmp_path)
+
+
+def test_a_runaway_allocation_stops_at_the_memory_limit(pool: DecodePool,
+                                                        tmp_path: Path) -> None:
+    result = pool.decode(make_image(tmp_path / "balloon.png"))
+    assert isinstance(result.error, PermanentError)
+    assert "more memory than preprocess.decode_memory_mb = 512" in str(result.error)
+    assert result.peak_rss_bytes < 1024 * MiB
+    still_works(pool, tmp_path)
+
+
+def test_a_worker_killed_while_idle_costs_no_file(pool: DecodePool, tmp_path: Path) -> None:
+    pool.decode(make_image(tmp_path / "warm.png"))
+    for pid in pool.worker_pids():
+        os.kill(pid, signal.SIGKILL)
+    still_works(pool, tmp_path)
+
+
+def test_a_worker_killed_from_outside_mid_file_is_a_transient_error(tmp_path: Path) -> None:
+    os.environ["INBOXD_DECODE_FAULTS"] = "hang=hang"
+    try:
+        pool = DecodePool(1, settings(decode_timeout_s=30))
+        pool.decode(make_image(tmp_path / "warm.png"))
+    finally:
+        del os.environ["INBOXD_DECODE_FAULTS"]
+    try:
+        pid = pool.worker_pids()[0]
+        killer = subprocess.Popen([sys.executable, "-c", f"import os, time; time.sleep(1); "
+                                   f"os.kill({pid}, 9)"])  # the OOM killer, say
+        result = pool.decode(make_image(tmp_path / "hang.png"))
+        killer.wait(10)
+        assert isinstance(result.error, TransientError), result
+        assert "killed from outside" in str(result.error)
+    finally:
+        pool.close()
+
+
+def test_a_file_over_max_file_mb_is_refused_before_it_is_read(pool: DecodePool,
+                                                              tmp_path: Path) -> None:
+    huge = bombs.sparse_file(tmp_path / "huge.jpg", bombs.jpeg_bytes(), 3 << 30)  # 3 GiB
+    started = time.monotonic()
+    result = pool.decode(huge)
+    assert time.monotonic() - started < 2, "refused on fstat, not after reading 3 GiB"
+    assert isinstance(result.error, PermanentError)
+    assert "more than preprocess.max_file_mb = 256 MiB" in str(result.error)
+    assert result.sha256 is None
+
+
+@pytest.mark.parametrize("height", [8000, 40000])
+def test_an_extreme_aspect_ratio_decodes_in_bounded_memory(tmp_path: Path, height: int) -> None:
+    """1×8000 used to cost 2.1 GB (the strip resized to 256×2,048,000), 1×40000 a MemoryError."""
+    pool = DecodePool(1, settings())
+    try:
+        result = pool.decode(bombs.write(tmp_path / "strip.png", bombs.png_strip(1, height)))
+        assert result.error is None and result.image is not None, result
+        assert result.image.pixels.shape == (224, 224, 3)
+        assert result.peak_rss_bytes < 200 * MiB
+    finally:
+        pool.close()
+
+
+def test_no_worker_outlives_a_killed_parent(tmp_path: Path) -> None:
+    """PR_SET_PDEATHSIG: a daemon killed with SIGKILL, even mid-decode, takes its workers."""
+    script = textwrap.dedent(f"""
+        import os, sys
+        os.environ["INBOXD_DECODE_FAULTS"] = "hang=hang"
+        from tests.decode.test_pool import settings
+        from inboxd.decode.pool import DecodePool
+        pool = DecodePool(2, settings())
+        pool.decode({str(make_image(tmp_path / "warm.png"))!r})
+        print(*pool.worker_pids(), flush=True)
+        pool.decode({str(make_image(tmp_path / "hang.png"))!r})  # never returns
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[2])
+    assert parent.stdout is not None
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    assert len(pids) == 2
+    time.sleep(0.5)  # let the second request reach its worker
+    parent.kill()
+    parent.wait(10)
+    wait_until(lambda: not any(alive(pid) for pid in pids), 10, "the workers to die")
+
+
+def test_a_worker_that_cannot_be_replaced_is_a_transient_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    os.environ["INBOXD_DECODE_FAULTS"] = "exit=exits"
+    try:
+        pool = DecodePool(1, settings())
+        pool.decode(make_image(tmp_path / "warm.png"))
+    finally:
+        del os.environ["INBOXD_DECODE_FAULTS"]
+    try:
+        def refuse(*args: object, **kwargs: object) -> None:
+            raise BlockingIOError(11, "Resource temporarily unavailable")  # fork: EAGAIN
+        monkeypatch.setattr(subprocess, "Popen", refuse)
+        with pytest.raises(TransientError, match="cannot start a decode worker"):
+            pool.decode(make_image(tmp_path / "exits.png"))  # the worker dies, none replaces it
+        monkeypatch.undo()
+        still_works(pool, tmp_path)  # the next file starts a worker again
+    finally:
+        pool.close()
+
+
+def test_close_ends_every_worker() -> None:
+    pool = DecodePool(2, settings())
+    pool.start()
+    pids = pool.worker_pids()
+    pool.close()
+    assert not any(alive(pid) for pid in pids)
+    with pytest.raises(TransientError, match="shutting down"):
+        pool.decode(__file__)
