@@ -2,7 +2,9 @@
 
 Where the model runs is the engine's business (``inboxd.models.engine``); this stage only takes
 one batch at a time, remembers since when the engine has had it (the watchdog reads that), and
-hands every outcome on.
+hands every outcome on. When the engine reports a ``DeviceFault`` (the device, not an input,
+failed) the stage stops using the model: that batch and every later one go to
+``on_device_fault``, which returns their files to disk, and the service exits for a restart.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 
-from inboxd.models.engine import ModelEngine, Outcome
+from inboxd.item import WorkItem
+from inboxd.models.engine import DeviceFault, ModelEngine, Outcome
 from inboxd.pipeline.batcher import Batcher
 
 
@@ -21,8 +24,11 @@ class ModelWorker:
         batcher: Batcher,
         deliver: Callable[[list[Outcome]], Awaitable[None]],
         clock: Callable[[], float] = time.monotonic,
+        on_device_fault: Callable[[list[WorkItem], DeviceFault], Awaitable[None]] | None = None,
     ) -> None:
         self.engine = engine
+        self.on_device_fault = on_device_fault
+        self.device_fault: DeviceFault | None = None
         self.batcher = batcher
         self.deliver = deliver
         self.clock = clock
@@ -36,9 +42,16 @@ class ModelWorker:
         while True:
             batch = await self.batcher.next_batch()
             self.in_hand = len(batch)
+            if self.device_fault is not None:
+                await self._give_back(batch, self.device_fault)
+                continue
             self.busy_since_s = self.clock()
             try:
                 outcomes = await self.engine.infer(batch)
+            except DeviceFault as fault:
+                self.device_fault = fault
+                await self._give_back(batch, fault)
+                continue
             finally:
                 self.busy_since_s = None
             now = self.clock()
@@ -48,6 +61,12 @@ class ModelWorker:
             self.batches_done += 1
             await self.deliver(outcomes)
             self.in_hand = 0
+
+    async def _give_back(self, batch: list[WorkItem], fault: DeviceFault) -> None:
+        if self.on_device_fault is None:
+            raise fault  # nobody to hand the files to: a crash, and the claims are recovered
+        await self.on_device_fault(batch, fault)
+        self.in_hand = 0
 
     def close(self) -> None:
         self.engine.close()

@@ -23,6 +23,7 @@ from inboxd.config import Config
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.names import NameFilter
 from inboxd.item import WorkItem
+from inboxd.models.engine import DeviceFault, ModelEngine
 from inboxd.models.local_engine import LocalEngine
 from inboxd.models.model import Model
 from inboxd.pipeline.batcher import Batcher
@@ -50,6 +51,7 @@ class Pipeline:
         watch: WatchFn = real_awatch,
         clock: Callable[[], float] = time.monotonic,
         lifecycle: Lifecycle | None = None,
+        engine: ModelEngine | None = None,
     ) -> None:
         self.config = config
         self.model = model
@@ -87,12 +89,16 @@ class Pipeline:
             more_coming=lambda: self.queue.qsize() > 0 or self.preprocessor.in_progress > 0,
         )
         self.writer = ResultWriter(config, model, self.lifecycle, self.outcomes, self.run_io, clock)
-        self.worker = ModelWorker(LocalEngine(model), self.batcher, self.writer.submit, clock)
+        self.engine = engine or LocalEngine(model)
+        self.worker = ModelWorker(self.engine, self.batcher, self.writer.submit, clock,
+                                  on_device_fault=self._device_fault)
         self.stats.register(self.buffer, self.queue, self.cache, self.batcher, self.writer,
                             self.retry_list)
         self._intake_tasks: list[asyncio.Task[None]] = []
         self._processing_tasks: list[asyncio.Task[None]] = []
         self.crashed: BaseException | None = None
+        self.device_fault: DeviceFault | None = None
+        # Set by a stage crash or a device fault: the service stops (and exits non-zero).
         self.crash_event = asyncio.Event()
         self._stats_changed = asyncio.Event()
 
@@ -104,6 +110,21 @@ class Pipeline:
         await self.queue.put(item)
         self.stats.put_wait_ms.add((time.perf_counter() - started) * 1000)
         item.enqueued_s = self.clock()
+
+    async def _device_fault(self, batch: list[WorkItem], fault: DeviceFault) -> None:
+        """The device failed, not these inputs: they go back to the inbox uncounted (no
+        attempt spent, nothing to failed/), and so does every batch after this one while the
+        pipeline drains."""
+        if self.device_fault is None:
+            self.device_fault = fault
+            logs.emit(logging.CRITICAL, "device_fault",
+                      f"the model's device failed: {fault}. The CUDA context of this process "
+                      "cannot be trusted any more: returning the files in flight to the inbox "
+                      "and exiting so that a new process gets a fresh context",
+                      error=str(fault), device=str(self.model.device))
+            self.crash_event.set()
+        for item in batch:
+            await self.outcomes.release(item, "the device failed, not this file")
 
     # -- start-up ----------------------------------------------------------------------------
 
@@ -224,7 +245,7 @@ class Pipeline:
         self.prepare()
         self.start_processing()
         self.start_intake(watch=False)
-        while self.crashed is None:
+        while not self.crash_event.is_set():
             claimed_before = self.intake.claimed
             await self.watcher.scan()
             await self._until(lambda: self.buffer.size == 0 and not self.intake.busy
@@ -233,10 +254,13 @@ class Pipeline:
                 if self.retry_list.size == 0:
                     break
                 await self._until(lambda: self.outcomes.in_flight == 0, progress)
-        await self.shutdown(grace_s=None, force=asyncio.Event())  # all drained already
+        force = asyncio.Event()
+        if self.crashed is not None:
+            force.set()  # a crashed stage will not drain what it held: the claims are recovered
+        await self.shutdown(grace_s=None, force=force)  # drained already, or cut short
 
     async def _until(self, done: Callable[[], bool], progress: Callable[[], None] | None) -> None:
-        while not done() and self.crashed is None:
+        while not done() and not self.crash_event.is_set():
             if progress is not None:
                 progress()
             await asyncio.sleep(POLL_S)

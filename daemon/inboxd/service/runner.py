@@ -20,10 +20,15 @@ from inboxd import __version__, logs
 from inboxd.config import Config, ConfigError, load_config
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.models import faults
+from inboxd.models.local_engine import LocalEngine
 from inboxd.pipeline.wiring import Pipeline
 from inboxd.service.notify import Notifier
 
 EX_SOFTWARE = 70
+# The GPU failed in a way that poisons this process's CUDA context (illegal address, Xid, ECC):
+# only a new process can use the device again, so Restart=on-failure must restart it. Not a
+# sysexits.h meaning (76 is EX_PROTOCOL there): a code of our own that nothing else returns.
+EX_DEVICE = 76
 # While the model loads, ask systemd for this much more start time, this often.
 EXTEND_TIMEOUT_S = 30
 EXTEND_EVERY_S = 10
@@ -57,7 +62,12 @@ class Service:
         extending = asyncio.create_task(self._extend_start_timeout())
         try:
             model = await asyncio.to_thread(load_model, self.config.model)
-            warm_s = await asyncio.to_thread(model.warm_up, self.config.batch.max_size)
+            engine = LocalEngine(model)
+            try:
+                warm_s = await engine.warm_up(self.config.batch.max_size)
+            except BaseException:
+                engine.close()
+                raise
         finally:
             extending.cancel()
         faults.install(model)
@@ -67,7 +77,7 @@ class Service:
                   f"loaded and warmed up in {time.perf_counter() - started:.1f} s",
                   model=model.name, device=str(model.device), warmup_s=round(warm_s, 3),
                   instance=self.config.instance, version=__version__)
-        self.pipeline = Pipeline(self.config, model, lifecycle=lifecycle)
+        self.pipeline = Pipeline(self.config, model, lifecycle=lifecycle, engine=engine)
         return self.pipeline
 
     async def _extend_start_timeout(self) -> None:
@@ -111,7 +121,7 @@ class Service:
         await asyncio.gather(*helpers, return_exceptions=True)
         logs.emit(logging.INFO, "stopped", "stopped", instance=self.config.instance)
         self.notifier.close()
-        return EX_SOFTWARE if pipeline.crashed else 0
+        return exit_status(pipeline)
 
     def _stopping(self) -> None:
         self.notifier.stopping()
@@ -121,7 +131,8 @@ class Service:
     async def _stop_on_crash(self, pipeline: Pipeline) -> None:
         await pipeline.crash_event.wait()
         self.stop.set()
-        self.force.set()
+        if pipeline.crashed is not None:
+            self.force.set()  # after a device fault the stages still drain (back to disk)
 
     async def _keep_status(self, pipeline: Pipeline) -> None:
         while True:
@@ -215,6 +226,15 @@ async def _once(config: Config, progress: bool) -> int:
         show()
         sys.stdout.write("\n")
     print(f"inboxd once: {counters.completed} completed, {counters.failed} failed")
-    if pipeline.crashed is not None:
-        return EX_SOFTWARE
+    if pipeline.crash_event.is_set():
+        return exit_status(pipeline)
     return 1 if counters.failed else 0
+
+
+def exit_status(pipeline: Pipeline) -> int:
+    if pipeline.device_fault is not None:
+        logs.emit(logging.CRITICAL, "stopped", f"exiting {EX_DEVICE}: the device failed "
+                  f"({pipeline.device_fault}); a restart gets a fresh CUDA context",
+                  exit_status=EX_DEVICE)
+        return EX_DEVICE
+    return EX_SOFTWARE if pipeline.crashed else 0
