@@ -3,15 +3,18 @@
 Where the model runs is the engine's business (``inboxd.models.engine``); this stage only takes
 one batch at a time, remembers since when the engine has had it (the watchdog reads that), and
 hands every outcome on. When the engine reports a ``DeviceFault`` (the device, not an input,
-failed) the stage stops using the model: that batch and every later one go to
-``on_device_fault``, which returns their files to disk, and the service exits for a restart.
+failed) the stage stops using the model: that batch and every later one go back to the inbox
+uncounted (no attempt spent, nothing to failed/), and ``on_device_fault`` tells the service to
+stop and exit for a restart.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from inboxd import logs
 from inboxd.item import WorkItem
 from inboxd.models.engine import DeviceFault, ModelEngine, Outcome
 from inboxd.pipeline.batcher import Batcher
@@ -24,9 +27,11 @@ class ModelWorker:
         batcher: Batcher,
         deliver: Callable[[list[Outcome]], Awaitable[None]],
         clock: Callable[[], float] = time.monotonic,
-        on_device_fault: Callable[[list[WorkItem], DeviceFault], Awaitable[None]] | None = None,
+        release: Callable[[WorkItem, str], Awaitable[None]] | None = None,
+        on_device_fault: Callable[[DeviceFault], None] = lambda fault: None,
     ) -> None:
         self.engine = engine
+        self.release = release
         self.on_device_fault = on_device_fault
         self.device_fault: DeviceFault | None = None
         self.batcher = batcher
@@ -49,7 +54,7 @@ class ModelWorker:
             try:
                 outcomes = await self.engine.infer(batch)
             except DeviceFault as fault:
-                self.device_fault = fault
+                self._device_failed(fault)
                 await self._give_back(batch, fault)
                 continue
             finally:
@@ -62,10 +67,19 @@ class ModelWorker:
             await self.deliver(outcomes)
             self.in_hand = 0
 
+    def _device_failed(self, fault: DeviceFault) -> None:
+        self.device_fault = fault
+        logs.emit(logging.CRITICAL, "device_fault",
+                  f"the model's device failed: {fault}. The CUDA context of this process cannot "
+                  "be trusted any more: returning the files in flight to the inbox and exiting "
+                  "so that a new process gets a fresh context", error=str(fault))
+        self.on_device_fault(fault)
+
     async def _give_back(self, batch: list[WorkItem], fault: DeviceFault) -> None:
-        if self.on_device_fault is None:
+        if self.release is None:
             raise fault  # nobody to hand the files to: a crash, and the claims are recovered
-        await self.on_device_fault(batch, fault)
+        for item in batch:
+            await self.release(item, "the device failed, not this file")
         self.in_hand = 0
 
     def close(self) -> None:

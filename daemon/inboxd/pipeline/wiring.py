@@ -91,6 +91,7 @@ class Pipeline:
         self.writer = ResultWriter(config, model, self.lifecycle, self.outcomes, self.run_io, clock)
         self.engine = engine or LocalEngine(model)
         self.worker = ModelWorker(self.engine, self.batcher, self.writer.submit, clock,
+                                  release=self.outcomes.release,
                                   on_device_fault=self._device_fault)
         self.stats.register(self.buffer, self.queue, self.cache, self.batcher, self.writer,
                             self.retry_list)
@@ -111,20 +112,9 @@ class Pipeline:
         self.stats.put_wait_ms.add((time.perf_counter() - started) * 1000)
         item.enqueued_s = self.clock()
 
-    async def _device_fault(self, batch: list[WorkItem], fault: DeviceFault) -> None:
-        """The device failed, not these inputs: they go back to the inbox uncounted (no
-        attempt spent, nothing to failed/), and so does every batch after this one while the
-        pipeline drains."""
-        if self.device_fault is None:
-            self.device_fault = fault
-            logs.emit(logging.CRITICAL, "device_fault",
-                      f"the model's device failed: {fault}. The CUDA context of this process "
-                      "cannot be trusted any more: returning the files in flight to the inbox "
-                      "and exiting so that a new process gets a fresh context",
-                      error=str(fault), device=str(self.model.device))
-            self.crash_event.set()
-        for item in batch:
-            await self.outcomes.release(item, "the device failed, not this file")
+    def _device_fault(self, fault: DeviceFault) -> None:
+        self.device_fault = fault
+        self.crash_event.set()
 
     # -- start-up ----------------------------------------------------------------------------
 
