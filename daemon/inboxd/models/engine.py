@@ -37,9 +37,10 @@ def is_device_error(exc: BaseException) -> bool:
 
 
 class ModelEngine(Protocol):
-    async def warm_up(self, max_size: int) -> float:
-        """Run every batch size up to ``max_size`` once where inference will run (sizes
-        already warmed are skipped). Returns seconds."""
+    async def warm_up(self, max_size: int) -> tuple[list[int], float]:
+        """Run the batch sizes up to ``max_size`` once where inference will run (sizes already
+        warmed are skipped; a ``ConfigError`` for one the model cannot take). Returns the sizes
+        warmed and the seconds it took."""
         ...
 
     async def infer(self, batch: list[WorkItem]) -> list[Outcome]:

@@ -38,14 +38,16 @@ class LocalEngine:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=THREAD_NAME_PREFIX)
         self.warmed_sizes: set[int] = set()
 
-    async def warm_up(self, max_size: int) -> float:
-        """Warm every batch size up to ``max_size`` not warmed yet, on the inference thread.
-        Returns seconds."""
+    async def warm_up(self, max_size: int) -> tuple[list[int], float]:
+        """Warm the batch sizes up to ``max_size`` not warmed yet, on the inference thread.
+        Returns those sizes and the seconds it took."""
         sizes = [s for s in self.model.warm_up_sizes(max_size) if s not in self.warmed_sizes]
+        if not sizes:
+            return [], 0.0
         loop = asyncio.get_running_loop()
         seconds = await loop.run_in_executor(self.executor, self.model.warm_up, sizes)
         self.warmed_sizes.update(sizes)
-        return seconds
+        return sizes, seconds
 
     async def infer(self, batch: list[WorkItem]) -> list[Outcome]:
         loop = asyncio.get_running_loop()

@@ -64,7 +64,7 @@ class Service:
             model = await asyncio.to_thread(load_model, self.config.model)
             engine = LocalEngine(model)
             try:
-                warm_s = await engine.warm_up(self.config.batch.max_size)
+                warmed, warm_s = await engine.warm_up(self.config.batch.max_size)
             except BaseException:
                 engine.close()
                 raise
@@ -76,6 +76,7 @@ class Service:
                   f"inboxd {__version__}: model {model.name}{source} on {model.device}, "
                   f"loaded and warmed up in {time.perf_counter() - started:.1f} s",
                   model=model.name, device=str(model.device), warmup_s=round(warm_s, 3),
+                  warmed_batch_sizes=",".join(map(str, warmed)),
                   instance=self.config.instance, version=__version__)
         self.pipeline = Pipeline(self.config, model, lifecycle=lifecycle, engine=engine)
         return self.pipeline
@@ -164,13 +165,16 @@ class Service:
             await self.reload_requested.wait()
             self.reload_requested.clear()
             self.notifier.reloading()
-            self.reload(pipeline)
+            await self.reload(pipeline)
             self.notifier.status(pipeline.status_line())  # show the new capacities at once
             self.notifier.ready()
 
-    def reload(self, pipeline: Pipeline) -> None:
+    async def reload(self, pipeline: Pipeline) -> None:
         try:
             new = load_config(self.config_path, self.overrides)
+            # A larger batch is checked against the model (a .pt2 program's bound) and warmed
+            # on the model's thread *before* the batcher may produce it.
+            warmed, warm_s = await pipeline.engine.warm_up(new.batch.max_size)
         except ConfigError as exc:
             logs.emit(logging.ERROR, "reloaded",
                       f"reload refused, the running configuration stays: {exc}",
@@ -184,7 +188,9 @@ class Service:
             message += "; needs restart to change: " + ", ".join(restart)
         logs.emit(logging.WARNING if restart else logging.INFO, "reloaded", message,
                   applied=len(live), changed_live=",".join(live) or None,
-                  needs_restart=",".join(restart) or None)
+                  needs_restart=",".join(restart) or None,
+                  warmed_batch_sizes=",".join(map(str, warmed)) or None,
+                  warmup_s=round(warm_s, 3) if warmed else None)
 
 
 def config_changes(old: Config, new: Config) -> tuple[list[str], list[str]]:
