@@ -18,7 +18,8 @@ from torch import nn
 
 from inboxd.config import ConfigError, ModelConfig, ModelInputConfig
 from inboxd.decode.spec import PreprocessSpec
-from inboxd.models.model import Model, ModelInfo, imagenet_labels, pick_device
+from inboxd.models.device import pick_device
+from inboxd.models.model import Model, ModelInfo, imagenet_labels
 from inboxd.models.preflight import label_count_problem, problem, read_labels
 from inboxd.models.sources import (
     IMAGENET_CLASSES,

@@ -41,19 +41,6 @@ def imagenet_labels() -> list[str]:
     return list(_IMAGENET_CATEGORIES)
 
 
-def pick_device(requested: str) -> torch.device:
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(requested)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
-            f"model.device is {requested!r} but no CUDA GPU is visible to this process "
-            "(check the driver with nvidia-smi, CUDA_VISIBLE_DEVICES and the unit's DeviceAllow=); "
-            "set model.device: auto to fall back to the CPU"
-        )
-    return device
-
-
 @dataclass
 class Classification:
     top_k: list[dict[str, Any]]

@@ -20,6 +20,7 @@ from inboxd import __version__, logs
 from inboxd.config import Config, ConfigError, load_config
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.models import faults
+from inboxd.models.device import device_fields
 from inboxd.models.local_engine import LocalEngine
 from inboxd.pipeline.wiring import Pipeline
 from inboxd.service.notify import Notifier
@@ -72,11 +73,18 @@ class Service:
             extending.cancel()
         faults.install(model)
         source = f" ({model.info.source})" if model.info is not None else ""
+        device = device_fields(model.device)
+        on = str(model.device)
+        if "NVIDIA_DRIVER" in device:
+            on += (f" ({device['DEVICE_NAME']}, compute capability "
+                   f"{device['COMPUTE_CAPABILITY']}, {int(device['GPU_MEMORY_BYTES']) / 2**30:.0f}"
+                   f" GiB, driver {device['NVIDIA_DRIVER']}, CUDA {device['CUDA_RUNTIME']}, "
+                   f"cuDNN {device['CUDNN_VERSION']})")
         logs.emit(logging.INFO, "started",
-                  f"inboxd {__version__}: model {model.name}{source} on {model.device}, "
+                  f"inboxd {__version__}: model {model.name}{source} on {on}, "
                   f"loaded and warmed up in {time.perf_counter() - started:.1f} s",
                   model=model.name, device=str(model.device), warmup_s=round(warm_s, 3),
-                  warmed_batch_sizes=",".join(map(str, warmed)),
+                  warmed_batch_sizes=",".join(map(str, warmed)), **device,
                   instance=self.config.instance, version=__version__)
         self.pipeline = Pipeline(self.config, model, lifecycle=lifecycle, engine=engine)
         return self.pipeline
