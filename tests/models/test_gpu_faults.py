@@ -256,3 +256,40 @@ def test_memory_fields_of_the_model_on_a_gpu_name_every_figure() -> None:
     fields = model.memory_fields()
     assert {"CUDA_PEAK_ALLOCATED_BYTES", "CUDA_FREE_BYTES", "CUDA_TOTAL_BYTES",
             "CUDA_ALLOC_RETRIES", "CUDA_OOMS", "CUDA_PINNED_HOST_BYTES"} <= set(fields)
+
+
+# -- fault 6: smaller items ------------------------------------------------------------------
+
+
+def test_the_batch_independence_probe_runs_without_tf32() -> None:
+    """TF32 matmuls differ by ~1e-3 between batch sizes and would reject a valid program."""
+    from inboxd.models.loading import probe
+
+    seen: list[tuple[bool, bool]] = []
+
+    class RecordsTF32(Net):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append((torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32))
+            return super().forward(x)
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        probe(RecordsTF32().eval(), SPEC, torch.device("cpu"), check_batch_independence=True)
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (
+            True, True), "the probe restores the settings it changed"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    assert seen and set(seen) == {(False, False)}
+
+
+def test_the_builtin_network_runs_with_batchnorm_folded_into_its_convolutions() -> None:
+    from inboxd.models import efficientnet_lite as lite
+    from inboxd.models.sources import builtin
+
+    folded = builtin().network
+    assert not [m for m in folded.modules() if isinstance(m, nn.BatchNorm2d)]
+    reference = lite.load_efficientnet_lite0()
+    x = torch.rand(2, 3, lite.CROP_SIZE, lite.CROP_SIZE, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert float((folded(x) - reference(x)).abs().max()) < 1e-3
