@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import subprocess
+import sys
 import threading
 import weakref
 from pathlib import Path
@@ -37,8 +39,8 @@ class Net(nn.Module):
         return self.head(x.flatten(1))  # type: ignore[no-any-return]
 
 
-def model_for(network: nn.Module) -> Model:
-    return Model("test", network.eval(), SPEC, LABELS, torch.device("cpu"), "fp32", 1)
+def model_for(network: nn.Module, device: str = "cpu") -> Model:
+    return Model("test", network.eval(), SPEC, LABELS, torch.device(device), "fp32", 1)
 
 
 def items(count: int) -> list[WorkItem]:
@@ -293,3 +295,58 @@ def test_the_builtin_network_runs_with_batchnorm_folded_into_its_convolutions() 
     x = torch.rand(2, 3, lite.CROP_SIZE, lite.CROP_SIZE, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         assert float((folded(x) - reference(x)).abs().max()) < 1e-3
+
+
+# -- the same on a real GPU ------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+def test_a_real_cuda_oom_is_split_until_every_file_completes_back_at_baseline(
+        tmp_path: Path) -> None:
+    from bench.gpu_stages import oom_split
+
+    result = oom_split(dry_run=False, out=tmp_path)
+    assert result["status"] == "passed", result
+
+
+@pytest.mark.gpu
+@gpu
+def test_a_real_device_side_error_is_recognised_as_a_device_fault() -> None:
+    """In a child process: the error leaves its CUDA context unusable."""
+    code = ("import torch\nfrom inboxd.models.engine import is_device_error\n"
+            "x = torch.zeros(4, device='cuda')\n"
+            "try:\n    x[torch.tensor([10], device='cuda')] = 1\n    torch.cuda.synchronize()\n"
+            "except Exception as exc:\n    print('device fault:', is_device_error(exc), exc)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert "device fault: True" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.gpu
+@gpu
+def test_on_the_gpu_every_size_is_warmed_on_the_inference_thread() -> None:
+    network = RecordsCalls()
+    engine = LocalEngine(model_for(network, "cuda"))
+    try:
+        asyncio.run(engine.warm_up(6))
+    finally:
+        engine.close()
+    assert [size for _, size in network.calls] == [1, 2, 3, 4, 5, 6]
+    threads = {name for name, _ in network.calls}
+    assert len(threads) == 1 and threads.pop().startswith("inboxd-model")
+
+
+@pytest.mark.gpu
+@gpu
+def test_real_cuda_memory_fields_give_the_peak_of_each_interval() -> None:
+    model = model_for(Net(), "cuda")
+    blank = np.zeros((CROP, CROP, 3), dtype=np.uint8)
+    model.predict([blank] * 256)
+    first = model.memory_fields()
+    model.predict([blank])
+    second = model.memory_fields()
+    assert second["CUDA_PEAK_ALLOCATED_BYTES"] < first["CUDA_PEAK_ALLOCATED_BYTES"]
+    assert 0 < first["CUDA_FREE_BYTES"] < first["CUDA_TOTAL_BYTES"]
