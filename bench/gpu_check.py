@@ -80,7 +80,7 @@ def run_stage(name: str, deadline_s: int, dry_run: bool, out: Path) -> dict[str,
     if code == "timeout":
         result["status"] = "timed_out"
         result["error"] = f"over its {deadline_s} s deadline (figures so far above)"
-    elif code != 0 and result.get("status") in (None, *OK):
+    elif code != 0 and result.get("status") != "failed":  # crashed, or "running" when it did
         result["status"] = "failed"
         result.setdefault("error", f"exit status {code}: see {log_path.name}")
     result.setdefault("status", "passed")

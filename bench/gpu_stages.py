@@ -28,6 +28,18 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 Result = dict[str, Any]
+# The flood stops itself before gpu_check's deadline for the stage (90 s), to report what it saw.
+FLOOD_DEADLINE_S = 75
+
+
+_RESULT_PATH: list[Path] = []  # --result, set by main
+
+
+def checkpoint(result: Result) -> None:
+    """Write a stage's figures so far to ``--result``, so that a stage cut off by its
+    deadline still leaves them."""
+    for path in _RESULT_PATH:
+        path.write_text(json.dumps({**result, "status": "running"}, indent=1, default=str))
 
 
 def sizes(dry_run: bool) -> dict[str, Any]:
@@ -206,6 +218,7 @@ def throughput(dry_run: bool, out: Path) -> Result:
                          "files_per_s": round(e2e, 1), "ceiling_files_per_s": round(ceiling, 1),
                          "ceiling_before_after": [round(c, 1) for c in ceilings],
                          "ratio": round(e2e / ceiling, 3)})
+            checkpoint({"rows": rows})
             shutil.rmtree(root, ignore_errors=True)
     assert model is not None
     return {"status": "passed", "device": str(model.device), "files": size["e2e_files"],
@@ -251,8 +264,11 @@ def flood_memory(dry_run: bool, out: Path) -> Result:
             log.write(line)
             if "[stats]" in line:
                 records.append(stats_fields(line))
+                checkpoint({"files": size["flood"], "records": records})
                 if records[-1].get("COMPLETED", 0) >= size["flood"]:
                     break
+                if time.perf_counter() - started > FLOOD_DEADLINE_S:
+                    break  # reported below as not all completed
         elapsed_s = time.perf_counter() - started
         daemon.send_signal(signal.SIGTERM)
         for line in daemon.stdout:
@@ -399,6 +415,7 @@ def main() -> int:
     parser.add_argument("--result", type=Path, required=True)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    _RESULT_PATH.append(args.result)
     try:
         result = STAGES[args.stage](args.dry_run, args.out)
     except Exception as exc:  # the stage's verdict: recorded, then the traceback in its log
