@@ -24,15 +24,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-# (stage, deadline in seconds on the GPU machine): 465 s in all, inside the 8-minute budget
-# with room for start-up. A dry run uses the same deadlines (its stages take a fraction).
-STAGES: tuple[tuple[str, int], ...] = (
-    ("gpu_tests", 120),
-    ("precision", 60),
-    ("throughput", 130),
-    ("flood_memory", 90),
-    ("oom_split", 45),
-    ("sandbox", 20),
+# (stage, deadline in seconds on the GPU machine, in a dry run on 2 shared CPU cores). GPU:
+# 465 s in all, inside the 8-minute budget with room for start-up. Dry run: what each stage
+# took on the loaded CPU machine (10-65 s), with room; the suite's test bounds the whole at 4 min.
+STAGES: tuple[tuple[str, int, int], ...] = (
+    ("gpu_tests", 120, 60),
+    ("precision", 60, 90),
+    ("throughput", 130, 90),
+    ("flood_memory", 90, 60),
+    ("oom_split", 45, 60),
+    ("sandbox", 20, 20),
 )
 OK = ("passed", "skipped")
 
@@ -126,7 +127,8 @@ def main() -> int:
     print(f"gpu_check: {report['mode']} on {where}, torch {env['torch']}; "
           f"writing {report_path}", flush=True)
     write()
-    for name, deadline_s in STAGES:
+    for name, gpu_deadline_s, dry_deadline_s in STAGES:
+        deadline_s = dry_deadline_s if args.dry_run else gpu_deadline_s
         stage = run_stage(name, deadline_s, args.dry_run, out)
         report["stages"][name] = stage
         write()
