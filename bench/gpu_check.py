@@ -36,6 +36,8 @@ STAGES: tuple[tuple[str, int, int], ...] = (
     ("sandbox", 20, 20),
 )
 OK = ("passed", "skipped")
+# Where to look for the NVIDIA driver's files: "/" (a test points it at a fake host's root).
+ROOT = Path(os.environ.get("GPU_CHECK_ROOT", "/"))
 
 
 def now() -> str:
@@ -49,8 +51,8 @@ def environment() -> dict[str, Any]:
     found: dict[str, Any] = {
         "host": platform.node(), "python": platform.python_version(), "cpus": os.cpu_count(),
         "torch": torch.__version__, "torch_cuda": torch.version.cuda,
-        "cuda_available": torch.cuda.is_available(), "nvidia_hardware": nvidia_hardware(),
-        "nvidia_driver": nvidia_driver_version(),
+        "cuda_available": torch.cuda.is_available(), "nvidia_hardware": nvidia_hardware(ROOT),
+        "nvidia_driver": nvidia_driver_version(ROOT),
     }
     if torch.cuda.is_available():
         properties = torch.cuda.get_device_properties(0)
@@ -115,7 +117,7 @@ def main() -> int:
 
         if env["nvidia_hardware"]:
             report["error"] = (f"an NVIDIA GPU is present ({env['nvidia_hardware']}) but CUDA "
-                               f"cannot be used: {env['cuda_error']}. {remedies()}")
+                               f"cannot be used: {env['cuda_error']}. {remedies(ROOT)}")
         else:
             report["error"] = (f"no NVIDIA GPU here ({env['cuda_error']}): run "
                                "bench/gpu_check.sh --dry-run to check the script on the CPU")

@@ -15,9 +15,12 @@ REPO = Path(__file__).resolve().parent.parent
 STAGES = ["gpu_tests", "precision", "throughput", "flood_memory", "oom_split", "sandbox"]
 
 
-def gpu_check(out: Path, *args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", "bench/gpu_check.sh", *args], cwd=REPO,
-                          env={**os.environ, "OUT": str(out), "PYTHON": sys.executable},
+def gpu_check(out: Path, *args: str, timeout_s: float,
+              root: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
+    if root is not None:
+        env["GPU_CHECK_ROOT"] = str(root)
+    return subprocess.run(["bash", "bench/gpu_check.sh", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout_s, check=False)
 
 
@@ -46,3 +49,14 @@ def test_without_dry_run_and_without_cuda_it_fails_with_torchs_reason(tmp_path: 
     assert "--dry-run" in proc.stderr
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["status"] == "failed" and report["environment"]["cuda_error"] in report["error"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA works here")
+def test_a_gpu_that_cuda_cannot_use_fails_the_check_with_torchs_message(tmp_path: Path) -> None:
+    root = tmp_path / "host"  # the NVIDIA driver's files of a host with one GPU
+    (root / "proc/driver/nvidia/gpus/0000:01:00.0").mkdir(parents=True)
+    proc = gpu_check(tmp_path / "out", timeout_s=120, root=root)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert "0000:01:00.0" in proc.stderr and report["environment"]["cuda_error"] in proc.stderr
+    assert "DeviceAllow=" in report["error"]
