@@ -25,7 +25,7 @@ def load(warm_batch: int) -> tuple[Model, int]:
     daemon warms it; and the default ``max_image_pixels``."""
     config = load_config(None)
     model = load_model(config.model)
-    model.warm_up(warm_batch)
+    model.warm_up(model.warm_up_sizes(warm_batch))  # this thread is the one that infers
     return model, config.preprocess.max_image_pixels
 
 

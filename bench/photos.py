@@ -6,18 +6,22 @@ scikit-learn), read straight from disk: nothing is downloaded. Each is center-cr
 fixed, seeded film grain, so that upscaled photos compress like camera output rather than like
 smooth gradients (a 12-MP JPEG of a few MB, not a few hundred KB). Same package versions, same
 bytes: the corpus is cached under ``bench/out/photos`` and keyed by a manifest of its recipe.
+On a machine without those packages (the GPU machine), ``INBOXD_PHOTOS_DIR`` names a folder
+holding the same files (``bench/fetch_gpu_wheels.sh`` copies them to ``.wheels/photos``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
+PHOTOS_DIR_ENV = "INBOXD_PHOTOS_DIR"
 # (name, package, file inside that package's data folder)
 SOURCES: tuple[tuple[str, str, str], ...] = (
     ("chelsea", "skimage", "chelsea.png"),
@@ -58,6 +62,10 @@ class Photo:
 
 def source_path(package: str, file: str) -> Path | None:
     """Where an installed package keeps ``file``; None when this version does not ship it."""
+    copies = os.environ.get(PHOTOS_DIR_ENV)
+    if copies:
+        path = Path(copies) / file
+        return path if path.is_file() else None
     if package == "skimage":
         import skimage
 

@@ -44,8 +44,14 @@ class FakeModel:
 
     predict = classify
 
-    def warm_up(self, batch_size: int) -> float:
+    def warm_up_sizes(self, max_size: int) -> list[int]:
+        return [max_size]
+
+    def warm_up(self, sizes: Sequence[int]) -> float:
         return 0.0
+
+    def health_problem(self) -> str | None:
+        return None  # the fake's only failure is the poisoned input's own
 
     def memory_fields(self) -> dict[str, int]:
         return {}

@@ -14,14 +14,12 @@ ImageNet class (``astronaut``: a person in a space suit) are in ``photo_paths()`
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-import matplotlib.cbook
-import skimage
-import sklearn.datasets
-
-_SKIMAGE_DIR = Path(skimage.__file__).parent / "data"
-_SKLEARN_DIR = Path(sklearn.datasets.__file__).parent / "images"
+# A folder with copies of the files below, for a machine without those packages (the GPU
+# machine: bench/fetch_gpu_wheels.sh copies them to .wheels/photos).
+PHOTOS_DIR_ENV = "INBOXD_PHOTOS_DIR"
 
 # short name -> file name, per package.
 _SKIMAGE = {
@@ -59,11 +57,20 @@ def photo_paths() -> dict[str, Path]:
     a minimum number of photos assert on the size of the result.
     """
     found: dict[str, Path] = {}
+    copies = os.environ.get(PHOTOS_DIR_ENV)
+    if copies:
+        for name, file in {**_SKIMAGE, **_MATPLOTLIB, **_SKLEARN}.items():
+            found[name] = Path(copies) / file
+        return {name: path for name, path in found.items() if path.is_file()}
+    import matplotlib.cbook
+    import skimage
+    import sklearn.datasets
+
     for name, file in _SKIMAGE.items():
-        found[name] = _SKIMAGE_DIR / file
+        found[name] = Path(skimage.__file__).parent / "data" / file
     for name, file in _MATPLOTLIB.items():
         # asfileobj=False returns the path inside matplotlib's mpl-data; it never downloads.
         found[name] = Path(matplotlib.cbook.get_sample_data(file, asfileobj=False))
     for name, file in _SKLEARN.items():
-        found[name] = _SKLEARN_DIR / file
+        found[name] = Path(sklearn.datasets.__file__).parent / "images" / file
     return {name: path for name, path in found.items() if path.is_file()}

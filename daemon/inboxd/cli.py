@@ -2,8 +2,11 @@
 
 Exit statuses: 0 success; 1 ``once`` finished but some file failed; 2 usage; 70 (EX_SOFTWARE)
 a stage crashed; 75 (EX_TEMPFAIL) this instance name is already running on the inbox;
-78 (EX_CONFIG) the configuration cannot work — systemd's
-``RestartPreventExitStatus=78`` then stops instead of restarting into the same error.
+76 (``EX_DEVICE``, ours) the GPU failed in a way that poisons this process's CUDA context
+(illegal address, Xid, ECC): the files in flight went back to the inbox and only a new process
+can use the device, so ``Restart=on-failure`` restarts it; 78 (EX_CONFIG) the configuration
+cannot work — systemd's ``RestartPreventExitStatus=78`` then stops instead of restarting into
+the same error.
 """
 
 from __future__ import annotations

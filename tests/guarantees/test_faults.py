@@ -121,3 +121,20 @@ def test_cuda_oom_halves_the_batch_in_the_real_daemon(tmp_path: Path) -> None:
     assert "FAULT INJECTION ACTIVE" in once.output()
     assert "retrying as" in once.output(), "the OOM split was logged"
     assert result_names(tmp_path / "results") == names
+
+
+def test_a_poisoned_cuda_context_returns_the_files_and_exits_for_a_restart(
+        tmp_path: Path, daemon_factory) -> None:
+    """After an illegal address every CUDA call fails; no file may be blamed for that."""
+    config = write_config(tmp_path, batch={"max_size": 4, "max_delay_ms": 200},
+                          inbox={"settle_ms": 0})
+    daemon = daemon_factory(config, env={"INBOXD_FAULTS": "device_error_from_batch=2"})
+    daemon.wait_for("ready")
+    names = flood(tmp_path / "inbox", 12)
+    assert daemon.proc.wait(60) == 76, daemon.output()  # Restart=on-failure restarts 76
+    assert "device_fault" in daemon.output() and "illegal memory access" in daemon.output()
+    assert not list((tmp_path / "failed").glob("*.png")), "no file was blamed for the device"
+    results = result_names(tmp_path / "results")
+    back = {p.name for p in (tmp_path / "inbox").glob("*.png")}
+    assert results | back == names and not results & back
+    assert not list((tmp_path / "inbox" / ".processing").rglob("*.png"))

@@ -260,7 +260,7 @@ def test_export_program_matches_the_program_called_directly(
         assert np.abs(got - expected).max() <= TOLERANCE, name
     # The program's batch bound (Dim max=16) against a larger batch.max_size: exit 78 at start.
     with pytest.raises(ConfigError, match=r"at most 16 images, but batch\.max_size is 32"):
-        model.warm_up(32)
+        model.warm_up_sizes(32)
 
 
 # -- bad model configs ----------------------------------------------------------------------
@@ -485,7 +485,7 @@ def test_compiled_and_exported_on_the_gpu_agree_with_the_cpu(
     cpu = load_model(ModelConfig(**source, labels=files["labels"], device="cpu"))
     cuda = load_model(ModelConfig(**source, labels=files["labels"], device="cuda",
                                   compile=kind == "torchvision"))
-    cuda.warm_up(8)
+    cuda.warm_up(cuda.warm_up_sizes(8))
     pixels = [decode_image(f.read_bytes(), cpu.spec, 10**8).pixels for f in photos.values()]
     for batch in (pixels[:1], pixels):
         expected = cpu.outputs(batch)

@@ -204,3 +204,31 @@ def test_journal_records_stats_and_readback(tmp_path: Path) -> None:
     assert report.returncode == 0, report.stderr
     with Image.open(png) as image:
         assert image.size[0] > 500 and image.size[1] > 500
+
+
+def test_reload_warms_a_larger_batch_first_and_refuses_one_past_a_programs_bound(
+    tmp_path: Path, daemon_factory
+) -> None:
+    from tests.byo_models import export, resnet18
+
+    program = export(resnet18(num_classes=1000), tmp_path / "small.pt2", size=32, max_batch=4)
+    model = {"export": str(program), "device": "cpu", "input": {"resize": 32, "crop": 32}}
+    config = write_config(tmp_path, model=model, batch={"max_size": 2})
+    daemon = daemon_factory(config)
+    daemon.wait_for("ready")
+    data = yaml.safe_load(config.read_text())
+    data["batch"] = {"max_size": 4}
+    config.write_text(yaml.safe_dump(data))
+    daemon.proc.send_signal(signal.SIGHUP)
+    reloaded = daemon.wait_for("reloaded")[-1]
+    assert "batch.max_size" in reloaded and "WARMED_BATCH_SIZES=4" in reloaded, reloaded
+
+    data["batch"] = {"max_size": 8}
+    config.write_text(yaml.safe_dump(data))
+    daemon.proc.send_signal(signal.SIGHUP)
+    refused = daemon.wait_for("reloaded", count=2)[-1]
+    assert "reload refused" in refused and "at most 4 images" in refused, refused
+    count = len(daemon.records("stats"))
+    daemon.wait_for("stats", count=count + 1)
+    assert "BATCH_CAPACITY=4" in daemon.records("stats")[-1], "the running batch size stays"
+    assert daemon.stop() == 0

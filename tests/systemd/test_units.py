@@ -143,16 +143,24 @@ def test_required_directives(unit: Path) -> None:
     for key, value in MUST_HAVE.items():
         assert found.get(key) == [value], f"{key}= should be {value!r}, is {found.get(key)}"
     assert not MUST_NOT_HAVE & found.keys()
-    assert "78" in found["RestartPreventExitStatus"][0].split()
+    # 78 (a bad config) must not restart-loop; 76 (a poisoned CUDA context) must restart.
+    assert found["RestartPreventExitStatus"] == ["78"]
+    assert found["Restart"] == ["on-failure"]
+    # torch.compile's Inductor/Triton caches survive restarts (PrivateTmp would empty them).
+    assert "TORCHINDUCTOR_CACHE_DIR=/var/lib/inboxd/cache/inductor" in found["Environment"]
+    assert "TRITON_CACHE_DIR=/var/lib/inboxd/cache/triton" in found["Environment"]
     assert _seconds(found["WatchdogSec"][0]) > 0
     assert "PYTHONUNBUFFERED=1" in found["Environment"]
     assert found["MemoryHigh"] and found["MemoryMax"]
     assert found["ExecStart"][0].startswith(f"{EXEC} run -c /etc/inboxd/inboxd.yaml")
 
     devices = [value.split()[0] for value in found["DeviceAllow"]]
-    assert {"char-nvidia-frontend", "char-nvidia", "char-nvidiactl", "char-nvidia-uvm"} <= set(
-        devices
-    )
+    if unit == TEMPLATE:  # its own GPU only, plus what every CUDA process needs
+        assert {"/dev/nvidia%i", "/dev/nvidiactl", "char-nvidia-uvm"} <= set(devices)
+        assert not {"char-nvidia", "char-nvidia-frontend"} & set(devices), "every GPU"
+    else:
+        assert {"char-nvidia-frontend", "char-nvidia", "char-nvidiactl",
+                "char-nvidia-uvm"} <= set(devices)
     # A literal path never matches more than itself: /dev/nvidia* would allow nothing.
     assert not [d for d in devices if d.startswith("/dev/") and any(c in d for c in "*?[")]
 

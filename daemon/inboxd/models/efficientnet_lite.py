@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 __all__ = [
     "CROP_SIZE",
@@ -119,7 +120,8 @@ class _Conv2dSame(nn.Conv2d):
         left, right = _same_pad(x.shape[-1], kw, sw)
         if top or bottom or left or right:
             x = F.pad(x, [left, right, top, bottom])
-        return F.conv2d(x, self.weight, None, self.stride, 0, self.dilation, self.groups)
+        # The bias is None as loaded, and BatchNorm's shift once fold_batchnorm folded it in.
+        return F.conv2d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
 
 
 def _conv(in_ch: int, out_ch: int, kernel: int, stride: int = 1, groups: int = 1) -> nn.Conv2d:
@@ -240,3 +242,22 @@ def load_efficientnet_lite0(weights: Path | None = None) -> EfficientNetLite0:
     model = EfficientNetLite0()
     model.load_state_dict(state, strict=True)
     return model.eval()
+
+
+def fold_batchnorm(model: EfficientNetLite0) -> EfficientNetLite0:
+    """Fold every BatchNorm into the convolution before it, for inference: one kernel instead
+    of two per layer and no BatchNorm pass over the activations; the outputs are the same up to
+    float rounding. Only for a model in eval mode that will not be trained (or loaded) again:
+    the state_dict keys of the BatchNorms are gone."""
+    pairs: list[tuple[nn.Module, str, str]] = [(model, "_conv_stem", "_bn0"),
+                                               (model, "_conv_head", "_bn1")]
+    for block in model._blocks:
+        pairs += [(block, "_expand_conv", "_bn0"), (block, "_depthwise_conv", "_bn1"),
+                  (block, "_project_conv", "_bn2")]
+    for owner, conv_name, bn_name in pairs:
+        conv, bn = getattr(owner, conv_name), getattr(owner, bn_name)
+        if conv is None or bn is None:
+            continue  # expand ratio 1: no expand conv
+        setattr(owner, conv_name, fuse_conv_bn_eval(conv, bn))
+        setattr(owner, bn_name, nn.Identity())
+    return model

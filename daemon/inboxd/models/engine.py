@@ -10,15 +10,42 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
+
 from inboxd.item import WorkItem
 from inboxd.models.model import Prediction
 
 Outcome = tuple[WorkItem, Prediction | Exception]
 
+# What cuDNN, cuBLAS and the CUDA runtime put in the RuntimeErrors they raise when a kernel
+# cannot run: not an input's problem, and the context is usually unusable afterwards.
+DEVICE_ERROR_MARKERS = ("CUDA error", "CUDNN_STATUS_", "cuDNN error", "CUBLAS_STATUS_",
+                        "cuBLAS error", "unspecified launch failure", "illegal memory access",
+                        "uncorrectable ECC error", "device-side assert")
+
+
+class DeviceFault(Exception):
+    """The device, not an input, failed: every later call would fail too (a poisoned CUDA
+    context, a lost GPU). The batch goes back to disk and the process must restart."""
+
+
+def is_device_error(exc: BaseException) -> bool:
+    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in DEVICE_ERROR_MARKERS)
+
 
 class ModelEngine(Protocol):
+    async def warm_up(self, max_size: int) -> tuple[list[int], float]:
+        """Run the batch sizes up to ``max_size`` once where inference will run (sizes already
+        warmed are skipped; a ``ConfigError`` for one the model cannot take). Returns the sizes
+        warmed and the seconds it took."""
+        ...
+
     async def infer(self, batch: list[WorkItem]) -> list[Outcome]:
-        """One outcome per item of ``batch``, in any order."""
+        """One outcome per item of ``batch``, in any order; ``DeviceFault`` when the device,
+        not an input, failed."""
         ...
 
     def close(self) -> None:

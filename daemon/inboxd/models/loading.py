@@ -8,9 +8,11 @@ an input size the architecture cannot take and a program that does not return on
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -18,7 +20,8 @@ from torch import nn
 
 from inboxd.config import ConfigError, ModelConfig, ModelInputConfig
 from inboxd.decode.spec import PreprocessSpec
-from inboxd.models.model import Model, ModelInfo, imagenet_labels, pick_device
+from inboxd.models.device import pick_device
+from inboxd.models.model import Model, ModelInfo, imagenet_labels
 from inboxd.models.preflight import label_count_problem, problem, read_labels
 from inboxd.models.sources import (
     IMAGENET_CLASSES,
@@ -136,7 +139,7 @@ def probe(network: nn.Module, spec: PreprocessSpec, device: torch.device,
     generator = torch.Generator().manual_seed(0)
     batch = torch.rand(PROBE_BATCH, 3, spec.crop, spec.crop, generator=generator).to(device)
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), exact_float32():
             out = network.to(device)(batch)
             singles = ([network(batch[i:i + 1]) for i in range(PROBE_BATCH)]
                        if check_batch_independence else [])
@@ -155,6 +158,19 @@ def probe(network: nn.Module, spec: PreprocessSpec, device: torch.device,
                           "images in its batch: it was exported in training mode; call "
                           "model.eval() before torch.export.export")
     return int(out.shape[1])
+
+
+@contextlib.contextmanager
+def exact_float32() -> Iterator[None]:
+    """TF32 off while the probe runs: with it, a GPU's matmuls and convolutions round to 10
+    mantissa bits and differ between batch sizes by ~1e-3, which the batch-independence check
+    would take for a program exported in training mode."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def _labels_for(config: ModelConfig, source: Source, labels: list[str] | None,

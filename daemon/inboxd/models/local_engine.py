@@ -1,10 +1,16 @@
 """The local engine: the model in one dedicated thread of this process, on its GPU or CPU.
 
 The event loop keeps noticing, claiming and decoding files while a batch is on the GPU
-(preprocessing of batch n+1 overlaps inference of batch n). A batch that fails is split in
-halves and each half retried, so one bad input or a CUDA out-of-memory at this batch size costs
-only what it must: an input that fails alone fails alone, and an OOM at batch size 1 is a
-transient error for the retry list.
+(preprocessing of batch n+1 overlaps inference of batch n). The warm-up runs on that same
+thread: cuDNN handles and plan caches are per thread, so warming anywhere else would leave the
+first real batch of each size to build them again.
+
+A batch that fails is split in halves and each half retried, so one bad input or a CUDA
+out-of-memory at this batch size costs only what it must: an input that fails alone *on a
+healthy device* fails alone, and an OOM at batch size 1 is a transient error for the retry
+list. A device error (``torch.AcceleratorError``, a cuDNN/cuBLAS execution failure) is nobody's
+input: it poisons the CUDA context for the whole process, so it is raised as ``DeviceFault``
+for the pipeline to return the files and the service to exit for a restart.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import torch
 
 from inboxd import logs
 from inboxd.item import PermanentError, TransientError, WorkItem
-from inboxd.models.engine import Outcome
+from inboxd.models.engine import DeviceFault, Outcome, is_device_error
 from inboxd.models.model import Model
 
 # The CLI looks for a live thread of this name at exit: a hung model call must not keep the
@@ -30,6 +36,18 @@ class LocalEngine:
     def __init__(self, model: Model) -> None:
         self.model = model
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=THREAD_NAME_PREFIX)
+        self.warmed_sizes: set[int] = set()
+
+    async def warm_up(self, max_size: int) -> tuple[list[int], float]:
+        """Warm the batch sizes up to ``max_size`` not warmed yet, on the inference thread.
+        Returns those sizes and the seconds it took."""
+        sizes = [s for s in self.model.warm_up_sizes(max_size) if s not in self.warmed_sizes]
+        if not sizes:
+            return [], 0.0
+        loop = asyncio.get_running_loop()
+        seconds = await loop.run_in_executor(self.executor, self.model.warm_up, sizes)
+        self.warmed_sizes.update(sizes)
+        return sizes, seconds
 
     async def infer(self, batch: list[WorkItem]) -> list[Outcome]:
         loop = asyncio.get_running_loop()
@@ -41,23 +59,36 @@ class LocalEngine:
 
 def infer_splitting(model: Model, items: list[WorkItem]) -> list[Outcome]:
     """Run ``items`` through the model, halving the batch on failure until each input either
-    has a result or an error of its own."""
-    images = [item.image.pixels for item in items if item.image is not None]
+    has a result or an error of its own. Raises ``DeviceFault`` when the device is at fault."""
     started = time.perf_counter()
     try:
-        predictions = model.predict(images)
+        predictions = model.predict([item.image.pixels for item in items
+                                     if item.image is not None])
     except torch.cuda.OutOfMemoryError as exc:
-        if len(items) == 1:
-            return [(items[0], TransientError(f"CUDA out of memory at batch size 1: {exc}"))]
-        return _halves(model, items, "CUDA out of memory")
-    except Exception as exc:  # a model error on one input must fail that input only
-        if len(items) == 1:
-            return [(items[0], PermanentError(f"the model failed on this input: {exc!r}"))]
-        return _halves(model, items, f"model error {exc!r}")
-    elapsed_ms = (time.perf_counter() - started) * 1000
-    for item in items:
-        item.inference_ms = elapsed_ms
-    return list(zip(items, predictions, strict=True))
+        kind, why = "oom", str(exc)
+    except Exception as exc:  # sorted out below: the device's fault, or one input's
+        kind = "device" if is_device_error(exc) else "model"
+        why = f"{type(exc).__name__}: {exc}" if kind == "device" else repr(exc)
+    else:
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        for item in items:
+            item.inference_ms = elapsed_ms
+        return list(zip(items, predictions, strict=True))
+    # Only now, out of the handler, is the exception gone, and with its traceback the frames of
+    # the failed call: its input and activations. Retrying from inside the handler would run
+    # the halves with the whole batch's memory still held (and cascade to size 1 on a GPU).
+    if kind == "device":
+        raise DeviceFault(why)
+    if len(items) > 1:
+        return _halves(model, items,
+                       "CUDA out of memory" if kind == "oom" else f"model error {why}")
+    if kind == "oom":
+        return [(items[0], TransientError(f"CUDA out of memory at batch size 1: {why}"))]
+    sick = model.health_problem()
+    if sick is not None:
+        raise DeviceFault(f"{why} on one input, and a blank image fails too ({sick}): the "
+                          "device or the model is broken, not the input")
+    return [(items[0], PermanentError(f"the model failed on this input: {why}"))]
 
 
 def _halves(model: Model, items: list[WorkItem], why: str) -> list[Outcome]:

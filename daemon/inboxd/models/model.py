@@ -24,6 +24,7 @@ from torch import nn
 
 from inboxd.config import ConfigError
 from inboxd.decode.spec import PreprocessSpec
+from inboxd.models.memory import cuda_memory_fields
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # Pillow's convert("L") in fixed point (ITU-R 601-2 luma: 0.299 R + 0.587 G + 0.114 B, scaled
@@ -38,19 +39,6 @@ def imagenet_labels() -> list[str]:
     from torchvision.models._meta import _IMAGENET_CATEGORIES
 
     return list(_IMAGENET_CATEGORIES)
-
-
-def pick_device(requested: str) -> torch.device:
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(requested)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
-            f"model.device is {requested!r} but no CUDA GPU is visible to this process "
-            "(check the driver with nvidia-smi, CUDA_VISIBLE_DEVICES and the unit's DeviceAllow=); "
-            "set model.device: auto to fall back to the CPU"
-        )
-    return device
 
 
 @dataclass
@@ -128,6 +116,8 @@ class Model:
         self.max_batch: int | None = info.max_batch if info is not None else None
         # A test seam: the fault tests make a chosen batch raise (CUDA OOM, a model error).
         self.before_forward: Callable[[int], None] | None = None
+        # The device boundary of the stats probe: a test puts a fake memory API here.
+        self.cuda_memory: Any = torch.cuda
 
     @property
     def on_gpu(self) -> bool:
@@ -186,31 +176,52 @@ class Model:
         # A copy per row, so one image's result does not keep the whole batch alive.
         return [Embedding(np.array(row, dtype=np.float32)) for row in vectors]
 
-    def warm_up(self, batch_size: int) -> float:
-        """Run the largest batch once (cuDNN picks its kernels, the allocator fills its pool,
-        torch.compile compiles), so the first real file is not the slow one. Returns seconds."""
-        if self.max_batch is not None and batch_size > self.max_batch:
+    def check_batch_size(self, max_size: int) -> None:
+        """A ``ConfigError`` when the network cannot take batches of ``max_size``."""
+        if self.max_batch is not None and max_size > self.max_batch:
             raise ConfigError("model", [
-                f"the program accepts batches of at most {self.max_batch} images, but "
-                f"batch.max_size is {batch_size}: lower batch.max_size, or export again with "
+                f"the program accepts batches of at most {self.max_batch} images, "
+                f"but batch.max_size is {max_size}: lower batch.max_size, or export again with "
                 "a larger max in torch.export.Dim"
             ])
+
+    def warm_up_sizes(self, max_size: int) -> list[int]:
+        """The batch sizes to warm up: every size the batcher can produce on a GPU (cuDNN
+        builds its plans per input shape, and the first batch of a size that was not warmed
+        pays for them all), only 1 and the largest on the CPU (oneDNN's per-shape set-up is
+        small next to a forward, and warming every size would cost max²/2 images of CPU
+        time at each start)."""
+        self.check_batch_size(max_size)
+        if self.on_gpu:
+            return list(range(1, max_size + 1))
+        return sorted({1, max_size})
+
+    def warm_up(self, sizes: Sequence[int]) -> float:
+        """Run one blank batch of each size (cuDNN picks its kernels, the allocator fills its
+        pool, torch.compile compiles), so no real file is the slow one. Call it on the thread
+        that runs inference: cuDNN's handles and plan caches are per thread. Returns seconds."""
         started = time.perf_counter()
         blank = np.zeros((self.spec.crop, self.spec.crop, 3), dtype=np.uint8)
-        for size in sorted({1, batch_size}):
+        for size in sizes:
             self.predict([blank] * size)
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - started
 
+    def health_problem(self) -> str | None:
+        """Why a blank image cannot go through the model now, or None: asked after an input
+        failed alone, because only an input that fails on a healthy device is at fault."""
+        blank = np.zeros((self.spec.crop, self.spec.crop, 3), dtype=np.uint8)
+        try:
+            self.predict([blank])
+            if self.on_gpu:
+                torch.cuda.synchronize(self.device)
+        except Exception as exc:  # any failure here means the input was not the cause
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
     def memory_fields(self) -> dict[str, int]:
-        """CUDA memory for the stats record: allocated = live tensors, reserved = what the
-        caching allocator holds (reserved above allocated is the cache, not a leak)."""
+        """CUDA memory for the stats record (``inboxd.models.memory``); nothing on the CPU."""
         if not self.on_gpu:
             return {}
-        return {
-            "CUDA_ALLOCATED_BYTES": torch.cuda.memory_allocated(self.device),
-            "CUDA_RESERVED_BYTES": torch.cuda.memory_reserved(self.device),
-            "CUDA_MAX_ALLOCATED_BYTES": torch.cuda.max_memory_allocated(self.device),
-        }
-
+        return cuda_memory_fields(self.device, self.cuda_memory)

@@ -55,7 +55,8 @@ def builtin() -> Source:
         raise problem(str(exc)) from exc
     spec = PreprocessSpec(resize=lite.RESIZE_SHORTER_SIDE, crop=lite.CROP_SIZE,
                           interpolation=lite.RESIZE_INTERPOLATION, mean=lite.MEAN, std=lite.STD)
-    return Source("efficientnet_lite0", lite.load_efficientnet_lite0(path), spec,
+    network = lite.fold_batchnorm(lite.load_efficientnet_lite0(path))
+    return Source("efficientnet_lite0", network, spec,
                   f"built-in EfficientNet-Lite0, ImageNet weights {path}", lite.NUM_CLASSES)
 
 

@@ -27,6 +27,7 @@ from inboxd.decode.pool import DecodePool, WorkerSettings
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.names import NameFilter
 from inboxd.item import WorkItem
+from inboxd.models.engine import DeviceFault, ModelEngine
 from inboxd.models.local_engine import LocalEngine
 from inboxd.models.model import Model
 from inboxd.pipeline.batcher import Batcher
@@ -54,6 +55,7 @@ class Pipeline:
         watch: WatchFn = real_awatch,
         clock: Callable[[], float] = time.monotonic,
         lifecycle: Lifecycle | None = None,
+        engine: ModelEngine | None = None,
     ) -> None:
         self.config = config
         self.model = model
@@ -94,13 +96,18 @@ class Pipeline:
             more_coming=lambda: self.queue.qsize() > 0 or self.preprocessor.in_progress > 0,
         )
         self.writer = ResultWriter(config, model, self.lifecycle, self.outcomes, self.run_io, clock)
-        self.worker = ModelWorker(LocalEngine(model), self.batcher, self.writer.submit, clock,
+        self.engine = engine or LocalEngine(model)
+        self.worker = ModelWorker(self.engine, self.batcher, self.writer.submit, clock,
+                                  release=self.outcomes.release,
+                                  on_device_fault=self._device_fault,
                                   on_inferred=lambda s: self.stats.inference_ms.add(s * 1000))
         self.stats.register(self.buffer, self.queue, self.cache, self.batcher, self.writer,
                             self.retry_list)
         self._intake_tasks: list[asyncio.Task[None]] = []
         self._processing_tasks: list[asyncio.Task[None]] = []
         self.crashed: BaseException | None = None
+        self.device_fault: DeviceFault | None = None
+        # Set by a stage crash or a device fault: the service stops (and exits non-zero).
         self.crash_event = asyncio.Event()
         self._stats_changed = asyncio.Event()
         # Called after each stats record (every stats.interval_s and at shutdown): the
@@ -118,6 +125,10 @@ class Pipeline:
         await self.queue.put(item)
         self.stats.put_wait_ms.add((time.perf_counter() - started) * 1000)
         item.enqueued_s = self.clock()
+
+    def _device_fault(self, fault: DeviceFault) -> None:
+        self.device_fault = fault
+        self.crash_event.set()
 
     # -- start-up ----------------------------------------------------------------------------
 
@@ -253,7 +264,7 @@ class Pipeline:
         self.prepare()
         self.start_processing()
         self.start_intake(watch=False)
-        while self.crashed is None and not stop.is_set():
+        while not self.crash_event.is_set() and not stop.is_set():
             claimed_before = self.intake.claimed
             await self.watcher.scan()
             await self._until(lambda: self.buffer.size == 0 and not self.intake.busy
@@ -262,14 +273,14 @@ class Pipeline:
                 if self.retry_list.size == 0:
                     break
                 await self._until(lambda: self.outcomes.in_flight == 0, progress, stop)
-        if stop.is_set():
-            await self.shutdown(self.config.shutdown.grace_s, asyncio.Event())
-        else:
-            await self.shutdown(grace_s=None, force=asyncio.Event())  # all drained already
+        # Stopped by a signal: drain for the grace period; otherwise drained already (a
+        # crashed stage cuts the drain short in shutdown itself).
+        await self.shutdown(self.config.shutdown.grace_s if stop.is_set() else None,
+                            asyncio.Event())
 
     async def _until(self, done: Callable[[], bool], progress: Callable[[], None] | None,
                      stop: asyncio.Event) -> None:
-        while not done() and self.crashed is None and not stop.is_set():
+        while not done() and not self.crash_event.is_set() and not stop.is_set():
             if progress is not None:
                 progress()
             await asyncio.sleep(POLL_S)

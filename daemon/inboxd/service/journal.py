@@ -28,10 +28,6 @@ from typing import Any, TextIO
 
 from inboxd import logs
 
-# systemd-python. Imported by name because the repo's systemd/ folder (unit files) looks like a
-# namespace package to mypy and ruff; at run time the installed package wins.
-_systemd_journal: Any = importlib.import_module("systemd.journal")
-
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
 SYSLOG_IDENTIFIER = "inboxd"
 
@@ -51,6 +47,22 @@ SUMMARY_INTERVAL_S = 5.0
 EXEMPT_EVENTS = frozenset({"started", "ready", "stats", "reloaded", "stopping", "suppressed"})
 
 Sender = Callable[..., object]  # like systemd.journal.send(MESSAGE=..., **fields)
+
+
+def _journal_send() -> Sender:
+    """systemd-python's ``send``, imported only when the journal is in use: the daemon runs
+    without systemd-python elsewhere (a bare GPU machine, a terminal). Imported by name because
+    the repo's systemd/ folder (unit files) looks like a namespace package to mypy and ruff; at
+    run time the installed package wins."""
+    try:
+        module: Any = importlib.import_module("systemd.journal")
+    except ImportError as exc:
+        raise RuntimeError("stderr is connected to the journal but systemd-python is not "
+                           "installed: pip install systemd-python (it needs libsystemd-dev "
+                           "and pkg-config to build)") from exc
+    send: Sender = module.send
+    return send
+
 
 # journald silently drops fields whose names are not this (and "_" names are its own).
 _FIELD_NAME = re.compile(r"^[A-Z][A-Z0-9_]*$")
@@ -187,7 +199,7 @@ class JournalHandler(logging.Handler):
         extra_fields: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(level)
-        self._sender: Sender = sender if sender is not None else _systemd_journal.send
+        self._sender: Sender = sender if sender is not None else _journal_send()
         self._socket_path = socket_path
         self._limiter = limiter if limiter is not None else RecordLimiter()
         self._fallback_stream = fallback_stream

@@ -21,10 +21,16 @@ from inboxd.config import Config, ConfigError
 from inboxd.files.layout import load_checked_config
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.models import faults
+from inboxd.models.device import device_fields
+from inboxd.models.local_engine import LocalEngine
 from inboxd.pipeline.wiring import Pipeline
 from inboxd.service.notify import Notifier
 
 EX_SOFTWARE = 70
+# The GPU failed in a way that poisons this process's CUDA context (illegal address, Xid, ECC):
+# only a new process can use the device again, so Restart=on-failure must restart it. Not a
+# sysexits.h meaning (76 is EX_PROTOCOL there): a code of our own that nothing else returns.
+EX_DEVICE = 76
 # While the model loads, ask systemd for this much more start time, this often.
 EXTEND_TIMEOUT_S = 30
 EXTEND_EVERY_S = 10
@@ -66,17 +72,30 @@ class Service:
         extending = asyncio.create_task(self._extend_start_timeout())
         try:
             model = await asyncio.to_thread(load_model, self.config.model)
-            warm_s = await asyncio.to_thread(model.warm_up, self.config.batch.max_size)
+            engine = LocalEngine(model)
+            try:
+                warmed, warm_s = await engine.warm_up(self.config.batch.max_size)
+            except BaseException:
+                engine.close()
+                raise
         finally:
             extending.cancel()
         faults.install(model)
         source = f" ({model.info.source})" if model.info is not None else ""
+        device = device_fields(model.device)
+        on = str(model.device)
+        if "NVIDIA_DRIVER" in device:
+            on += (f" ({device['DEVICE_NAME']}, compute capability "
+                   f"{device['COMPUTE_CAPABILITY']}, {int(device['GPU_MEMORY_BYTES']) / 2**30:.0f}"
+                   f" GiB, driver {device['NVIDIA_DRIVER']}, CUDA {device['CUDA_RUNTIME']}, "
+                   f"cuDNN {device['CUDNN_VERSION']})")
         logs.emit(logging.INFO, "started",
-                  f"inboxd {__version__}: model {model.name}{source} on {model.device}, "
+                  f"inboxd {__version__}: model {model.name}{source} on {on}, "
                   f"loaded and warmed up in {time.perf_counter() - started:.1f} s",
                   model=model.name, device=str(model.device), warmup_s=round(warm_s, 3),
+                  warmed_batch_sizes=",".join(map(str, warmed)), **device,
                   instance=self.config.instance, version=__version__)
-        self.pipeline = Pipeline(self.config, model, lifecycle=lifecycle)
+        self.pipeline = Pipeline(self.config, model, lifecycle=lifecycle, engine=engine)
         if self.metrics is not None:
             self.metrics.attach(self.pipeline)
         return self.pipeline
@@ -130,7 +149,7 @@ class Service:
         self.close_metrics()
         logs.emit(logging.INFO, "stopped", "stopped", instance=self.config.instance)
         self.notifier.close()
-        return EX_SOFTWARE if pipeline.crashed else 0
+        return exit_status(pipeline)
 
     def _stopping(self) -> None:
         self.notifier.stopping()
@@ -140,7 +159,8 @@ class Service:
     async def _stop_on_crash(self, pipeline: Pipeline) -> None:
         await pipeline.crash_event.wait()
         self.stop.set()
-        self.force.set()
+        if pipeline.crashed is not None:
+            self.force.set()  # after a device fault the stages still drain (back to disk)
 
     async def _keep_status(self, pipeline: Pipeline) -> None:
         while True:
@@ -172,13 +192,16 @@ class Service:
             await self.reload_requested.wait()
             self.reload_requested.clear()
             self.notifier.reloading()
-            self.reload(pipeline)
+            await self.reload(pipeline)
             self.notifier.status(pipeline.status_line())  # show the new capacities at once
             self.notifier.ready()
 
-    def reload(self, pipeline: Pipeline) -> None:
+    async def reload(self, pipeline: Pipeline) -> None:
         try:
             new = load_checked_config(self.config_path, self.overrides)
+            # A larger batch is checked against the model (a .pt2 program's bound) and warmed
+            # on the model's thread *before* the batcher may produce it.
+            warmed, warm_s = await pipeline.engine.warm_up(new.batch.max_size)
         except ConfigError as exc:
             logs.emit(logging.ERROR, "reloaded",
                       f"reload refused, the running configuration stays: {exc}",
@@ -192,7 +215,9 @@ class Service:
             message += "; needs restart to change: " + ", ".join(restart)
         logs.emit(logging.WARNING if restart else logging.INFO, "reloaded", message,
                   applied=len(live), changed_live=",".join(live) or None,
-                  needs_restart=",".join(restart) or None)
+                  needs_restart=",".join(restart) or None,
+                  warmed_batch_sizes=",".join(map(str, warmed)) or None,
+                  warmup_s=round(warm_s, 3) if warmed else None)
 
 
 def config_changes(old: Config, new: Config) -> tuple[list[str], list[str]]:
@@ -246,8 +271,8 @@ async def _once(config: Config, progress: bool) -> int:
         show()
         sys.stdout.write("\n")
     print(f"inboxd once: {counters.completed} completed, {counters.failed} failed")
-    if pipeline.crashed is not None:
-        return EX_SOFTWARE
+    if pipeline.crash_event.is_set():
+        return exit_status(pipeline)
     if stopped_by:
         waiting = pipeline.watcher.count_waiting()
         name = signal.Signals(stopped_by[0]).name
@@ -255,3 +280,12 @@ async def _once(config: Config, progress: bool) -> int:
               "next run", file=sys.stderr)
         return 128 + stopped_by[0]
     return 1 if counters.failed else 0
+
+
+def exit_status(pipeline: Pipeline) -> int:
+    if pipeline.device_fault is not None:
+        logs.emit(logging.CRITICAL, "stopped", f"exiting {EX_DEVICE}: the device failed "
+                  f"({pipeline.device_fault}); a restart gets a fresh CUDA context",
+                  exit_status=EX_DEVICE)
+        return EX_DEVICE
+    return EX_SOFTWARE if pipeline.crashed else 0
