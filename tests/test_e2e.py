@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import (
     drop,
     last_stats,
@@ -117,6 +119,7 @@ def test_submit_copies_atomically_into_the_inbox(tmp_path: Path) -> None:
         assert (tmp_path / "inbox" / name).read_bytes() == source.read_bytes()
 
 
+@pytest.mark.timeout(900)  # its own wait allows 900 s: a slow shared machine is not a failure
 def test_flood_with_tiny_capacities_keeps_every_bound(tmp_path: Path, daemon_factory) -> None:
     """3,000 files against capacities of a few items: each file gets exactly one outcome, no
     layer ever holds more than its capacity, and the overflow path (deferred) really ran."""
