@@ -5,6 +5,7 @@ watchfiles runs end to end in tests/test_inputs_e2e.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -92,8 +93,13 @@ def test_a_folder_that_arrives_is_walked_at_once_to_any_depth(tmp_path: Path) ->
         task = asyncio.create_task(watcher.run_watch())
         await watch.started.wait()
         watch.push(album)  # inotify reports the folder only, not what it holds
-        while buffer.size < 3:
-            await asyncio.sleep(0.01)
+
+        async def filled() -> None:
+            while buffer.size < 3:
+                await asyncio.sleep(0.01)
+
+        with contextlib.suppress(TimeoutError):  # the asserts below say what was missed
+            await asyncio.wait_for(filled(), 5)
         watch.push(album)  # said again (a rescan, a second event): still said once
         await asyncio.sleep(0.05)
         watcher.stop()
