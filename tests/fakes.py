@@ -63,13 +63,16 @@ class ScriptedWatch:
     def __init__(self) -> None:
         self.changes: asyncio.Queue[set[tuple[watchfiles.Change, str]]] = asyncio.Queue()
         self.started = asyncio.Event()
+        self.polling: list[bool] = []  # force_polling of each call, as awatch would get it
 
     def push(self, *paths: Path) -> None:
         self.changes.put_nowait({(watchfiles.Change.added, str(p)) for p in paths})
 
     async def __call__(
-        self, *paths: Path, recursive: bool, stop_event: asyncio.Event
+        self, *paths: Path, recursive: bool, stop_event: asyncio.Event,
+        force_polling: bool = False, poll_delay_ms: int = 1000,
     ) -> AsyncIterator[set[tuple[watchfiles.Change, str]]]:
+        self.polling.append(force_polling)
         self.started.set()
         while not stop_event.is_set():
             get = asyncio.ensure_future(self.changes.get())

@@ -25,6 +25,7 @@ from inboxd import __version__
 from inboxd.config import EX_CONFIG, Config, ConfigError
 from inboxd.files.layout import load_checked_config
 from inboxd.files.lifecycle import InstanceBusy
+from inboxd.files.names import NameFilter
 
 EX_TEMPFAIL = 75
 
@@ -127,6 +128,8 @@ def setup_logging(level: str) -> None:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
+    from inboxd.decode import formats
+    from inboxd.files.names import NameFilter
     from inboxd.models.preflight import preflight
 
     config = read_config(args)
@@ -137,6 +140,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     print(f"{args.config or 'config/inboxd.yaml (embedded default)'}: OK")
     for key, value in config.model_dump(mode="json").items():
         print(f"  {key}: {value}")
+    print("formats this build decodes (the default inbox.include):")
+    print("\n".join(f"  {line}" for line in formats.describe()))
+    print(f"  taken: {' '.join(NameFilter(config.inbox.include).include)}")
     return 0
 
 
@@ -145,7 +151,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
     inbox = config.inbox.paths[0]
     inbox.mkdir(parents=True, exist_ok=True)
     status = 0
+    names = NameFilter(config.inbox.include)
     for source in args.files:
+        # Copied in, it would sit there for ever: say why instead.
+        if reason := names.refusal(source.name) or (
+                None if names.wanted(source.name) else "a temp or OS litter name, never taken"):
+            print(f"inboxd submit: {source}: not submitted: {reason}", file=sys.stderr)
+            status = 1
+            continue
         try:
             target = submit_file(source, inbox)
         except OSError as exc:

@@ -39,13 +39,17 @@ class Section(BaseModel):
 class InboxConfig(Section):
     paths: list[Path] = Field(default_factory=lambda: [Path("var/inbox")], min_length=1)
     recursive: bool = True
-    include: list[str] = Field(
-        default_factory=lambda: ["*.jpg", "*.jpeg", "*.png", "*.webp"], min_length=1
-    )
+    # Unset: every format this build decodes (inboxd.decode.formats; `check-config` lists
+    # them). Patterns match file names without regard to case.
+    include: Annotated[list[str], Field(min_length=1)] | None = None
     # watchfiles has no close-write event: a file is taken once its mtime is this old.
     settle_ms: NonNegative = 250
     rescan_interval_s: Annotated[float, Field(gt=0)] = 30
     after_success: Literal["move", "delete", "keep"] = "move"
+    # inotify does not see other hosts' writes on NFS, SMB, FUSE or 9p: auto polls those
+    # (found by statfs at start-up), always polls every inbox, never trusts inotify anywhere.
+    poll: Literal["auto", "always", "never"] = "auto"
+    poll_interval_ms: Annotated[int, Field(ge=50)] = 1000
 
     @field_validator("paths")
     @classmethod

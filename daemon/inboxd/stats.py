@@ -3,8 +3,9 @@
 The names follow the article: *accepted* (noticed and admitted to the event buffer), *enqueued*
 (``queue.put()`` returned), *completed* (result durable); plus *failed*, *retried*, *deferred*
 (noticed while the event buffer was full: left on disk for the next scan) and *released*
-(handed back to the inbox on disk: retry list full, or shutdown) and *ignored* (admitted to the
-event buffer, then not claimed: gone before the claim, a folder, or already done).
+(handed back to the inbox on disk: retry list full, or shutdown) and *ignored* (not taken:
+admitted to the event buffer, then not claimed — gone before the claim, a folder, or already
+done — or, counted in *ignored_names* too, a name the daemon never takes, logged once).
 
 Failures are also counted by ``reason_class``, a small fixed set (never free text or a path),
 so that a metrics label can never grow with the inputs.
@@ -70,7 +71,10 @@ class Counters:
     deferred: int = 0
     released: int = 0
     duplicates: int = 0  # same name and content as an existing result: finished without inference
-    ignored: int = 0  # admitted to the event buffer, then not claimed (gone, a folder, done)
+    # Not taken: admitted to the event buffer, then not claimed (gone, a folder, done), or a
+    # name never admitted (no include pattern, hidden: ``ignored_names``, said once each).
+    ignored: int = 0
+    ignored_names: int = 0
 
 
 # Why a file failed, coarsely: the metrics label. An exception may name its own class with a

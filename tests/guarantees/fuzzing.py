@@ -10,6 +10,7 @@ edits to the header, and a real image's header spliced onto another's body.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import random
 import struct
@@ -17,6 +18,7 @@ import warnings
 from collections.abc import Callable
 from functools import cache
 
+from inboxd.decode import formats  # noqa: F401  (registers the HEIF and JPEG XL plugins)
 from PIL import Image
 
 from tests.photos import photo_paths
@@ -72,6 +74,11 @@ def seeds() -> tuple[tuple[str, bytes], ...]:
             (f"tiff-jpeg{n}", _save(small, "TIFF", compression="jpeg")),
             (f"tiff-exif{n}", _save(small, "TIFF", exif=exif.tobytes())),
         ]
+        # The decoders issue 11 added (through plugins): fuzzed like the rest, where this
+        # build can also write them.
+        for label, fmt in (("avif", "AVIF"), ("heif", "HEIF"), ("jxl", "JXL")):
+            with contextlib.suppress(KeyError, OSError, ValueError):
+                found.append((f"{label}{n}", _save(small, fmt)))
         for fmt in CONTENT_ONLY:
             mode = {"XBM": "1", "SPIDER": "F"}.get(fmt, "RGB")
             found.append((f"other-{fmt.lower()}{n}", _save(small.convert(mode), fmt)))

@@ -46,7 +46,7 @@ GOOD, BAD = 40, 3
 TYPES = {
     **{f"inboxd_{name}": "counter" for name in (
         "accepted", "enqueued", "completed", "failed", "retried", "deferred", "ignored",
-        "released", "duplicates")},
+        "ignored_names", "released", "duplicates")},
     **{name: "gauge" for name in (
         "inboxd_layer_items", "inboxd_layer_capacity_items", "inboxd_layer_high_water_items",
         "inboxd_preprocess_cache_bytes", "inboxd_rss_bytes")},
@@ -188,9 +188,11 @@ def test_textfile_via_node_exporter_and_http_during_a_flood(
         enqueued = value(families, "inboxd_enqueued", "inboxd_enqueued_total")
         assert enqueued == total
         # The books close: every accepted path was claimed or ignored (a scan may admit a
-        # file whose watcher event then comes after its claim: accepted again, ignored).
+        # file whose watcher event then comes after its claim: accepted again, ignored);
+        # names never admitted are ignored too, and counted apart.
         assert value(families, "inboxd_accepted", "inboxd_accepted_total") == enqueued + value(
-            families, "inboxd_ignored", "inboxd_ignored_total")
+            families, "inboxd_ignored", "inboxd_ignored_total") - value(
+            families, "inboxd_ignored_names", "inboxd_ignored_names_total")
         assert value(families, "inboxd_latency_seconds", "inboxd_latency_seconds_count") == GOOD
         assert value(families, "inboxd_put_wait_seconds",
                      "inboxd_put_wait_seconds_count") == total

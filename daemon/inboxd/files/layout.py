@@ -58,7 +58,7 @@ def layout_problems(config: Config) -> list[str]:
         if output == other:
             problems.append(f"{other_key}: the same folder as {key} ({output}); give each "
                             "outcome its own folder")
-    for n, pattern in enumerate(config.inbox.include):
+    for n, pattern in enumerate(config.inbox.include or []):
         why = pattern_never_matches(pattern)
         if why:
             problems.append(f"inbox.include[{n}]: {pattern!r} can never match: {why}")

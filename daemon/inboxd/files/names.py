@@ -11,15 +11,33 @@ import hashlib
 import os
 from pathlib import Path
 
+from inboxd.decode import formats
+
 # Names that editors, browsers and copy tools use while a file is still being written.
 TEMP_SUFFIXES = (".tmp", ".part", ".crdownload", ".partial", ".swp", "~")
 # The longest file name Linux filesystems take (NAME_MAX), in bytes.
 NAME_MAX_BYTES = 255
+# What operating systems and NAS boxes leave beside photos: never an input, never worth a word.
+OS_LITTER_FILES = frozenset({".ds_store", "thumbs.db", "desktop.ini", "ehthumbs.db"})
+OS_LITTER_PREFIX = "._"  # macOS AppleDouble resource forks on non-Apple filesystems
+OS_LITTER_FOLDERS = frozenset({"@eadir", ".stfolder", "__macosx", "#recycle", "#snapshot"})
+
+
+def is_litter(name: str) -> bool:
+    return name.lower() in OS_LITTER_FILES or name.startswith(OS_LITTER_PREFIX)
+
+
+def folder_skipped(name: str) -> bool:
+    """A folder never walked, silently: hidden (our own .processing/ among them) or OS litter
+    (a NAS's thumbnails, a zip's __MACOSX, a recycle bin)."""
+    return name.startswith(".") or name.lower() in OS_LITTER_FOLDERS
 
 
 class NameFilter:
-    def __init__(self, include: list[str]) -> None:
-        self.include = [p.lower() for p in include]
+    def __init__(self, include: list[str] | None) -> None:
+        # Unset: every format this build decodes (decode/formats.py), in any letter case.
+        self.include = [p.lower() for p in (include or formats.default_include())]
+        self.default = include is None
 
     def wanted(self, name: str) -> bool:
         """A file name we would process: matches an include pattern, not hidden, not a temp."""
@@ -27,6 +45,27 @@ class NameFilter:
         if name.startswith(".") or lowered.endswith(TEMP_SUFFIXES):
             return False
         return any(fnmatch.fnmatchcase(lowered, pattern) for pattern in self.include)
+
+    def refusal(self, name: str) -> str | None:
+        """Why a file name is not taken, and what to do about it; None when it is taken, or is
+        skipped without a word: OS litter, and temp names (renamed once their writer is done)."""
+        lowered = name.lower()
+        if self.wanted(name) or is_litter(name) or lowered.endswith(TEMP_SUFFIXES):
+            return None
+        if name.startswith("."):
+            return "hidden names (starting with a dot) are never taken; rename it without the dot"
+        ext = os.path.splitext(lowered)[1]
+        pattern = f"*{ext}" if ext else name
+        fmt = formats.format_for_name(name)
+        if fmt is not None and not formats.can_decode(fmt):
+            return (f"{fmt.name} is not decoded by this build; it needs {fmt.install} "
+                    "(`inboxd check-config` lists what this build decodes)")
+        if fmt is not None:
+            return f"it matches no inbox.include pattern; add `{pattern}` to inbox.include"
+        known = ", ".join(f.name for f in formats.decodable())
+        return (f"not a name inboxd takes: {ext or 'no extension'} is not an image format this "
+                f"build decodes ({known}); if it is an image Pillow reads, add `{pattern}` to "
+                "inbox.include")
 
 
 def relative_inside(path: Path, inbox: Path) -> str | None:

@@ -22,11 +22,13 @@ class SkippedPaths:
         self.capacity = capacity
         self._said: collections.OrderedDict[Path, str] = collections.OrderedDict()
 
-    def note(self, path: Path, reason: str, level: int = logging.WARNING) -> None:
+    def note(self, path: Path, reason: str, level: int = logging.WARNING) -> bool:
+        """Log ``reason`` for ``path`` unless just that was said; True when it was logged."""
         if self._said.get(path) == reason:
             self._said.move_to_end(path)
-            return
+            return False
         self._said[path] = reason
         if len(self._said) > self.capacity:
             self._said.popitem(last=False)
         logs.emit(level, "skipped", f"{path}: {reason}", path=str(path), reason=reason)
+        return True

@@ -4,27 +4,30 @@ Watch first, then scan what is already there (a file dropped in between is seen 
 both; the event buffer de-duplicates). Rescans run every ``inbox.rescan_interval_s``, after any
 watcher error (watchfiles silently drops inotify queue overflows), and as soon as the event
 buffer has room again after it had to defer paths, so a flood drains at full speed without
-waiting for the timer.
-
-This stage never waits on the pipeline: a full event buffer defers, it does not block, so the
-watcher is always free to keep up with the kernel.
+waiting for the timer. A folder moved or copied in is walked when its own event arrives
+(inotify reports the folder, not what it holds). Inboxes on network filesystems are polled
+(``files/filesystems.py``, per ``inbox.poll``), and so is everything once inotify runs out of
+watches (said once, with the sysctl). Names not taken are said once (``pipeline/walk.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Protocol
 
 import watchfiles
 
 from inboxd import logs
-from inboxd.files.names import NameFilter
+from inboxd.files.filesystems import PollMode, StatfsFn, WatchPlan, plan_watch, statfs_type
+from inboxd.files.names import NameFilter, folder_skipped
 from inboxd.pipeline.event_buffer import EventBuffer
+from inboxd.pipeline.walk import Walker
 from inboxd.stats import Stats
 
 # Let awatch hand over changes at most this long after they happen: the intake's settle time
@@ -46,17 +49,22 @@ class WatchFn(Protocol):
     """The boundary to the OS watcher: ``watchfiles.awatch`` in production, a script in tests."""
 
     def __call__(
-        self, *paths: Path, recursive: bool, stop_event: asyncio.Event
+        self, *paths: Path, recursive: bool, stop_event: asyncio.Event,
+        force_polling: bool = False, poll_delay_ms: int = 1000,
     ) -> AsyncIterator[ChangeSet]: ...
 
 
 def real_awatch(
-    *paths: Path, recursive: bool, stop_event: asyncio.Event
+    *paths: Path, recursive: bool, stop_event: asyncio.Event,
+    force_polling: bool = False, poll_delay_ms: int = 1000,
 ) -> AsyncIterator[ChangeSet]:
     return watchfiles.awatch(
         *paths,
         recursive=recursive,
         stop_event=stop_event,
+        # Explicit, so that WATCHFILES_FORCE_POLLING in the environment cannot decide.
+        force_polling=force_polling,
+        poll_delay_ms=poll_delay_ms,
         debounce=WATCH_DEBOUNCE_MS,
         step=WATCH_STEP_MS,
         # Our own filter runs on every path anyway; watchfiles' default one would hide
@@ -77,6 +85,9 @@ class Watcher:
         rescan_interval_s: float,
         clock: Callable[[], float],
         watch: WatchFn = real_awatch,
+        poll: PollMode = "auto",
+        poll_interval_ms: int = 1000,
+        statfs: StatfsFn = statfs_type,
     ) -> None:
         self.inboxes = inboxes
         self.recursive = recursive
@@ -94,6 +105,11 @@ class Watcher:
         self._watch_stop = asyncio.Event()
         self._watched_ids: dict[Path, tuple[int, int]] = {}
         self._prefixes = [f"{inbox}/" for inbox in inboxes]
+        self.plans: list[WatchPlan] = [plan_watch(inbox, poll, statfs) for inbox in inboxes]
+        self.poll_interval_ms = poll_interval_ms
+        self._out_of_watches = False  # inotify's limit was hit: every inbox is polled since
+        self.walker = Walker(names, recursive, stats)
+        self._new_folders: list[tuple[Path, Path]] = []  # (folder, inbox) to walk at once
 
     def stop(self) -> None:
         self._stop.set()
@@ -128,39 +144,29 @@ class Watcher:
         seen = 0
         for inbox in self.inboxes:
             inbox.mkdir(parents=True, exist_ok=True)  # deleted while we ran: recreate it
-            for path in self._walk(inbox):
-                seen += 1
-                if seen % SCAN_YIELD_EVERY == 0:
-                    await asyncio.sleep(0)
-                if path in self.buffer:
-                    continue
-                if self.notice(path, inbox) is False:
-                    return seen  # deferred: the rest waits on disk for the next scan
+            count, complete = await self._notice_under(inbox, inbox)
+            seen += count
+            if not complete:
+                return seen  # deferred: the rest waits on disk for the next scan
         self._check_inbox_identity()
         return seen
 
-    def _walk(self, folder: Path) -> Iterator[Path]:
-        """Wanted files under ``folder``, lazily: a scan that stops early reads no further."""
-        stack = [folder]
-        while stack:
-            current = stack.pop()
-            try:
-                with os.scandir(current) as entries:
-                    for entry in entries:
-                        if entry.name.startswith("."):
-                            continue
-                        if entry.is_dir(follow_symlinks=False):
-                            if self.recursive:
-                                stack.append(Path(entry.path))
-                        elif self.names.wanted(entry.name):
-                            yield Path(entry.path)
-            except OSError as exc:  # gone, not a folder, no permission, a path too long
-                logs.emit(logging.WARNING, "scan_error", f"cannot scan {current}: {exc}",
-                          path=str(current))
+    async def _notice_under(self, folder: Path, inbox: Path) -> tuple[int, bool]:
+        """Notice every wanted file under ``folder``; (paths seen, False if one was deferred)."""
+        seen = 0
+        for path in self.walker.walk(folder):
+            seen += 1
+            if seen % SCAN_YIELD_EVERY == 0:
+                await asyncio.sleep(0)
+            if path in self.buffer:
+                continue
+            if self.notice(path, inbox) is False:
+                return seen, False
+        return seen, True
 
     def count_waiting(self) -> int:
         """How many files the inbox holds that a run would take (after a stop, for the user)."""
-        return sum(1 for inbox in self.inboxes for _ in self._walk(inbox))
+        return sum(1 for inbox in self.inboxes for _ in self.walker.walk(inbox, report=False))
 
     def request_rescan(self) -> None:
         self._rescan_requested = True
@@ -191,6 +197,13 @@ class Watcher:
 
     # -- watching ----------------------------------------------------------------------------
 
+    def _groups(self) -> dict[bool, list[Path]]:
+        """Inboxes by how they are watched: polled (True) or by inotify (False)."""
+        groups: dict[bool, list[Path]] = {}
+        for plan in self.plans:
+            groups.setdefault(plan.polling or self._out_of_watches, []).append(plan.path)
+        return groups
+
     async def run_watch(self) -> None:
         """Feed watcher events into the buffer; restart the watcher after any error."""
         while not self._stop.is_set():
@@ -199,24 +212,48 @@ class Watcher:
                 for inbox in self.inboxes:
                     inbox.mkdir(parents=True, exist_ok=True)
                 self._watched_ids = {inbox: _identity(inbox) for inbox in self.inboxes}
-                async for changes in self.watch(
-                    *self.inboxes, recursive=self.recursive, stop_event=self._watch_stop
-                ):
-                    self._take(changes)
-            except Exception as exc:  # watchfiles raises plain RuntimeError/OSError variants
-                logs.emit(logging.WARNING, "watch_error",
-                          f"watcher failed ({exc}); rescanning and restarting it", error=str(exc))
+                async with asyncio.TaskGroup() as group:
+                    for polling, paths in self._groups().items():
+                        group.create_task(self._watch_group(paths, polling))
+            except* Exception as failures:  # watchfiles raises plain RuntimeError/OSError
+                exc = failures.exceptions[0]
+                if _out_of_watches(exc) and not self._out_of_watches:
+                    self._out_of_watches = True
+                    logs.emit(logging.WARNING, "watch_error",
+                              f"inotify watch limit reached ({exc}); polling every inbox "
+                              f"every {self.poll_interval_ms} ms instead. To use inotify, "
+                              "raise it: `sysctl -w fs.inotify.max_user_watches=524288`, and "
+                              "the same in /etc/sysctl.d/", error=str(exc))
+                else:
+                    logs.emit(logging.WARNING, "watch_error",
+                              f"watcher failed ({exc}); rescanning and restarting it",
+                              error=str(exc))
             if self._stop.is_set():
                 return
             self.request_rescan()
             await asyncio.sleep(WATCHER_RESTART_DELAY_S)
 
+    async def _watch_group(self, paths: list[Path], polling: bool) -> None:
+        async for changes in self.watch(
+            *paths, recursive=self.recursive, stop_event=self._watch_stop,
+            force_polling=polling, poll_delay_ms=self.poll_interval_ms,
+        ):
+            self._take(changes)
+            while self._new_folders:  # walked now, not at the next rescan
+                folder, inbox = self._new_folders.pop()
+                await self._notice_under(folder, inbox)
+
     def _take(self, changes: ChangeSet) -> None:
         for change, raw in changes:
             if change == watchfiles.Change.deleted:
                 continue
-            inbox = self._inbox_wanting(raw)
-            if inbox is None:
+            found = self._inbox_of(raw)
+            if found is None:
+                continue
+            inbox, rel = found
+            if not self.names.wanted(os.path.basename(rel)):
+                if self.walker.folder_arrived(Path(raw)):
+                    self._new_folders.append((Path(raw), inbox))
                 continue
             if self.buffer.full() and self.backlog_on_disk:
                 # A flood: the rescan will find this file on disk. Only count it, without
@@ -225,16 +262,15 @@ class Watcher:
                 continue
             self.notice(Path(raw), inbox)
 
-    def _inbox_wanting(self, raw: str) -> Path | None:
-        """The inbox an event's path belongs to, if it is ours to take: inside that inbox,
-        no hidden part (our own .processing/ among them), a wanted name. The same rule as
-        the scan's walk, on the raw string."""
+    def _inbox_of(self, raw: str) -> tuple[Path, str] | None:
+        """(inbox, relative path) of an event's path if it may be ours: no hidden or litter
+        folder on the way (.processing/ among them), as the scan's walk, on the raw string."""
         for inbox, prefix in zip(self.inboxes, self._prefixes, strict=True):
             if raw.startswith(prefix):
                 rel = raw[len(prefix):]
-                if ("/." not in "/" + rel and (self.recursive or "/" not in rel)
-                        and self.names.wanted(os.path.basename(rel))):
-                    return inbox
+                folders = rel.split("/")[:-1]
+                if (self.recursive or not folders) and not any(map(folder_skipped, folders)):
+                    return inbox, rel
                 return None
         return None
 
@@ -252,6 +288,11 @@ class Watcher:
                 self._watched_ids = {}
                 self._watch_stop.set()
                 return
+
+
+def _out_of_watches(exc: BaseException) -> bool:
+    """inotify_add_watch's ENOSPC, as the notify crate words it, or as a plain OSError."""
+    return "watch limit" in str(exc) or getattr(exc, "errno", None) == errno.ENOSPC
 
 
 def _identity(folder: Path) -> tuple[int, int]:

@@ -75,6 +75,7 @@ class Pipeline:
         self.watcher = Watcher(
             config.inbox.paths, config.inbox.recursive, NameFilter(config.inbox.include),
             self.buffer, self.stats, config.inbox.rescan_interval_s, clock, watch,
+            poll=config.inbox.poll, poll_interval_ms=config.inbox.poll_interval_ms,
         )
         self.intake = Intake(
             config, self.buffer, self.queue, self.lifecycle, self.stats,

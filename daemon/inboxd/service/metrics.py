@@ -39,8 +39,10 @@ COUNTERS = (
     ("completed", "Files whose result is durable (duplicates included).", "completed"),
     ("retried", "Transient failures put on the retry list for another attempt.", "retried"),
     ("deferred", "Paths noticed while the event buffer was full (left on disk).", "deferred"),
-    ("ignored", "Paths admitted to the event buffer but not claimed (gone, a folder, done).",
-     "ignored"),
+    ("ignored", "Paths not taken: admitted but not claimed (gone, a folder, done), or a name "
+     "never taken (logged once).", "ignored"),
+    ("ignored_names", "Names never taken (no include pattern, hidden, format not decoded "
+     "here), each logged once with what to do; part of ignored.", "ignored_names"),
     ("released", "Claimed files handed back to the inbox (retry list full, shutdown).",
      "released"),
     ("duplicates", "Files finished without inference: same name and sha256 as a result.",

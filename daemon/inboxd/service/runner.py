@@ -18,6 +18,7 @@ from typing import Any
 
 from inboxd import __version__, logs
 from inboxd.config import Config, ConfigError
+from inboxd.files.filesystems import describe as describe_watch
 from inboxd.files.layout import load_checked_config
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.models import faults
@@ -89,13 +90,17 @@ class Service:
                    f"{device['COMPUTE_CAPABILITY']}, {int(device['GPU_MEMORY_BYTES']) / 2**30:.0f}"
                    f" GiB, driver {device['NVIDIA_DRIVER']}, CUDA {device['CUDA_RUNTIME']}, "
                    f"cuDNN {device['CUDNN_VERSION']})")
+        self.pipeline = Pipeline(self.config, model, lifecycle=lifecycle, engine=engine)
+        plans = self.pipeline.watcher.plans
         logs.emit(logging.INFO, "started",
                   f"inboxd {__version__}: model {model.name}{source} on {on}, "
-                  f"loaded and warmed up in {time.perf_counter() - started:.1f} s",
+                  f"loaded and warmed up in {time.perf_counter() - started:.1f} s; watching "
+                  f"{describe_watch(plans)}",
                   model=model.name, device=str(model.device), warmup_s=round(warm_s, 3),
                   warmed_batch_sizes=",".join(map(str, warmed)), **device,
-                  instance=self.config.instance, version=__version__)
-        self.pipeline = Pipeline(self.config, model, lifecycle=lifecycle, engine=engine)
+                  instance=self.config.instance, version=__version__,
+                  watch=",".join("polling" if p.polling else "inotify" for p in plans),
+                  filesystems=",".join(p.filesystem for p in plans))
         if self.metrics is not None:
             self.metrics.attach(self.pipeline)
         return self.pipeline

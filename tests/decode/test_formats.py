@@ -1,0 +1,43 @@
+"""What this build decodes, said by `inboxd check-config`."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from inboxd.decode import formats
+from inboxd.decode.pillow import decode_image
+from inboxd.decode.spec import PreprocessSpec
+from PIL import Image
+
+from tests.conftest import write_config
+
+ORIENTATION = 0x0112
+SPEC = PreprocessSpec(resize=16, crop=16, interpolation="bilinear", mean=(0.5,) * 3,
+                      std=(0.5,) * 3)
+
+
+def test_check_config_lists_what_this_build_decodes(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "inboxd", "check-config", "-c",
+                          str(write_config(tmp_path))], capture_output=True, text=True,
+                         check=True).stdout
+    assert "formats this build decodes" in out
+    for fmt in formats.decodable():
+        assert f"{fmt.name}: {' '.join(fmt.extensions)}" in out
+    assert "*.heic" in out and "*.jfif" in out
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "HEIF", "AVIF", "JXL", "WEBP", "PNG", "TIFF"])
+def test_a_phone_photo_taken_sideways_is_upright_once_in_every_format(fmt: str) -> None:
+    """EXIF orientation 6 (rotate 90°): pillow-heif applies it itself and resets the tag,
+    Pillow's other plugins leave it to exif_transpose; either way it is applied exactly once."""
+    image = Image.new("RGB", (64, 32), (200, 30, 30))
+    exif = Image.Exif()
+    exif[ORIENTATION] = 6
+    data = io.BytesIO()
+    image.save(data, format=fmt, exif=exif.tobytes())
+    decoded = decode_image(data.getvalue(), SPEC, 1_000_000)
+    assert (decoded.width, decoded.height) == (32, 64), fmt
