@@ -205,13 +205,13 @@ class World:
 
     def fill_or_free_disk(self) -> None:
         if self.ballast is None:
-            self.ballast = self.outputs / "ballast"
-            with open(self.ballast, "wb") as handle:
-                try:
-                    while True:
-                        handle.write(b"\0" * 65536)
-                except OSError:
-                    pass
+            ballast = self.outputs / "ballast"
+            # Full is the point: ENOSPC ends the filling (also at the open, if the daemon's
+            # own files filled the disk first).
+            with contextlib.suppress(OSError), open(ballast, "wb") as handle:
+                while True:
+                    handle.write(b"\0" * 65536)
+            self.ballast = ballast if ballast.exists() else None
         else:
             self.ballast.unlink()
             self.ballast = None
@@ -291,7 +291,7 @@ def run_model(tmp_path: Path, steps: int, seed: int) -> dict[str, int]:
     mount = ROOT
     if mount:
         world.outputs.mkdir()
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(world.outputs)],
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(world.outputs)],
                        check=True)
     try:
         world.start()
