@@ -252,12 +252,3 @@ class Lifecycle:
             # very name since the check): take the report back, so there is one outcome only.
             report_path.unlink(missing_ok=True)
             raise
-
-
-def unique_path(path: Path) -> Path:
-    """The first free variant of ``path``'s name (checked, not reserved: rename into it with
-    ``files.renames.place`` where two writers may race)."""
-    for name in name_variants(path.name, time_token()):
-        if not os.path.lexists(path.with_name(name)):
-            return path.with_name(name)
-    raise AssertionError("name_variants never ends")  # pragma: no cover
