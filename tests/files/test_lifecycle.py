@@ -152,3 +152,22 @@ def test_a_link_moved_across_filesystems_stays_a_link(tmp_path: Path) -> None:
         assert not (tmp_path / "link.png").exists()
     finally:
         subprocess.run(["umount", "-l", str(other)], check=False)
+
+
+def test_a_crasher_that_failed_cannot_take_goes_back_instead_of_stopping_start_up(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    lifecycle = lifecycle_for(tmp_path)
+    inbox = tmp_path / "inbox"
+    (inbox / "killer.jpg").write_bytes(b"boom")
+    for _ in range(2):
+        assert lifecycle.claim(inbox, "killer.jpg") is not None
+        lifecycle.record_crash("stage crashed")
+        if _ == 0:
+            lifecycle.recover()
+
+    def read_only(*args: object) -> str:
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(lifecycle, "finish_failure", read_only)
+    assert lifecycle.recover() == (1, 0)
+    assert (inbox / "killer.jpg").read_bytes() == b"boom"

@@ -157,24 +157,34 @@ class Lifecycle:
             for claimed in walk_files(processing):
                 rel = claimed.relative_to(processing).as_posix()
                 crashes, reason = ledger.get(rel, (0, ""))
-                if crashes >= CRASHES_BEFORE_FAILING:
-                    key = self.config.key_for(inbox, rel)
-                    self.finish_failure(claimed, key, {
-                        "source": key, "inbox": str(inbox), "rel": rel,
-                        "reason": f"the daemon crashed {crashes} times while this file was in "
-                                  f"flight: {reason}",
-                        "reason_class": "other", "permanent": True,
-                        "attempts": [reason] * crashes, "instance": self.config.instance})
+                if crashes >= CRASHES_BEFORE_FAILING and self._fail_crasher(
+                        claimed, inbox, rel, crashes, reason):
                     failed += 1
                 else:
                     self.release(claimed, inbox / rel)
                     returned += 1
         return returned, failed
 
+    def _fail_crasher(self, claimed: Path, inbox: Path, rel: str, crashes: int,
+                      reason: str) -> bool:
+        """failed/ for a file that was in flight at repeated crashes; False when failed/ cannot
+        take it now (full, read-only): start-up must not die of that, the file goes back."""
+        key = self.config.key_for(inbox, rel)
+        try:
+            self.finish_failure(claimed, key, {
+                "source": key, "inbox": str(inbox), "rel": rel,
+                "reason": f"the daemon crashed {crashes} times while this file was in flight: "
+                          f"{reason}",
+                "reason_class": "other", "permanent": True,
+                "attempts": [reason] * crashes, "instance": self.config.instance})
+        except OSError:
+            return False
+        return True
+
     # -- the crash ledger: which files were in flight when a stage crashed -------------------
 
     def _ledger_path(self, inbox: Path) -> Path:
-        return inbox / ".processing" / f"{self.config.instance}.crashes.json"
+        return self.config.processing_dir(inbox).parent / f"{self.config.instance}.crashes.json"
 
     def _read_ledger(self, inbox: Path) -> dict[str, tuple[int, str]]:
         try:
