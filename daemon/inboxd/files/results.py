@@ -15,6 +15,7 @@ same sha256 as done, so a JSON must never exist without its vector.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -144,15 +145,10 @@ class ResultFiles:
                 place(current, output_path(self.results_dir, key + "." + token, suffix), token)
 
     def _write_vector(self, name: str, vector: npt.NDArray[np.float32]) -> Path:
-        tmp = self.tmp_dir / f"{os.getpid()}-{abs(hash(name)):x}{VECTOR_SUFFIX}.tmp"
-        self.tmp_dir.mkdir(parents=True, exist_ok=True)
-        # 0o644 like the JSON results: never writable by others, whatever the umask.
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        with os.fdopen(fd, "wb") as handle:
-            # allow_pickle=False: a float32 array never needs it, and readers can refuse it.
-            np.save(handle, vector, allow_pickle=False)
-            handle.flush()
-            os.fsync(handle.fileno())
+        data = io.BytesIO()
+        # allow_pickle=False: a float32 array never needs it, and readers can refuse it.
+        np.save(data, vector, allow_pickle=False)
+        tmp = write_tmp(self.tmp_dir, data.getvalue(), VECTOR_SUFFIX)
         final = self.vector_path(name)
         final.parent.mkdir(parents=True, exist_ok=True)
         # No JSON names this file yet (its name was free of a JSON), so replacing a leftover
