@@ -235,3 +235,25 @@ def test_close_ends_every_worker() -> None:
     assert not any(alive(pid) for pid in pids)
     with pytest.raises(TransientError, match="shutting down"):
         pool.decode(__file__)
+
+
+@pytest.mark.timeout(120)
+def test_workers_that_cannot_start_leave_their_slots_to_try_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start that fails (fork refused) used to leave the pool with fewer workers than
+    threads waiting on them — a silent stall — or put a dead worker's pipes back in use."""
+    pool = DecodePool(2, settings())
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise BlockingIOError(11, "Resource temporarily unavailable")  # fork: EAGAIN
+
+    try:
+        monkeypatch.setattr(subprocess, "Popen", refuse)
+        pool.start()  # no worker at all: both slots wait to try again
+        with pytest.raises(TransientError, match="cannot start a decode worker"):
+            pool.decode(make_image(tmp_path / "first.png"))
+        monkeypatch.undo()
+        still_works(pool, tmp_path)
+        assert len(pool.worker_pids()) == 2
+    finally:
+        pool.close()

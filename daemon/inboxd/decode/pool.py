@@ -15,6 +15,7 @@ Workers are started from one dedicated thread, because ``PR_SET_PDEATHSIG`` fire
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -90,7 +91,11 @@ class _Process:
         self.ready: dict[str, Any] | None = None
         init = {**asdict(settings), "parent_pid": os.getpid()}
         init["spec"] = asdict(settings.spec)
-        wire.send(self.requests, init)  # small: fits the pipe, never blocks
+        try:
+            wire.send(self.requests, init)  # small: fits the pipe, never blocks
+        except BaseException:
+            self.kill()  # exited at once: do not leak its pipes and a zombie
+            raise
 
     def signal_kill(self) -> None:
         if self.proc.poll() is None:
@@ -114,7 +119,9 @@ class DecodePool:
         self.env = worker_env()  # taken once: a replacement runs exactly as the first did
         self.max_payload_bytes = settings.spec.crop ** 2 * 3
         self._spawner = ThreadPoolExecutor(1, thread_name_prefix="inboxd-decode-spawn")
-        self._idle: queue.SimpleQueue[_Process] = queue.SimpleQueue()
+        # One slot per worker thread: a live worker, or None where starting one failed (the
+        # next file in that slot tries again), so the slot count never changes.
+        self._idle: queue.SimpleQueue[_Process | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._all: set[_Process] = set()
         self.workers = workers
@@ -133,16 +140,22 @@ class DecodePool:
             logs.emit(logging.WARNING, "faults", f"DECODE FAULT INJECTION ACTIVE: {FAULTS_ENV}="
                       f"{self.env[FAULTS_ENV]}", faults=self.env[FAULTS_ENV])
         for _ in range(self.workers):
-            self._idle.put(self._start())
+            try:
+                self._idle.put(self._start())
+            except TransientError:
+                self._idle.put(None)
 
     def _start(self) -> _Process:
         try:
             process = self._spawner.submit(_Process, self.settings, self.env).result()
-        except OSError as exc:  # fork refused (EAGAIN, ENOMEM), out of descriptors, ...
+        except (OSError, RuntimeError) as exc:  # fork refused, no descriptors, shut down
             raise TransientError(f"cannot start a decode worker: {exc}") from exc
         with self._lock:
-            self._all.add(process)
-        return process
+            if not self.closed:
+                self._all.add(process)
+                return process
+        process.kill()  # closed while it started: close() would never see it
+        raise TransientError("inboxd is shutting down")
 
     def _replace(self, process: _Process, why: str) -> _Process:
         process.kill()
@@ -169,6 +182,8 @@ class DecodePool:
         process = self._idle.get()
         request = {"path_hex": os.fsencode(path).hex(), "expected_sha256": expected_sha256}
         try:
+            if process is None:
+                process = self._start()
             for attempt in range(2):
                 process = self._ensure_ready(process)
                 if self._deliver(process, request):
@@ -182,8 +197,17 @@ class DecodePool:
                                          "see the journal")
             raise AssertionError("unreachable")
         finally:
-            if not self.closed:
-                self._idle.put(process)
+            self._idle.put(self._keep(process))
+
+    def _keep(self, process: _Process | None) -> _Process | None:
+        """The slot's worker if it is still alive (a replacement that failed to start leaves
+        the killed one here), else None after cleaning it up."""
+        if process is None or (process.proc.poll() is None and not self.closed):
+            return process
+        process.kill()
+        with self._lock:
+            self._all.discard(process)
+        return None
 
     def _deliver(self, process: _Process, request: dict[str, Any]) -> bool:
         """Send the request and wait for the worker's receipt. False: it was already dead."""
@@ -202,7 +226,7 @@ class DecodePool:
                 process = self._replace(process, "died while idle")
             try:
                 header, _ = wire.recv(process.replies, time.monotonic() + STARTUP_TIMEOUT_S)
-            except (EOFError, TimeoutError, wire.WireError) as exc:
+            except (OSError, EOFError, TimeoutError, wire.WireError) as exc:
                 process = self._replace(process, f"did not start ({type(exc).__name__})")
                 continue
             process.ready = header
@@ -255,6 +279,11 @@ class DecodePool:
             process.signal_kill()
         for process in processes:
             process.proc.wait()
+        with contextlib.suppress(queue.Empty):
+            while True:  # idle workers have no thread to close their pipes
+                idle = self._idle.get_nowait()
+                if idle is not None:
+                    idle.reap()
         self._spawner.shutdown(wait=True)
 
 
