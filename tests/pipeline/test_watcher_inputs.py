@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import watchfiles
 from inboxd.files.names import NameFilter
+from inboxd.pipeline.awatch import ChangeSet
 from inboxd.pipeline.event_buffer import EventBuffer
-from inboxd.pipeline.watcher import ChangeSet, Watcher
+from inboxd.pipeline.watcher import Watcher
 from inboxd.stats import Stats
 
 from tests.conftest import make_image

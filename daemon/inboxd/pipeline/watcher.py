@@ -17,23 +17,19 @@ import contextlib
 import errno
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
 
 import watchfiles
 
 from inboxd import logs
 from inboxd.files.filesystems import PollMode, StatfsFn, WatchPlan, plan_watch, statfs_type
 from inboxd.files.names import NameFilter, folder_skipped
+from inboxd.pipeline.awatch import ChangeSet, WatchFn, real_awatch
 from inboxd.pipeline.event_buffer import EventBuffer
 from inboxd.pipeline.walk import Walker
 from inboxd.stats import Stats
 
-# Let awatch hand over changes at most this long after they happen: the intake's settle time
-# is the real "is it finished" test, so a long debounce would only add latency.
-WATCH_DEBOUNCE_MS = 200
-WATCH_STEP_MS = 20
 # Yield to the event loop while walking a huge inbox.
 SCAN_YIELD_EVERY = 512
 WATCHER_RESTART_DELAY_S = 1.0
@@ -41,38 +37,6 @@ WATCHER_RESTART_DELAY_S = 1.0
 # run: one early rescan covers a file dropped in that gap.
 STARTUP_RESCAN_S = 1.0
 BACKLOG_POLL_S = 0.05
-
-ChangeSet = set[tuple[watchfiles.Change, str]]
-
-
-class WatchFn(Protocol):
-    """The boundary to the OS watcher: ``watchfiles.awatch`` in production, a script in tests."""
-
-    def __call__(
-        self, *paths: Path, recursive: bool, stop_event: asyncio.Event,
-        force_polling: bool = False, poll_delay_ms: int = 1000,
-    ) -> AsyncIterator[ChangeSet]: ...
-
-
-def real_awatch(
-    *paths: Path, recursive: bool, stop_event: asyncio.Event,
-    force_polling: bool = False, poll_delay_ms: int = 1000,
-) -> AsyncIterator[ChangeSet]:
-    return watchfiles.awatch(
-        *paths,
-        recursive=recursive,
-        stop_event=stop_event,
-        # Explicit, so that WATCHFILES_FORCE_POLLING in the environment cannot decide.
-        force_polling=force_polling,
-        poll_delay_ms=poll_delay_ms,
-        debounce=WATCH_DEBOUNCE_MS,
-        step=WATCH_STEP_MS,
-        # Our own filter runs on every path anyway; watchfiles' default one would hide
-        # nothing we want and cost a Python call per event.
-        watch_filter=None,
-        yield_on_timeout=False,
-    )
-
 
 class Watcher:
     def __init__(
@@ -143,7 +107,12 @@ class Watcher:
         self.backlog_on_disk = False
         seen = 0
         for inbox in self.inboxes:
-            inbox.mkdir(parents=True, exist_ok=True)  # deleted while we ran: recreate it
+            try:
+                inbox.mkdir(parents=True, exist_ok=True)  # deleted while we ran: recreate it
+            except OSError as exc:  # its parent read-only, a file in its place: scan the rest
+                logs.emit(logging.WARNING, "scan_error", f"cannot scan {inbox}: {exc}",
+                          path=str(inbox))
+                continue
             count, complete = await self._notice_under(inbox, inbox)
             seen += count
             if not complete:
@@ -158,8 +127,6 @@ class Watcher:
             seen += 1
             if seen % SCAN_YIELD_EVERY == 0:
                 await asyncio.sleep(0)
-            if path in self.buffer:
-                continue
             if self.notice(path, inbox) is False:
                 return seen, False
         return seen, True
@@ -253,7 +220,10 @@ class Watcher:
             inbox, rel = found
             if not self.names.wanted(os.path.basename(rel)):
                 if self.walker.folder_arrived(Path(raw)):
-                    self._new_folders.append((Path(raw), inbox))
+                    if len(self._new_folders) < self.buffer.capacity:  # bounded: else a rescan
+                        self._new_folders.append((Path(raw), inbox))
+                    else:
+                        self.request_rescan()
                 continue
             if self.buffer.full() and self.backlog_on_disk:
                 # A flood: the rescan will find this file on disk. Only count it, without

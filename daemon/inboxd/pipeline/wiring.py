@@ -30,6 +30,7 @@ from inboxd.item import WorkItem
 from inboxd.models.engine import DeviceFault, ModelEngine
 from inboxd.models.local_engine import LocalEngine
 from inboxd.models.model import Model
+from inboxd.pipeline.awatch import WatchFn, real_awatch
 from inboxd.pipeline.batcher import Batcher
 from inboxd.pipeline.decode import Preprocessor
 from inboxd.pipeline.event_buffer import EventBuffer
@@ -40,7 +41,7 @@ from inboxd.pipeline.preprocess_cache import PreprocessCache
 from inboxd.pipeline.queue import PipelineQueue
 from inboxd.pipeline.result_writer import ResultWriter
 from inboxd.pipeline.retry_list import RetryList
-from inboxd.pipeline.watcher import Watcher, WatchFn, real_awatch
+from inboxd.pipeline.watcher import Watcher
 from inboxd.stats import Stats
 
 T = TypeVar("T")
