@@ -22,7 +22,7 @@ from typing import Any
 from inboxd.config import Config
 from inboxd.files.durable import TMP_DIRNAME, fsync_dir, json_bytes, move, tmp_dir_for
 from inboxd.files.names import output_path
-from inboxd.files.renames import time_token
+from inboxd.files.renames import rename_noreplace, time_token
 
 REPORT_SUFFIX = ".error.json"
 ASIDE_PREFIX = "retry-"
@@ -144,11 +144,14 @@ def put_back_stranded(config: Config) -> int:
             report = json.loads(aside.read_text(encoding="utf-8"))
             key = str(report.get("filed_as") or report["source"])
             report_path = output_path(config.failed_dir, key, REPORT_SUFFIX)
-            if os.path.lexists(output_path(config.failed_dir, key)) and not report_path.exists():
-                os.rename(aside, report_path)
+            if not os.path.lexists(output_path(config.failed_dir, key)):
+                aside.unlink()  # its file was returned
+                continue
+            try:
+                rename_noreplace(aside, report_path)
                 restored += 1
-            else:
-                aside.unlink()  # its file was returned (or failed again, with a new report)
+            except FileExistsError:
+                aside.unlink()  # it failed again meanwhile: its new report stands
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return restored
@@ -167,7 +170,7 @@ def retry(config: Config, failed: Failed) -> Path:
         target = move(failed.input_path, failed.destination, time_token(),
                       tmp_dir_for(failed.inbox / ".processing", config.instance))
     except OSError:
-        os.rename(aside, failed.report_path)  # nothing moved: the failure stays as it was
+        rename_noreplace(aside, failed.report_path)  # nothing moved: the failure stays
         raise
     aside.unlink(missing_ok=True)
     fsync_dir(failed.report_path.parent)
