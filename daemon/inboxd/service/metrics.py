@@ -14,7 +14,6 @@ carries ``instance`` (the config's instance name).
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
@@ -29,6 +28,7 @@ from prometheus_client.registry import Collector
 
 from inboxd import logs
 from inboxd.config import Config, ConfigError
+from inboxd.files.durable import write_tmp
 from inboxd.pipeline.wiring import Pipeline
 from inboxd.stats import REASON_CLASSES, rss_bytes
 
@@ -160,21 +160,17 @@ class Metrics:
         ``*.prom``), mode 0644 so node_exporter's own user can read it, then rename."""
         path = self.config.textfile
         assert path is not None
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            # A unique O_EXCL temp (never through a planted link), fsynced; its name ends in
+            # .tmp, which node_exporter ignores.
+            tmp = write_tmp(path.parent, self.exposition(), ".prom")
             try:
-                os.fchmod(fd, 0o644)  # the unit's UMask=0027 would hide it from node_exporter
-                data = memoryview(self.exposition())
-                while data:
-                    data = data[os.write(fd, data):]
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
+                os.chmod(tmp, 0o644)  # the unit's UMask=0027 would hide it from node_exporter
+                os.replace(tmp, path)
+            except OSError:
+                tmp.unlink(missing_ok=True)
+                raise
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
             if not self._textfile_failing:  # once per episode, not every interval
                 logs.emit(logging.WARNING, "metrics_error",
                           f"cannot write the metrics textfile {path}: {exc.strerror or exc}; "
