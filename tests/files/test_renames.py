@@ -66,3 +66,11 @@ def test_place_takes_the_first_free_variant_however_many_are_taken(tmp_path: Pat
     assert where.name == "scan.tok.1200.jpg"
     assert where.read_bytes() == b"new"
     assert all((tmp_path / n).read_bytes() == b"earlier" for n, _ in taken)
+
+
+def test_a_name_whose_extension_alone_is_too_long_still_fits() -> None:
+    """A variant of a name with a ~250-byte extension used to come out over NAME_MAX, so
+    every free-name search ended in ENAMETOOLONG."""
+    name = "a." + "x" * 250
+    for variant, _ in zip(name_variants(name, "0123456789ab"), range(3), strict=False):
+        assert len(os.fsencode(variant)) <= NAME_MAX_BYTES

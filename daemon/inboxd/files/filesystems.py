@@ -41,15 +41,16 @@ REMOTE_TYPES = {
 LOCAL_NAMES = {0xEF53: "ext4", 0x58465342: "xfs", 0x9123683E: "btrfs", 0x01021994: "tmpfs",
                0x794C7630: "overlayfs", 0x2FC12FC1: "zfs", 0x4D44: "vfat", 0x5346544E: "ntfs",
                0xF2F52010: "f2fs"}
+# The process's own libc (find_library would run ldconfig in a subprocess on every call).
+_libc = ctypes.CDLL(None, use_errno=True)
 # struct statfs is 120 bytes on 64-bit Linux; f_type (a long) comes first. Room to spare.
 _STATFS_BUFFER_BYTES = 256
 
 
 def statfs_type(path: Path) -> int:
     """statfs(2) ``f_type`` of the filesystem holding ``path`` (the boundary tests fake)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     buffer = ctypes.create_string_buffer(_STATFS_BUFFER_BYTES)
-    if libc.statfs(os.fsencode(path), buffer) != 0:
+    if _libc.statfs(os.fsencode(path), buffer) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), str(path))
     return ctypes.c_ulong.from_buffer(buffer).value & 0xFFFFFFFF

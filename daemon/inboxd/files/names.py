@@ -37,7 +37,6 @@ class NameFilter:
     def __init__(self, include: list[str] | None) -> None:
         # Unset: every format this build decodes (decode/formats.py), in any letter case.
         self.include = [p.lower() for p in (include or formats.default_include())]
-        self.default = include is None
 
     def wanted(self, name: str) -> bool:
         """A file name we would process: matches an include pattern, not hidden, not a temp."""
@@ -104,5 +103,7 @@ def fit_name(name: str, suffix: str) -> str:
         return full
     digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:16]
     keep = NAME_MAX_BYTES - len(os.fsencode(suffix)) - len(digest) - 1
+    if keep < 1:  # the suffix alone is too long: shorten the whole name instead
+        return fit_name(full, "")
     head = os.fsencode(name)[:keep].decode("utf-8", "ignore")
     return f"{head}~{digest}{suffix}"
