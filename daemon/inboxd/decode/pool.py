@@ -29,14 +29,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
-
 import inboxd
 from inboxd import logs
 from inboxd.decode import wire
+from inboxd.decode.replies import DecodeResult, death_error, describe_exit, result_from
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.decode.worker import FAULTS_ENV
-from inboxd.item import DecodedImage, PermanentError, TransientError
+from inboxd.item import PermanentError, TransientError
 
 STARTUP_TIMEOUT_S = 60.0  # a cold interpreter importing numpy and Pillow on a busy machine
 EXIT_WAIT_S = 5.0  # from the EOF on a worker's replies to its exit status
@@ -64,19 +63,6 @@ class WorkerSettings:
     max_file_bytes: int
     decode_memory_bytes: int
     decode_timeout_s: float
-
-
-@dataclass(slots=True)
-class DecodeResult:
-    """What one file came to. ``error`` is set when it failed (``sha256`` may still be known);
-    ``image`` is None for a duplicate (its sha256 was the expected one) and for failures."""
-
-    sha256: str | None
-    size_bytes: int | None
-    image: DecodedImage | None = None
-    duplicate: bool = False
-    error: PermanentError | TransientError | None = None
-    peak_rss_bytes: int = 0  # the worker's peak RSS while it worked on this file
 
 
 class _Process:
@@ -253,13 +239,13 @@ class DecodePool:
                 return DecodeResult(None, None, error=PermanentError(
                     "the decoder closed its reply pipe on this file")), self._replace(
                     process, "closed its reply pipe")
-            return DecodeResult(None, None, error=_death(code)), self._replace(
-                process, f"exited with {_describe(code)}")
+            return DecodeResult(None, None, error=death_error(code)), self._replace(
+                process, f"exited with {describe_exit(code)}")
         except wire.WireError as exc:
             return DecodeResult(None, None, error=PermanentError(
                 f"the decoder sent a malformed reply: {exc}")), self._replace(process, str(exc))
         try:
-            result = _result(header, payload)
+            result = result_from(header, payload)
         except (KeyError, TypeError, ValueError) as exc:  # a worker that lost its mind
             return DecodeResult(None, None, error=PermanentError(
                 f"the decoder sent a malformed reply: {exc!r}")), self._replace(process, repr(exc))
@@ -286,37 +272,3 @@ class DecodePool:
                     idle.reap()
         self._spawner.shutdown(wait=True)
 
-
-def _result(header: dict[str, Any], payload: bytearray) -> DecodeResult:
-    sha256, size_bytes = header.get("sha256"), header.get("size_bytes")
-    peak = int(header.get("peak_rss_bytes", 0))
-    if not header.get("ok"):
-        kind = PermanentError if header.get("permanent", True) else TransientError
-        return DecodeResult(sha256, size_bytes, error=kind(str(header.get("reason"))),
-                            peak_rss_bytes=peak)
-    if header.get("duplicate"):
-        return DecodeResult(sha256, size_bytes, duplicate=True, peak_rss_bytes=peak)
-    shape = tuple(int(n) for n in header["shape"])
-    pixels = np.frombuffer(payload, dtype=np.uint8).reshape(shape)  # writable: a bytearray
-    image = DecodedImage(pixels, int(header["width"]), int(header["height"]),
-                         header.get("format"), str(header.get("mode")))
-    return DecodeResult(sha256, size_bytes, image=image, peak_rss_bytes=peak)
-
-
-def _describe(code: int) -> str:
-    if code < 0:
-        try:
-            return signal.Signals(-code).name
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit status {code}"
-
-
-def _death(code: int) -> PermanentError | TransientError:
-    if code == -signal.SIGKILL:
-        # Not us (we count our own kills as timeouts): most likely the kernel's OOM killer,
-        # which says more about the machine than about this file. Try it again later.
-        return TransientError("the decode worker was killed from outside (SIGKILL: the OOM "
-                              "killer?) while decoding this file")
-    return PermanentError(f"the decoder crashed on this file ({_describe(code)}); "
-                          "the decode worker was replaced")

@@ -1,0 +1,59 @@
+"""What a decode worker's reply, or its death, means for the one file it had."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from inboxd.item import DecodedImage, PermanentError, TransientError
+
+
+@dataclass(slots=True)
+class DecodeResult:
+    """What one file came to. ``error`` is set when it failed (``sha256`` may still be known);
+    ``image`` is None for a duplicate (its sha256 was the expected one) and for failures."""
+
+    sha256: str | None
+    size_bytes: int | None
+    image: DecodedImage | None = None
+    duplicate: bool = False
+    error: PermanentError | TransientError | None = None
+    peak_rss_bytes: int = 0  # the worker's peak RSS while it worked on this file
+
+
+def result_from(header: dict[str, Any], payload: bytearray) -> DecodeResult:
+    sha256, size_bytes = header.get("sha256"), header.get("size_bytes")
+    peak = int(header.get("peak_rss_bytes", 0))
+    if not header.get("ok"):
+        kind = PermanentError if header.get("permanent", True) else TransientError
+        return DecodeResult(sha256, size_bytes, error=kind(str(header.get("reason"))),
+                            peak_rss_bytes=peak)
+    if header.get("duplicate"):
+        return DecodeResult(sha256, size_bytes, duplicate=True, peak_rss_bytes=peak)
+    shape = tuple(int(n) for n in header["shape"])
+    pixels = np.frombuffer(payload, dtype=np.uint8).reshape(shape)  # writable: a bytearray
+    image = DecodedImage(pixels, int(header["width"]), int(header["height"]),
+                         header.get("format"), str(header.get("mode")))
+    return DecodeResult(sha256, size_bytes, image=image, peak_rss_bytes=peak)
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit status {code}"
+
+
+def death_error(code: int) -> PermanentError | TransientError:
+    if code == -signal.SIGKILL:
+        # Not us (we count our own kills as timeouts): most likely the kernel's OOM killer,
+        # which says more about the machine than about this file. Try it again later.
+        return TransientError("the decode worker was killed from outside (SIGKILL: the OOM "
+                              "killer?) while decoding this file")
+    return PermanentError(f"the decoder crashed on this file ({describe_exit(code)}); "
+                          "the decode worker was replaced")
