@@ -97,7 +97,7 @@ class Lifecycle:
         for inbox in self.config.inbox.paths:
             self.config.processing_dir(inbox).mkdir(parents=True, exist_ok=True)
         problems = []
-        for folder in (self.config.done_dir, self.config.failed_dir):
+        for folder in (self.config.results_dir, self.config.done_dir, self.config.failed_dir):
             try:
                 folder.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
