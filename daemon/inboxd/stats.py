@@ -75,6 +75,8 @@ class Counters:
     # name never admitted (no include pattern, hidden: ``ignored_names``, said once each).
     ignored: int = 0
     ignored_names: int = 0
+    # Claimed by an instance that died, returned to the inbox by this one (files.takeover).
+    taken_over: int = 0
 
 
 # Why a file failed, coarsely: the metrics label. An exception may name its own class with a

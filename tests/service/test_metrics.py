@@ -46,7 +46,7 @@ GOOD, BAD = 40, 3
 TYPES = {
     **{f"inboxd_{name}": "counter" for name in (
         "accepted", "enqueued", "completed", "failed", "retried", "deferred", "ignored",
-        "ignored_names", "released", "duplicates")},
+        "ignored_names", "released", "duplicates", "taken_over")},
     **{name: "gauge" for name in (
         "inboxd_layer_items", "inboxd_layer_capacity_items", "inboxd_layer_high_water_items",
         "inboxd_preprocess_cache_bytes", "inboxd_rss_bytes")},

@@ -11,8 +11,6 @@ name (``files.renames``), so no input ever replaces another.
 from __future__ import annotations
 
 import errno
-import fcntl
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,7 @@ from inboxd.files.durable import (
     walk_files,
     write_tmp,
 )
+from inboxd.files.instances import LEDGER_SUFFIX, LOCK_WAIT_S, flock_within, merged_ledgers
 from inboxd.files.names import output_path
 from inboxd.files.renames import name_variants, place, rename_noreplace, time_token
 from inboxd.files.results import ResultFiles, sha_token
@@ -69,9 +68,7 @@ class Lifecycle:
             lock_path = inbox / ".processing" / f"{self.config.instance}.lock"
             lock_path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if not flock_within(fd, LOCK_WAIT_S):
                 holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
                 os.close(fd)
                 self.unlock_instance()
@@ -153,20 +150,20 @@ class Lifecycle:
         returned = failed = 0
         for inbox in self.config.inbox.paths:
             processing = self.config.processing_dir(inbox)
-            ledger = self._read_ledger(inbox)
+            ledger = self.crash_counts(inbox)
             for claimed in walk_files(processing):
                 rel = claimed.relative_to(processing).as_posix()
                 crashes, reason = ledger.get(rel, (0, ""))
-                if crashes >= CRASHES_BEFORE_FAILING and self._fail_crasher(
-                        claimed, inbox, rel, crashes, reason):
+                if crashes >= CRASHES_BEFORE_FAILING and self.fail_crasher(
+                        claimed, inbox, rel, crashes, reason, self.config.instance):
                     failed += 1
                 else:
                     self.release(claimed, inbox / rel)
                     returned += 1
         return returned, failed
 
-    def _fail_crasher(self, claimed: Path, inbox: Path, rel: str, crashes: int,
-                      reason: str) -> bool:
+    def fail_crasher(self, claimed: Path, inbox: Path, rel: str, crashes: int,
+                     reason: str, instance: str) -> bool:
         """failed/ for a file that was in flight at repeated crashes; False when failed/ cannot
         take it now (full, read-only): start-up must not die of that, the file goes back."""
         key = self.config.key_for(inbox, rel)
@@ -176,22 +173,24 @@ class Lifecycle:
                 "reason": f"the daemon crashed {crashes} times while this file was in flight: "
                           f"{reason}",
                 "reason_class": "other", "permanent": True,
-                "attempts": [reason] * crashes, "instance": self.config.instance})
+                "attempts": [reason] * crashes, "instance": instance})
         except OSError:
             return False
         return True
 
     # -- the crash ledger: which files were in flight when a stage crashed -------------------
 
-    def _ledger_path(self, inbox: Path) -> Path:
-        return self.config.processing_dir(inbox).parent / f"{self.config.instance}.crashes.json"
+    def ledger_path(self, inbox: Path, instance: str | None = None) -> Path:
+        name = instance or self.config.instance
+        return self.config.processing_dir(inbox).parent / f"{name}{LEDGER_SUFFIX}"
 
-    def _read_ledger(self, inbox: Path) -> dict[str, tuple[int, str]]:
-        try:
-            data = json.loads(self._ledger_path(inbox).read_bytes())
-            return {rel: (int(n), str(why)) for rel, (n, why) in data.items()}
-        except (OSError, ValueError, TypeError, AttributeError):
-            return {}
+    def crash_counts(self, inbox: Path) -> dict[str, tuple[int, str]]:
+        """Crashes in a row per claimed name, over every instance's ledger on this inbox (the
+        highest count wins). A file returned by a takeover may next be claimed by any
+        instance: its count must follow it, or a file that kills whichever instance takes it
+        would go round a shared inbox for ever. Each ledger is written only by its instance
+        (or by whoever holds that instance's lock), so reading them all needs no lock."""
+        return merged_ledgers(self.config.processing_dir(inbox).parent)
 
     def record_crash(self, reason: str) -> None:
         """A stage crashed: count one crash against every file claimed now, and forget the
@@ -200,12 +199,20 @@ class Lifecycle:
         next start-up reads this in ``recover``."""
         for inbox in self.config.inbox.paths:
             processing = self.config.processing_dir(inbox)
-            ledger = self._read_ledger(inbox)
+            ledger = self.crash_counts(inbox)
             in_flight = {p.relative_to(processing).as_posix() for p in walk_files(processing)}
             updated = {rel: [ledger.get(rel, (0, ""))[0] + 1, reason] for rel in in_flight}
-            tmp = write_tmp(tmp_dir_for(processing.parent, self.config.instance),
-                            json_bytes(updated), ".crashes")
-            os.replace(tmp, self._ledger_path(inbox))
+            self.write_ledger(inbox, self.config.instance, updated)
+
+    def write_ledger(self, inbox: Path, instance: str, entries: dict[str, Any]) -> None:
+        """Replace ``instance``'s ledger (ours, or a dead one's while we hold its lock)."""
+        processing = self.config.processing_dir(inbox)
+        if not entries and instance != self.config.instance:
+            self.ledger_path(inbox, instance).unlink(missing_ok=True)
+            return
+        tmp = write_tmp(tmp_dir_for(processing.parent, self.config.instance),
+                        json_bytes(entries), ".crashes")
+        os.replace(tmp, self.ledger_path(inbox, instance))
 
     # -- outcomes ----------------------------------------------------------------------------
 
@@ -262,3 +269,4 @@ class Lifecycle:
             # very name since the check): take the report back, so there is one outcome only.
             report_path.unlink(missing_ok=True)
             raise
+

@@ -41,6 +41,7 @@ from inboxd.pipeline.preprocess_cache import PreprocessCache
 from inboxd.pipeline.queue import PipelineQueue
 from inboxd.pipeline.result_writer import ResultWriter
 from inboxd.pipeline.retry_list import RetryList
+from inboxd.pipeline.takeover import Takeovers
 from inboxd.pipeline.watcher import Watcher
 from inboxd.stats import Stats
 
@@ -103,6 +104,8 @@ class Pipeline:
                                   release=self.outcomes.release,
                                   on_device_fault=self._device_fault,
                                   on_inferred=lambda s: self.stats.inference_ms.add(s * 1000))
+        self.takeovers = Takeovers(self.lifecycle, self.stats, self.run_io,
+                                   config.inbox.rescan_interval_s, self.watcher.request_rescan)
         self.stats.register(self.buffer, self.queue, self.cache, self.batcher, self.writer,
                             self.retry_list)
         self._intake_tasks: list[asyncio.Task[None]] = []
@@ -151,6 +154,7 @@ class Pipeline:
                       "crashes: moved to failed/ with the crash's reason", failed=failed)
             self.stats.counters.failed += failed
             self.stats.failed_by_class["other"] += failed
+        self.takeovers.sweep()  # dead instances' files too, before the first scan
         return returned
 
     def _spawn(self, tasks: list[asyncio.Task[None]], coro: Coroutine[Any, Any, None],
@@ -184,6 +188,7 @@ class Pipeline:
         if watch:  # watch first, then scan: a file dropped in between is seen by one or both
             self._spawn(self._intake_tasks, self.watcher.run_watch(), "watcher")
             self._spawn(self._intake_tasks, self.watcher.run_scans(), "scanner")
+            self._spawn(self._intake_tasks, self.takeovers.run(), "takeover")
         self._spawn(self._intake_tasks, self.intake.run(), "intake")
 
     def log_stats(self) -> dict[str, Any]:

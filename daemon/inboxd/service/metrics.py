@@ -47,6 +47,8 @@ COUNTERS = (
      "released"),
     ("duplicates", "Files finished without inference: same name and sha256 as a result.",
      "duplicates"),
+    ("taken_over", "Files a dead instance had claimed, returned to the inbox by this one.",
+     "taken_over"),
 )
 # Buckets in base units, spanning what the journal's percentiles show on a CPU and a GPU.
 PUT_WAIT_BUCKETS_S = (0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60)

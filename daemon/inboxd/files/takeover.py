@@ -1,0 +1,205 @@
+"""Returning a dead instance's claimed files to a shared inbox, without waiting for a person.
+
+Every instance holds ``.processing/<name>.lock`` (an ``flock``) while it runs, and the kernel
+releases it when the holder dies, however it dies. So an instance that can take another's lock
+knows that one is dead, and while it holds the lock nobody else can be it: the dead instance's
+restart waits for it (``instances.LOCK_WAIT_S``), ``inboxd recover`` and every other instance's
+takeover are shut out. Holding it, the taker returns each claimed file to the inbox under its
+own name (a free variant if the name was taken meanwhile, never replacing anything), or sends
+one that was in flight at ``CRASHES_BEFORE_FAILING`` stage crashes to failed/ (counts are
+read from every instance's ledger, ``instances.merged_ledgers``), removes the emptied folder,
+and lets the lock go. The lock file itself stays: unlinking a lock file someone may have open
+lets two processes both "hold" it.
+
+Never touched: a live instance (its lock is held; we never wait for it), a folder without a
+lock file (a version before locks, or a lock someone deleted: its holder may still be running
+and a new lock file would prove nothing; reported, for ``inboxd recover --instance NAME``),
+and anything that is a symbolic link — ``.processing`` itself, ``<name>.lock``, ``<name>/`` or
+a folder inside it: all are opened with ``O_NOFOLLOW`` relative to their parent's descriptor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from inboxd.files.instances import LOCK_SUFFIX, read_ledger
+from inboxd.files.lifecycle import CRASHES_BEFORE_FAILING, Lifecycle
+from inboxd.files.renames import name_variants, rename_noreplace, time_token
+from inboxd.files.safe_paths import DIR_FLAGS, LinkedFolder, open_inside
+
+PROCESSING = ".processing"
+
+
+@dataclass
+class TakenOver:
+    """One dead instance's claimed files on one inbox, handled."""
+
+    inbox: Path
+    instance: str
+    returned: list[str] = field(default_factory=list)  # names under the inbox
+    failed: int = 0
+
+
+@dataclass
+class Sweep:
+    taken: list[TakenOver] = field(default_factory=list)
+    # (path, why) left alone: a folder without a lock file, a link in place of a lock or folder.
+    refused: list[tuple[str, str]] = field(default_factory=list)
+
+
+def take_over_dead(lifecycle: Lifecycle) -> Sweep:
+    """Look at every other instance's folder in every inbox; take over the dead ones."""
+    sweep = Sweep()
+    own = lifecycle.config.instance
+    for inbox in lifecycle.config.inbox.paths:
+        try:
+            with open_inside(inbox, [PROCESSING]) as processing:
+                for name in _other_instances(processing, own):
+                    _take_over_one(lifecycle, inbox, processing, name, sweep)
+        except LinkedFolder:
+            sweep.refused.append((str(inbox / PROCESSING), "a symbolic link, not a folder"))
+        except FileNotFoundError:
+            continue
+    return sweep
+
+
+def _other_instances(processing: int, own: str) -> list[str]:
+    """Names of the real folders in ``.processing`` other than ours (``.tmp`` and other hidden
+    names are never an instance's: instance names cannot start with a dot)."""
+    names = []
+    for name in sorted(os.listdir(processing)):
+        if name == own or name.startswith("."):
+            continue
+        try:
+            if stat.S_ISDIR(os.stat(name, dir_fd=processing, follow_symlinks=False).st_mode):
+                names.append(name)
+        except FileNotFoundError:
+            continue
+    return names
+
+
+def _take_over_one(lifecycle: Lifecycle, inbox: Path, processing: int, name: str,
+                   sweep: Sweep) -> None:
+    where = inbox / PROCESSING
+    try:
+        lock = os.open(name + LOCK_SUFFIX, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC,
+                       dir_fd=processing)
+    except FileNotFoundError:
+        sweep.refused.append((str(where / name), f"no {name}{LOCK_SUFFIX} beside it: its "
+                              "instance may still be running (a version before locks, or "
+                              "its lock deleted); once it is not, run inboxd recover "
+                              f"--instance {name}"))
+        return
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        sweep.refused.append((str(where / (name + LOCK_SUFFIX)), "a symbolic link, not a lock"))
+        return
+    try:
+        if not stat.S_ISREG(os.fstat(lock).st_mode):
+            sweep.refused.append((str(where / (name + LOCK_SUFFIX)), "not a regular file"))
+            return
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # alive: its files are its own
+        try:
+            folder = os.open(name, DIR_FLAGS, dir_fd=processing)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                sweep.refused.append((str(where / name), "a symbolic link, not a folder"))
+                return
+            if exc.errno == errno.ENOENT:
+                return
+            raise
+        taken = TakenOver(inbox, name)
+        try:
+            _return_all(lifecycle, inbox, name, folder, taken)
+        finally:
+            os.close(folder)
+        with contextlib.suppress(OSError):  # not empty (a file could not go back): next time
+            os.rmdir(name, dir_fd=processing)
+        if taken.returned or taken.failed:
+            sweep.taken.append(taken)
+    finally:
+        os.close(lock)  # releases the lock: the dead instance may start again now
+
+
+def _return_all(lifecycle: Lifecycle, inbox: Path, instance: str, top: int,
+                taken: TakenOver) -> None:
+    """Every file under the folder ``top`` back to the inbox (or failed/), folders emptied and
+    removed bottom-up; iterative, so no nesting depth can exhaust the stack."""
+    ledger_path = lifecycle.ledger_path(inbox, instance)
+    counts = lifecycle.crash_counts(inbox)
+    still_counted: dict[str, list[object]] = {}
+    # (descriptor, rel prefix, names left, parent descriptor, own name)
+    stack: list[tuple[int, str, list[str], int, str]] = [
+        (top, "", sorted(os.listdir(top), reverse=True), -1, "")]
+    try:
+        _walk_back(lifecycle, inbox, instance, stack, counts, still_counted, taken)
+    finally:
+        for fd, _, _, parent, _ in stack:
+            if parent >= 0:
+                os.close(fd)
+    # The dead instance's ledger now holds only the files it gave back with a count: they keep
+    # it wherever they are claimed next; the rest of it is history.
+    if still_counted or os.path.lexists(ledger_path):
+        known = read_ledger(ledger_path)
+        if {k: list(v) for k, v in known.items()} != still_counted:
+            lifecycle.write_ledger(inbox, instance, still_counted)
+
+
+def _walk_back(lifecycle: Lifecycle, inbox: Path, instance: str,
+               stack: list[tuple[int, str, list[str], int, str]],
+               counts: dict[str, tuple[int, str]], still_counted: dict[str, list[object]],
+               taken: TakenOver) -> None:
+    while stack:
+        fd, prefix, names, parent, own = stack[-1]
+        if not names:
+            stack.pop()
+            if parent >= 0:
+                os.close(fd)
+                with contextlib.suppress(OSError):  # not empty: something stayed
+                    os.rmdir(own, dir_fd=parent)
+            continue
+        entry = names.pop()
+        rel = prefix + entry
+        try:
+            mode = os.stat(entry, dir_fd=fd, follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            continue
+        if stat.S_ISDIR(mode):
+            child = os.open(entry, DIR_FLAGS, dir_fd=fd)
+            stack.append((child, rel + "/", sorted(os.listdir(child), reverse=True), fd, entry))
+            continue
+        crashes, reason = counts.get(rel, (0, ""))
+        claimed = Path(f"/proc/self/fd/{fd}") / entry
+        if crashes >= CRASHES_BEFORE_FAILING and lifecycle.fail_crasher(
+                claimed, inbox, rel, crashes, reason, instance):
+            taken.failed += 1
+            continue
+        placed = _give_back(fd, entry, inbox / rel)
+        if placed is not None:
+            taken.returned.append(placed.relative_to(inbox).as_posix())
+            if crashes:
+                still_counted[placed.relative_to(inbox).as_posix()] = [crashes, reason]
+
+
+def _give_back(fd: int, entry: str, target: Path) -> Path | None:
+    """Rename ``entry`` (in folder ``fd``) to ``target`` or a free variant of its name."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for candidate in name_variants(target.name, time_token()):
+        try:
+            rename_noreplace(entry, target.with_name(candidate), fd)
+        except FileExistsError:
+            continue
+        except FileNotFoundError:
+            return None
+        return target.with_name(candidate)
+    return None  # pragma: no cover - name_variants never ends

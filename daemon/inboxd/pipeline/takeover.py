@@ -1,0 +1,77 @@
+"""Dead instances on a shared inbox: at start-up and every ``inbox.rescan_interval_s``, the
+files another instance had claimed before it died go back to the inbox (``files.takeover``),
+where the scan finds them again. Each takeover is one ``instance_taken_over`` journal record;
+what is left alone on purpose (a folder without a lock, a planted link) is said once."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from inboxd import logs
+from inboxd.files.lifecycle import Lifecycle
+from inboxd.files.takeover import take_over_dead
+from inboxd.stats import Stats
+
+T = TypeVar("T")
+# Paths already reported as left alone: bounded, so a flood of planted names cannot grow it.
+MAX_REPORTED = 256
+
+
+class Takeovers:
+    def __init__(self, lifecycle: Lifecycle, stats: Stats,
+                 run_io: Callable[[Callable[[], None]], Awaitable[None]],
+                 interval_s: float, on_returned: Callable[[], None]) -> None:
+        self.lifecycle = lifecycle
+        self.stats = stats
+        self.run_io = run_io
+        self.interval_s = interval_s
+        self.on_returned = on_returned  # e.g. ask for a rescan: the files are in the inbox now
+        self._reported: set[str] = set()
+
+    def sweep(self) -> int:
+        """One look at every other instance's folder; returns the files given back."""
+        try:
+            found = take_over_dead(self.lifecycle)
+        except OSError as exc:
+            logs.emit(logging.WARNING, "takeover_error",
+                      f"cannot look for dead instances' files: {exc}", error=str(exc))
+            return 0
+        returned = 0
+        for taken in found.taken:
+            count = len(taken.returned)
+            returned += count
+            self.stats.counters.taken_over += count
+            if taken.failed:
+                self.stats.counters.failed += taken.failed
+                self.stats.failed_by_class["other"] += taken.failed
+            shown = ", ".join(taken.returned[:10]) + (" …" if count > 10 else "")
+            logs.emit(logging.WARNING, "instance_taken_over",
+                      f"instance {taken.instance!r} is dead (its lock was free): returned its "
+                      f"{count} claimed file(s) to {taken.inbox}"
+                      + (f" ({shown})" if count else "")
+                      + (f"; {taken.failed} in flight at repeated crashes went to failed/"
+                         if taken.failed else ""),
+                      dead_instance=taken.instance, inbox=str(taken.inbox), returned=count,
+                      failed=taken.failed, instance=self.lifecycle.config.instance)
+        for path, why in found.refused:
+            if path not in self._reported and len(self._reported) < MAX_REPORTED:
+                self._reported.add(path)
+                logs.emit(logging.WARNING, "takeover_refused", f"left alone: {path}: {why}",
+                          path=path)
+        return returned
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            returned = 0
+
+            def sweep() -> None:
+                nonlocal returned
+                returned = self.sweep()
+
+            await self.run_io(sweep)
+            if returned:
+                self.on_returned()
