@@ -168,6 +168,7 @@ def test_planted_links_are_never_followed(tmp_path: Path) -> None:
     assert "a symbolic link, not a lock" in refused[str(processing / "x.lock")]
     assert (processing / "x" / "a.jpg").read_bytes() == b"a"
     # y is not even a candidate: only real folders are an instance's.
+    assert "a symbolic link, not a folder" in refused[str(processing / "y")]
     assert [t.returned for t in sweep.taken] == [["sub"]]  # the link itself goes back, as a link
     assert (inbox / "sub").is_symlink()
     assert (outside / "dir" / "private.jpg").read_bytes() == b"private"

@@ -28,7 +28,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from inboxd.files.instances import LOCK_SUFFIX, read_ledger
+from inboxd.files.instances import LEDGER_SUFFIX, LOCK_SUFFIX, read_ledger
 from inboxd.files.lifecycle import CRASHES_BEFORE_FAILING, Lifecycle
 from inboxd.files.renames import name_variants, rename_noreplace, time_token
 from inboxd.files.safe_paths import DIR_FLAGS, LinkedFolder, open_inside
@@ -60,7 +60,7 @@ def take_over_dead(lifecycle: Lifecycle) -> Sweep:
     for inbox in lifecycle.config.inbox.paths:
         try:
             with open_inside(inbox, [PROCESSING]) as processing:
-                for name in _other_instances(processing, own):
+                for name in _other_instances(processing, own, inbox / PROCESSING, sweep):
                     _take_over_one(lifecycle, inbox, processing, name, sweep)
         except LinkedFolder:
             sweep.refused.append((str(inbox / PROCESSING), "a symbolic link, not a folder"))
@@ -69,18 +69,22 @@ def take_over_dead(lifecycle: Lifecycle) -> Sweep:
     return sweep
 
 
-def _other_instances(processing: int, own: str) -> list[str]:
+def _other_instances(processing: int, own: str, where: Path, sweep: Sweep) -> list[str]:
     """Names of the real folders in ``.processing`` other than ours (``.tmp`` and other hidden
-    names are never an instance's: instance names cannot start with a dot)."""
+    names are never an instance's: instance names cannot start with a dot). A link where a
+    folder could be is reported, never followed."""
     names = []
     for name in sorted(os.listdir(processing)):
         if name == own or name.startswith("."):
             continue
         try:
-            if stat.S_ISDIR(os.stat(name, dir_fd=processing, follow_symlinks=False).st_mode):
-                names.append(name)
+            mode = os.stat(name, dir_fd=processing, follow_symlinks=False).st_mode
         except FileNotFoundError:
             continue
+        if stat.S_ISDIR(mode):
+            names.append(name)
+        elif stat.S_ISLNK(mode) and not name.endswith((LOCK_SUFFIX, LEDGER_SUFFIX)):
+            sweep.refused.append((str(where / name), "a symbolic link, not a folder"))
     return names
 
 

@@ -8,21 +8,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
 
 from inboxd import logs
 from inboxd.files.lifecycle import Lifecycle
-from inboxd.files.takeover import take_over_dead
+from inboxd.files.takeover import Sweep, take_over_dead
 from inboxd.stats import Stats
 
-T = TypeVar("T")
 # Paths already reported as left alone: bounded, so a flood of planted names cannot grow it.
 MAX_REPORTED = 256
 
 
 class Takeovers:
     def __init__(self, lifecycle: Lifecycle, stats: Stats,
-                 run_io: Callable[[Callable[[], None]], Awaitable[None]],
+                 run_io: Callable[[Callable[[], Sweep]], Awaitable[Sweep]],
                  interval_s: float, on_returned: Callable[[], None]) -> None:
         self.lifecycle = lifecycle
         self.stats = stats
@@ -32,13 +30,15 @@ class Takeovers:
         self._reported: set[str] = set()
 
     def sweep(self) -> int:
-        """One look at every other instance's folder; returns the files given back."""
+        """One look at every other instance's folder (blocking: at start-up, before any
+        stage runs); returns the files given back."""
         try:
-            found = take_over_dead(self.lifecycle)
+            return self.account(take_over_dead(self.lifecycle))
         except OSError as exc:
-            logs.emit(logging.WARNING, "takeover_error",
-                      f"cannot look for dead instances' files: {exc}", error=str(exc))
-            return 0
+            return self._failed(exc)
+
+    def account(self, found: Sweep) -> int:
+        """Log and count what a sweep did (on the event loop: the counters are its)."""
         returned = 0
         for taken in found.taken:
             count = len(taken.returned)
@@ -63,15 +63,18 @@ class Takeovers:
                           path=path)
         return returned
 
+    def _failed(self, exc: OSError) -> int:
+        logs.emit(logging.WARNING, "takeover_error",
+                  f"cannot look for dead instances' files: {exc}", error=str(exc))
+        return 0
+
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            returned = 0
-
-            def sweep() -> None:
-                nonlocal returned
-                returned = self.sweep()
-
-            await self.run_io(sweep)
-            if returned:
+            try:
+                found = await self.run_io(lambda: take_over_dead(self.lifecycle))
+            except OSError as exc:
+                self._failed(exc)
+                continue
+            if self.account(found):
                 self.on_returned()
