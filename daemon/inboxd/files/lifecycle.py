@@ -61,7 +61,9 @@ class Lifecycle:
         """Hold ``<inbox>/.processing/<instance>.lock`` while we run. Two live daemons with one
         instance name would each "recover" the other's claimed files; ``recover`` on a running
         instance would pull files from under it. The kernel drops the lock when we die, however
-        we die, so a SIGKILLed instance never blocks its own restart."""
+        we die, so a SIGKILLed instance never blocks its own restart; another instance that
+        found it free may hold it for a moment while it returns our files (``files.takeover``),
+        which is why we wait up to ``LOCK_WAIT_S`` before calling the name busy."""
         if self._locks:
             return
         for inbox in self.config.inbox.paths:
