@@ -79,6 +79,8 @@ class Pipeline:
             self.buffer, self.stats, config.inbox.rescan_interval_s, clock, watch,
             poll=config.inbox.poll, poll_interval_ms=config.inbox.poll_interval_ms,
         )
+        self.takeovers = Takeovers(self.lifecycle, self.stats, self.run_io,
+                                   config.inbox.rescan_interval_s, self.watcher.request_rescan)
         self.intake = Intake(
             config, self.buffer, self.queue, self.lifecycle, self.stats,
             on_enqueued=lambda item: self.outcomes.admitted(),
@@ -104,8 +106,6 @@ class Pipeline:
                                   release=self.outcomes.release,
                                   on_device_fault=self._device_fault,
                                   on_inferred=lambda s: self.stats.inference_ms.add(s * 1000))
-        self.takeovers = Takeovers(self.lifecycle, self.stats, self.run_io,
-                                   config.inbox.rescan_interval_s, self.watcher.request_rescan)
         self.stats.register(self.buffer, self.queue, self.cache, self.batcher, self.writer,
                             self.retry_list)
         self._intake_tasks: list[asyncio.Task[None]] = []
