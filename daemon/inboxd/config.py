@@ -89,6 +89,10 @@ class PreprocessConfig(Section):
     # Hashing and decoding one file; past it the worker is killed and replaced, the file fails.
     # The slowest legitimate decode measured (a max_image_pixels RGBA PNG, busy 2-core CPU) ~12 s.
     decode_timeout_s: Annotated[float, Field(gt=0)] = 30
+    # auto: with the model on a GPU, baseline JPEGs whose header passes a check on the CPU are
+    # decoded there by nvJPEG, in the daemon's process; off: every byte in the sandboxed
+    # workers (inboxd.decode.tensor says what the trade-off is).
+    gpu_decode: Literal["auto", "off"] = "auto"
 
 
 Interpolation = Literal["bilinear", "bicubic", "nearest", "lanczos"]

@@ -62,7 +62,7 @@ def infer_splitting(model: Model, items: list[WorkItem]) -> list[Outcome]:
     has a result or an error of its own. Raises ``DeviceFault`` when the device is at fault."""
     started = time.perf_counter()
     try:
-        predictions = model.predict([item.image.pixels for item in items
+        predictions = model.predict([item.image.model_input for item in items
                                      if item.image is not None])
     except torch.cuda.OutOfMemoryError as exc:
         kind, why = "oom", str(exc)
