@@ -100,5 +100,8 @@ def build(mode: str, device: torch.device, spec: PreprocessSpec, max_pixels: int
                   reason=why)
         return None
     # At most one file per preprocess thread is waiting, so a batch never exceeds ``threads``.
+    logs.emit(logging.INFO, "gpu_decode", f"baseline JPEGs are decoded on {device} (nvJPEG, "
+              "in the daemon, after a header check); preprocess.gpu_decode: off keeps every "
+              "file in the sandboxed decode workers", device=str(device))
     decoder = TensorDecoder(spec, device, max_batch=max(1, threads))
     return DeviceRoute(decoder, spec, max_pixels, max_file_bytes)
