@@ -159,35 +159,46 @@ class Model:
         """The network's output for a batch, as float32: logits, or embeddings for ``embed``."""
         if self.before_forward is not None:
             self.before_forward(len(images))
-        with torch.inference_mode(), self._autocast():
-            return self._forward(self.to_input(images)).float()
+        with torch.inference_mode():
+            return self.forward(self.to_device(images))
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """N×H×W×3 uint8 on the device → the network's float32 output (call in inference_mode)."""
+        with self._autocast():
+            return self._forward(self.normalise(pixels)).float()
+
+    def reduce(self, outputs: torch.Tensor) -> list[torch.Tensor]:
+        """On the device, what the predictions need: top-k (scores, indices), or the vectors."""
+        if self.output == "embed":
+            return [outputs]
+        scores, indices = torch.softmax(outputs, dim=1).topk(self.top_k, dim=1)
+        return [scores, indices]
+
+    def predictions(self, reduced: Sequence[torch.Tensor]) -> list[Prediction]:
+        """``reduce``'s tensors, on the host, as one prediction per image."""
+        if self.output == "embed":
+            # A copy per row, so one image's result does not keep the whole batch alive.
+            return [Embedding(np.array(row, dtype=np.float32)) for row in reduced[0].numpy()]
+        assert self.labels is not None
+        labels = self.labels
+        scores, indices = reduced[0].tolist(), reduced[1].tolist()
+        return [Classification([{"label": labels[i], "index": i, "score": round(s, 6)}
+                                for s, i in zip(row_scores, row_indices, strict=True)])
+                for row_scores, row_indices in zip(scores, indices, strict=True)]
 
     def predict(self, images: Sequence[Pixels]) -> Sequence[Prediction]:
         """What the config asked for: top-k classes, or embedding vectors."""
-        if self.output == "embed":
-            return self.embed(images)
-        return self.classify(images)
+        outputs = self.outputs(images)
+        with torch.inference_mode():
+            return self.predictions([t.cpu() for t in self.reduce(outputs)])
 
     def classify(self, images: Sequence[Pixels]) -> list[Classification]:
-        assert self.labels is not None
-        logits = self.outputs(images)
-        with torch.inference_mode():
-            scores, indices = torch.softmax(logits, dim=1).topk(self.top_k, dim=1)
-        scores_host, indices_host = scores.cpu().tolist(), indices.cpu().tolist()
-        return [
-            Classification(
-                [
-                    {"label": self.labels[i], "index": i, "score": round(s, 6)}
-                    for s, i in zip(row_scores, row_indices, strict=True)
-                ]
-            )
-            for row_scores, row_indices in zip(scores_host, indices_host, strict=True)
-        ]
+        assert self.output == "classify"
+        return [p for p in self.predict(images) if isinstance(p, Classification)]
 
     def embed(self, images: Sequence[Pixels]) -> list[Embedding]:
-        vectors = self.outputs(images).cpu().numpy()
-        # A copy per row, so one image's result does not keep the whole batch alive.
-        return [Embedding(np.array(row, dtype=np.float32)) for row in vectors]
+        assert self.output == "embed"
+        return [p for p in self.predict(images) if isinstance(p, Embedding)]
 
     def check_batch_size(self, max_size: int) -> None:
         """A ``ConfigError`` when the network cannot take batches of ``max_size``."""
