@@ -209,3 +209,25 @@ def test_the_decoder_thread_batches_concurrent_callers_and_isolates_failures(
     assert decoder.decoded == 6 and decoder.batches < 6  # gathered, not one call per file
     with pytest.raises(DecodeFailed, match="shutting down"):
         decoder.decode(datas[0], jpeg_header.inspect(datas[0], MAX_PIXELS))
+
+
+# -- the same on a real GPU (nvJPEG): run by bench/gpu_check.sh's gpu_tests stage -----------
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+def test_nvjpeg_matches_the_pillow_path_on_real_photos() -> None:
+    cuda_model = load_model(ModelConfig(device="cuda"))
+    photos = photo_paths()
+    datas = [photo_jpeg(name, size, seed)
+             for seed, (name, size) in enumerate(SIZES.items()) if name in photos]
+    headers = [jpeg_header.inspect(data, MAX_PIXELS) for data in datas]
+    crops = decode_batch(datas, headers, cuda_model.spec, torch.device("cuda"))
+    assert all(isinstance(c, torch.Tensor) and c.is_cuda for c in crops)
+    ours = torch.softmax(cuda_model.outputs(crops), dim=1).cpu()  # type: ignore[arg-type]
+    pillow = torch.softmax(cuda_model.outputs(
+        [decode_image(d, cuda_model.spec, MAX_PIXELS).pixels for d in datas]), dim=1).cpu()
+    assert float((ours - pillow).abs().max()) <= MAX_SCORE_DIFF
+    assert ours.topk(5).indices.tolist() == pillow.topk(5).indices.tolist()

@@ -135,3 +135,31 @@ def test_staging_needs_matching_crops() -> None:
     batch[1].image.pixels = np.zeros((CROP + 1, CROP, 3), dtype=np.uint8)
     with pytest.raises(ValueError):
         overlap.launch(batch)
+
+
+# -- on a real GPU: streams, events and pinned staging --------------------------------------
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+def test_on_the_gpu_two_calls_in_flight_give_the_careful_paths_results() -> None:
+    model = model_for(Net(), device="cuda")
+    engine = LocalEngine(model)
+    assert engine.overlap is not None and engine.parallel_calls
+    batches = [items(4) for _ in range(6)]
+    for n, batch in enumerate(batches):
+        for k, item in enumerate(batch):
+            assert item.image is not None
+            item.image.pixels[:] = (n * 31 + k * 7) % 256
+
+    async def in_flight() -> list[list[tuple[WorkItem, object]]]:
+        return list(await asyncio.gather(*(engine.infer(b) for b in batches)))
+
+    got = asyncio.run(in_flight())
+    engine.close()
+    for batch, outcomes in zip(batches, got, strict=True):
+        expected = scores(infer_splitting(model, batch))
+        assert [r[0]["label"] for r in scores(outcomes)] == [r[0]["label"] for r in expected]
+    assert engine.overlap.staging.pin and engine.overlap.staging.allocations == SLOTS
