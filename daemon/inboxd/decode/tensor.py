@@ -32,6 +32,7 @@ byte in the sandbox, set ``preprocess.gpu_decode: off``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -39,6 +40,7 @@ import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torchvision.transforms.v2 import functional as F
@@ -170,6 +172,9 @@ class TensorDecoder:
                  decode: Callable[..., list[torch.Tensor | DecodeFailed]] = decode_batch) -> None:
         self.spec, self.device, self.max_batch, self.gather_s = spec, device, max_batch, gather_s
         self._decode = decode
+        # A stream of its own, so decoding overlaps the model's compute on the default stream.
+        self._stream = (torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+                        if device.type == "cuda" else None)
         self._lock = threading.Lock()
         self._closed = False
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
@@ -191,6 +196,10 @@ class TensorDecoder:
         mode = "L" if header.components == 1 else "RGB"
         return DecodedImage.on_device(crop, width, height, format_, mode)
 
+    def _on_stream(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(self._stream) if self._stream is not None else (
+            contextlib.nullcontext())
+
     def _gather(self, first: _Job) -> list[_Job]:
         jobs = [first]
         while len(jobs) < self.max_batch:
@@ -208,12 +217,14 @@ class TensorDecoder:
         while (first := self._jobs.get()) is not None:
             jobs = self._gather(first)
             try:
-                results = self._decode([j.data for j in jobs], [j.header for j in jobs],
-                                       self.spec, self.device)
-                if self.device.type == "cuda":
+                with self._on_stream():
+                    results = self._decode([j.data for j in jobs], [j.header for j in jobs],
+                                           self.spec, self.device)
+                if self._stream is not None:
                     # The crops are used on the model's thread and streams: make them final
-                    # here rather than make every consumer wait on this thread's stream.
-                    torch.cuda.current_stream(self.device).synchronize()
+                    # here rather than make every consumer wait on this thread's stream (the
+                    # consumer records its own stream on them: Model.to_device).
+                    self._stream.synchronize()
             except Exception as exc:  # nothing here may kill the thread every caller waits on
                 logs.emit(logging.WARNING, "tensor_decode", f"device decode failed for a "
                           f"batch of {len(jobs)}: {exc!r}; they take the CPU path", error=repr(exc))

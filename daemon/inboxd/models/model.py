@@ -138,7 +138,14 @@ class Model:
             if self.on_gpu:
                 host = host.pin_memory()
             return host.to(self.device, non_blocking=True)
-        return torch.stack([torch.as_tensor(image, device=self.device) for image in images])
+        tensors = [torch.as_tensor(image, device=self.device) for image in images]
+        if self.on_gpu:
+            # Decoded on another stream and freed once stacked: the allocator must not hand
+            # their memory back to that stream before this one has read it.
+            stream = torch.cuda.current_stream(self.device)
+            for tensor in tensors:
+                tensor.record_stream(stream)
+        return torch.stack(tensors)
 
     def to_input(self, images: Sequence[Pixels]) -> torch.Tensor:
         return self.normalise(self.to_device(images))
