@@ -211,6 +211,26 @@ def test_the_decoder_thread_batches_concurrent_callers_and_isolates_failures(
         decoder.decode(datas[0], jpeg_header.inspect(datas[0], MAX_PIXELS))
 
 
+def test_a_decode_batch_stays_within_its_pixel_budget(model: Model) -> None:
+    datas = [photo_jpeg("chelsea", (200, 150), n) for n in range(5)]
+    sizes: list[int] = []
+
+    def counting(*args: object) -> list[torch.Tensor | DecodeFailed]:
+        sizes.append(len(args[0]))  # type: ignore[arg-type]
+        return decode_batch(*args)  # type: ignore[arg-type]
+
+    decoder = TensorDecoder(model.spec, CPU, max_batch=8, gather_s=0.3,
+                            max_batch_pixels=2 * 200 * 150, decode=counting)
+    threads = [threading.Thread(target=decoder.decode,
+                                args=(d, jpeg_header.inspect(d, MAX_PIXELS))) for d in datas]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    decoder.close()
+    assert sum(sizes) == 5 and max(sizes) <= 2, sizes
+
+
 # -- the same on a real GPU (nvJPEG): run by bench/gpu_check.sh's gpu_tests stage -----------
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -231,3 +251,4 @@ def test_nvjpeg_matches_the_pillow_path_on_real_photos() -> None:
         [decode_image(d, cuda_model.spec, MAX_PIXELS).pixels for d in datas]), dim=1).cpu()
     assert float((ours - pillow).abs().max()) <= MAX_SCORE_DIFF
     assert ours.topk(5).indices.tolist() == pillow.topk(5).indices.tolist()
+

@@ -58,6 +58,11 @@ MODES = {"bicubic": F.InterpolationMode.BICUBIC, "bilinear": F.InterpolationMode
 FULL_RESIZE_MAX_RATIO = 16
 
 
+# Full-size RGB pixels one decode call may hold on the device (~200 MB: sixteen 12-MP photos);
+# the crops that stay are counted by the preprocess cache's MB bound.
+MAX_BATCH_PIXELS = 64_000_000
+
+
 class DecodeFailed(Exception):
     """The device decoder refused this file: it takes the CPU path, which decides its outcome."""
 
@@ -162,16 +167,22 @@ class _Job:
     done: Future[torch.Tensor]
 
 
+def _pixels(job: _Job) -> int:
+    return job.header.width * job.header.height
+
+
 class TensorDecoder:
     """Decodes JPEGs on ``device`` in batches: callers (the preprocess threads) block in
     ``decode`` while one thread gathers what is waiting — up to ``max_batch`` files, or what
     came within ``gather_s`` — and decodes it together."""
 
     def __init__(self, spec: PreprocessSpec, device: torch.device, max_batch: int = 32,
-                 gather_s: float = 0.002,
+                 gather_s: float = 0.002, max_batch_pixels: int = MAX_BATCH_PIXELS,
                  decode: Callable[..., list[torch.Tensor | DecodeFailed]] = decode_batch) -> None:
         self.spec, self.device, self.max_batch, self.gather_s = spec, device, max_batch, gather_s
         self._decode = decode
+        self.max_batch_pixels = max_batch_pixels
+        self._carried: _Job | None = None  # the first of the next batch, past the budget
         # A stream of its own, so decoding overlaps the model's compute on the default stream.
         self._stream = (torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
                         if device.type == "cuda" else None)
@@ -201,7 +212,10 @@ class TensorDecoder:
             contextlib.nullcontext())
 
     def _gather(self, first: _Job) -> list[_Job]:
-        jobs = [first]
+        """``first`` and what else is waiting, within ``max_batch`` files and
+        ``max_batch_pixels`` decoded pixels (what the GPU holds at full size during the call);
+        a file that would pass the budget opens the next batch."""
+        jobs, pixels = [first], _pixels(first)
         while len(jobs) < self.max_batch:
             try:
                 job = self._jobs.get(timeout=self.gather_s)
@@ -210,11 +224,19 @@ class TensorDecoder:
             if job is None:
                 self._jobs.put(None)  # close() again, after this batch
                 break
+            if pixels + _pixels(job) > self.max_batch_pixels:
+                self._carried = job
+                break
             jobs.append(job)
+            pixels += _pixels(job)
         return jobs
 
+    def _next(self) -> _Job | None:
+        job, self._carried = self._carried, None
+        return job if job is not None else self._jobs.get()
+
     def _run(self) -> None:
-        while (first := self._jobs.get()) is not None:
+        while (first := self._next()) is not None:
             jobs = self._gather(first)
             try:
                 with self._on_stream():
