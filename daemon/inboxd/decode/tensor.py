@@ -183,9 +183,9 @@ class TensorDecoder:
         self._decode = decode
         self.max_batch_pixels = max_batch_pixels
         self._carried: _Job | None = None  # the first of the next batch, past the budget
-        # A stream of its own, so decoding overlaps the model's compute on the default stream.
-        self._stream = (torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-                        if device.type == "cuda" else None)
+        # A stream of its own (made by the first batch, on this thread), so decoding overlaps
+        # the model's compute on the default stream.
+        self._stream: Any = None
         self._lock = threading.Lock()
         self._closed = False
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
@@ -208,8 +208,11 @@ class TensorDecoder:
         return DecodedImage.on_device(crop, width, height, format_, mode)
 
     def _on_stream(self) -> contextlib.AbstractContextManager[Any]:
-        return torch.cuda.stream(self._stream) if self._stream is not None else (
-            contextlib.nullcontext())
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        return torch.cuda.stream(self._stream)
 
     def _gather(self, first: _Job) -> list[_Job]:
         """``first`` and what else is waiting, within ``max_batch`` files and
@@ -250,7 +253,7 @@ class TensorDecoder:
             except Exception as exc:  # nothing here may kill the thread every caller waits on
                 logs.emit(logging.WARNING, "tensor_decode", f"device decode failed for a "
                           f"batch of {len(jobs)}: {exc!r}; they take the CPU path", error=repr(exc))
-                results = [DecodeFailed(repr(exc))] * len(jobs)
+                results = [DecodeFailed(repr(exc)) for _ in jobs]
             self.batches += 1
             self.decoded += len(jobs)
             for job, result in zip(jobs, results, strict=True):
