@@ -89,6 +89,10 @@ class PreprocessConfig(Section):
     # Hashing and decoding one file; past it the worker is killed and replaced, the file fails.
     # The slowest legitimate decode measured (a max_image_pixels RGBA PNG, busy 2-core CPU) ~12 s.
     decode_timeout_s: Annotated[float, Field(gt=0)] = 30
+    # auto: with the model on a GPU, baseline JPEGs whose header passes a check on the CPU are
+    # decoded there by nvJPEG, in the daemon's process; off: every byte in the sandboxed
+    # workers (inboxd.decode.tensor says what the trade-off is).
+    gpu_decode: Literal["auto", "off"] = "auto"
 
 
 Interpolation = Literal["bilinear", "bicubic", "nearest", "lanczos"]
@@ -284,6 +288,25 @@ class MetricsConfig(Section):
         return host.strip("[]"), int(port)
 
 
+# Defaults that depend on where the model runs, for the keys the YAML leaves unset (a key it
+# sets always wins): the CPU keeps the defaults above; a GPU, thousands of images/s, needs
+# decoders on every core but two (the event loop and the model thread), batches of 64 and room
+# to queue for them: a queue slot per decoder and then some, two batches of decoded crops.
+# Chosen by arithmetic, not yet measured by `make bench-sweep` on a GPU.
+DeviceProfile = Literal["cpu", "gpu"]
+
+
+def device_defaults(profile: DeviceProfile, cores: int,
+                    workers: int | None = None) -> dict[str, dict[str, int]]:
+    """``workers``: the YAML's own preprocess.workers, which the queue is then sized for."""
+    if profile == "cpu":
+        return {}
+    workers = workers or max(2, cores - 2)
+    return {"preprocess": {"workers": workers}, "batch": {"max_size": 64},
+            "capacity": {"queue": 2 * workers, "preprocess_cache": 128,
+                         "preprocess_cache_mb": 1024}}
+
+
 class ShutdownConfig(Section):
     # How long SIGTERM waits for in-flight work; the unit's TimeoutStopSec must be longer.
     grace_s: NonNegative = 30
@@ -334,6 +357,25 @@ class Config(Section):
                 "failed_dir": absolute(self.failed_dir),
             }
         )
+
+    def for_device(self, profile: DeviceProfile, cores: int, max_batch: int | None = None
+                   ) -> tuple[Config, dict[str, int]]:
+        """This config with ``profile``'s defaults in every key the YAML left unset, and those
+        keys ("batch.max_size": 64, ...). ``max_batch``: the model's own bound, if it has one."""
+        sections: dict[str, Any] = {}
+        applied: dict[str, int] = {}
+        workers = (self.preprocess.workers if "workers" in self.preprocess.model_fields_set
+                   else None)
+        for name, values in device_defaults(profile, cores, workers).items():
+            section: Section = getattr(self, name)
+            unset = {key: value for key, value in values.items()
+                     if key not in section.model_fields_set}
+            if name == "batch" and max_batch is not None and "max_size" in unset:
+                unset["max_size"] = min(unset["max_size"], max_batch)
+            if unset:
+                sections[name] = section.model_copy(update=unset)
+                applied.update({f"{name}.{key}": value for key, value in unset.items()})
+        return self.model_copy(update=sections), applied
 
     def key_for(self, inbox: Path, rel: str) -> str:
         """The name a file's outcome is filed under: its path in the inbox, prefixed with the

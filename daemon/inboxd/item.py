@@ -26,10 +26,26 @@ class DecodedImage:
     height: int
     format: str | None
     mode: str
+    # Set instead of ``pixels`` (then empty) when the crop was decoded on the model's device
+    # (decode/tensor.py): a crop×crop×3 uint8 torch tensor there, counted in ``nbytes`` like
+    # host pixels, so the preprocess cache's MB bound covers what the GPU holds for it.
+    device_pixels: Any = None
+
+    @classmethod
+    def on_device(cls, tensor: Any, width: int, height: int, format_: str | None,
+                  mode: str) -> DecodedImage:
+        return cls(np.empty((0, 0, 3), dtype=np.uint8), width, height, format_, mode, tensor)
 
     @property
     def nbytes(self) -> int:
+        if self.device_pixels is not None:
+            return int(self.device_pixels.numel() * self.device_pixels.element_size())
         return int(self.pixels.nbytes)
+
+    @property
+    def model_input(self) -> Any:
+        """What the model takes: the host array, or the tensor already on its device."""
+        return self.device_pixels if self.device_pixels is not None else self.pixels
 
 
 @dataclass(slots=True)

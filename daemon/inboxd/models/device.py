@@ -11,13 +11,14 @@ those remedies; ``device: cuda`` is a ``ConfigError`` (exit 78) with the same wo
 from __future__ import annotations
 
 import logging
+import os
 import re
 from pathlib import Path
 
 import torch
 
 from inboxd import logs
-from inboxd.config import ConfigError
+from inboxd.config import Config, ConfigError, DeviceProfile
 
 # The oldest driver each CUDA major version runs on (NVIDIA's minor version compatibility:
 # any 12.x build on 525.60.13+, any 13.x build on 580+).
@@ -119,3 +120,26 @@ def device_fields(device: torch.device, root: Path = Path("/")) -> dict[str, str
         "GPU_MEMORY_BYTES": int(properties.total_memory),
         "TORCH_VERSION": torch.__version__,
     }
+
+
+def profile_for(device: torch.device) -> DeviceProfile:
+    """Which per-device defaults (``config.device_defaults``) fit the device the model got."""
+    return "gpu" if device.type == "cuda" else "cpu"
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (a cpuset or ``taskset`` counts, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def with_device_defaults(config: Config, device: torch.device, max_batch: int | None = None
+                         ) -> tuple[Config, dict[str, str]]:
+    """``config`` with the defaults of ``device``'s profile in every key the YAML left unset,
+    and for the ``started`` record: the profile and the keys it set ("batch.max_size=64,...")."""
+    profile = profile_for(device)
+    applied_config, applied = config.for_device(profile, usable_cores(), max_batch)
+    return applied_config, {"PROFILE": profile, "PROFILE_DEFAULTS": ",".join(
+        f"{key}={value}" for key, value in applied.items()) or "none"}

@@ -11,6 +11,11 @@ healthy device* fails alone, and an OOM at batch size 1 is a transient error for
 list. A device error (``torch.AcceleratorError``, a cuDNN/cuBLAS execution failure) is nobody's
 input: it poisons the CUDA context for the whole process, so it is raised as ``DeviceFault``
 for the pipeline to return the files and the service to exit for a restart.
+
+On CUDA a call is launched on the model thread and its results collected on a second thread
+(``models/overlap.py``: pinned staging, a copy stream, events), so a second call in flight can
+copy its batch while the first computes. Any failure there sends the batch down the careful
+path above, on the model thread; on the CPU that path is the only one.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from inboxd import logs
 from inboxd.item import PermanentError, TransientError, WorkItem
 from inboxd.models.engine import DeviceFault, Outcome, is_device_error
 from inboxd.models.model import Model
+from inboxd.models.overlap import Overlap
 
 # The CLI looks for a live thread of this name at exit: a hung model call must not keep the
 # interpreter waiting for it.
@@ -33,10 +39,17 @@ THREAD_NAME_PREFIX = "inboxd-model"
 
 
 class LocalEngine:
-    def __init__(self, model: Model) -> None:
+    def __init__(self, model: Model, overlap: bool | None = None) -> None:
+        """``overlap``: launch/collect split (default: on CUDA only; a test forces it)."""
         self.model = model
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=THREAD_NAME_PREFIX)
         self.warmed_sizes: set[int] = set()
+        self.overlap = Overlap(model) if (model.on_gpu if overlap is None else overlap) else None
+        # Results wait here, so the model thread can launch the next batch meanwhile; a model
+        # stage may send a second call while one is out only when that helps (CUDA).
+        self.collector = (ThreadPoolExecutor(1, thread_name_prefix=f"{THREAD_NAME_PREFIX}-results")
+                          if self.overlap is not None else None)
+        self.parallel_calls = self.overlap is not None
 
     async def warm_up(self, max_size: int) -> tuple[list[int], float]:
         """Warm the batch sizes up to ``max_size`` not warmed yet, on the inference thread.
@@ -50,11 +63,30 @@ class LocalEngine:
         return sizes, seconds
 
     async def infer(self, batch: list[WorkItem]) -> list[Outcome]:
+        if self.overlap is not None:
+            outcomes = await self._overlapped(batch)
+            if outcomes is not None:
+                return outcomes
+            # Failed: the call's frames (its input, its activations) went with the coroutine
+            # above, so the careful path runs the batch again with nothing of it held.
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, infer_splitting, self.model, batch)
 
+    async def _overlapped(self, batch: list[WorkItem]) -> list[Outcome] | None:
+        """Launch on the model thread, collect on the results thread; None when anything
+        failed (an OOM, a model error, a device error: the careful path sorts them out)."""
+        assert self.overlap is not None and self.collector is not None
+        loop = asyncio.get_running_loop()
+        try:
+            pending = await loop.run_in_executor(self.executor, self.overlap.launch, batch)
+            return await loop.run_in_executor(self.collector, pending.collect)
+        except Exception:
+            return None
+
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.collector is not None:
+            self.collector.shutdown(wait=False, cancel_futures=True)
 
 
 def infer_splitting(model: Model, items: list[WorkItem]) -> list[Outcome]:
@@ -62,7 +94,7 @@ def infer_splitting(model: Model, items: list[WorkItem]) -> list[Outcome]:
     has a result or an error of its own. Raises ``DeviceFault`` when the device is at fault."""
     started = time.perf_counter()
     try:
-        predictions = model.predict([item.image.pixels for item in items
+        predictions = model.predict([item.image.model_input for item in items
                                      if item.image is not None])
     except torch.cuda.OutOfMemoryError as exc:
         kind, why = "oom", str(exc)

@@ -33,6 +33,8 @@ _LUMA_WEIGHTS = (19595, 38470, 7471)
 
 Output = Literal["classify", "embed"]
 Color = Literal["rgb", "bgr", "gray"]
+# One image for the model: H×W×3 uint8 RGB, a host array or a tensor already on the device.
+Pixels = npt.NDArray[np.uint8] | torch.Tensor
 
 
 def imagenet_labels() -> list[str]:
@@ -128,11 +130,29 @@ class Model:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=PRECISIONS[self.precision])
 
-    def to_input(self, images: Sequence[npt.NDArray[np.uint8]]) -> torch.Tensor:
-        host = torch.from_numpy(np.stack(images))  # N×H×W×3 uint8, RGB
+    def to_device(self, images: Sequence[Pixels]) -> torch.Tensor:
+        """N×H×W×3 uint8 on the device. Host arrays are stacked (pinned on a GPU, so the copy
+        is asynchronous); crops decoded on the device (``decode/tensor.py``) are used in place."""
+        if all(isinstance(image, np.ndarray) for image in images):
+            host = torch.from_numpy(np.stack(images))
+            if self.on_gpu:
+                host = host.pin_memory()
+            return host.to(self.device, non_blocking=True)
+        tensors = [torch.as_tensor(image, device=self.device) for image in images]
         if self.on_gpu:
-            host = host.pin_memory()
-        batch = host.to(self.device, non_blocking=True).permute(0, 3, 1, 2)  # channels_last view
+            # Decoded on another stream and freed once stacked: the allocator must not hand
+            # their memory back to that stream before this one has read it.
+            stream = torch.cuda.current_stream(self.device)
+            for tensor in tensors:
+                tensor.record_stream(stream)
+        return torch.stack(tensors)
+
+    def to_input(self, images: Sequence[Pixels]) -> torch.Tensor:
+        return self.normalise(self.to_device(images))
+
+    def normalise(self, pixels: torch.Tensor) -> torch.Tensor:
+        """N×H×W×3 uint8 on the device → the network's N×3×H×W float input, channels_last."""
+        batch = pixels.permute(0, 3, 1, 2)  # channels_last view
         if self.color == "bgr":
             batch = batch.flip(1)
         elif self.color == "gray":
@@ -142,39 +162,50 @@ class Model:
             memory_format=torch.channels_last
         )
 
-    def outputs(self, images: Sequence[npt.NDArray[np.uint8]]) -> torch.Tensor:
+    def outputs(self, images: Sequence[Pixels]) -> torch.Tensor:
         """The network's output for a batch, as float32: logits, or embeddings for ``embed``."""
         if self.before_forward is not None:
             self.before_forward(len(images))
-        with torch.inference_mode(), self._autocast():
-            return self._forward(self.to_input(images)).float()
-
-    def predict(self, images: Sequence[npt.NDArray[np.uint8]]) -> Sequence[Prediction]:
-        """What the config asked for: top-k classes, or embedding vectors."""
-        if self.output == "embed":
-            return self.embed(images)
-        return self.classify(images)
-
-    def classify(self, images: Sequence[npt.NDArray[np.uint8]]) -> list[Classification]:
-        assert self.labels is not None
-        logits = self.outputs(images)
         with torch.inference_mode():
-            scores, indices = torch.softmax(logits, dim=1).topk(self.top_k, dim=1)
-        scores_host, indices_host = scores.cpu().tolist(), indices.cpu().tolist()
-        return [
-            Classification(
-                [
-                    {"label": self.labels[i], "index": i, "score": round(s, 6)}
-                    for s, i in zip(row_scores, row_indices, strict=True)
-                ]
-            )
-            for row_scores, row_indices in zip(scores_host, indices_host, strict=True)
-        ]
+            return self.forward(self.to_device(images))
 
-    def embed(self, images: Sequence[npt.NDArray[np.uint8]]) -> list[Embedding]:
-        vectors = self.outputs(images).cpu().numpy()
-        # A copy per row, so one image's result does not keep the whole batch alive.
-        return [Embedding(np.array(row, dtype=np.float32)) for row in vectors]
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """N×H×W×3 uint8 on the device → the network's float32 output (call in inference_mode)."""
+        with self._autocast():
+            return self._forward(self.normalise(pixels)).float()
+
+    def reduce(self, outputs: torch.Tensor) -> list[torch.Tensor]:
+        """On the device, what the predictions need: top-k (scores, indices), or the vectors."""
+        if self.output == "embed":
+            return [outputs]
+        scores, indices = torch.softmax(outputs, dim=1).topk(self.top_k, dim=1)
+        return [scores, indices]
+
+    def predictions(self, reduced: Sequence[torch.Tensor]) -> list[Prediction]:
+        """``reduce``'s tensors, on the host, as one prediction per image."""
+        if self.output == "embed":
+            # A copy per row, so one image's result does not keep the whole batch alive.
+            return [Embedding(np.array(row, dtype=np.float32)) for row in reduced[0].numpy()]
+        assert self.labels is not None
+        labels = self.labels
+        scores, indices = reduced[0].tolist(), reduced[1].tolist()
+        return [Classification([{"label": labels[i], "index": i, "score": round(s, 6)}
+                                for s, i in zip(row_scores, row_indices, strict=True)])
+                for row_scores, row_indices in zip(scores, indices, strict=True)]
+
+    def predict(self, images: Sequence[Pixels]) -> Sequence[Prediction]:
+        """What the config asked for: top-k classes, or embedding vectors."""
+        outputs = self.outputs(images)
+        with torch.inference_mode():
+            return self.predictions([t.cpu() for t in self.reduce(outputs)])
+
+    def classify(self, images: Sequence[Pixels]) -> list[Classification]:
+        assert self.output == "classify"
+        return [p for p in self.predict(images) if isinstance(p, Classification)]
+
+    def embed(self, images: Sequence[Pixels]) -> list[Embedding]:
+        assert self.output == "embed"
+        return [p for p in self.predict(images) if isinstance(p, Embedding)]
 
     def check_batch_size(self, max_size: int) -> None:
         """A ``ConfigError`` when the network cannot take batches of ``max_size``."""

@@ -6,6 +6,9 @@ a decoder raised, a hang, a crash — comes back as that file's ``PermanentError
 ``TransientError``. ``workers`` threads here wait on them, so the event loop stays free. Each
 worker holds at most one file, so the memory in this stage is bounded by ``workers`` ×
 ``decode_memory_mb``, and what comes back per file is one crop.
+
+With the model on a GPU, baseline JPEGs are decoded there instead (``decode/device_route.py``:
+the header is checked on the CPU first, everything else still goes to the workers).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from inboxd import logs
+from inboxd.decode.device_route import DeviceRoute
 from inboxd.decode.pool import DecodePool
 from inboxd.item import PermanentError, TransientError, WorkItem
 from inboxd.pipeline.preprocess_cache import PreprocessCache
@@ -38,6 +42,7 @@ class Preprocessor:
         existing_sha256: Callable[[str], str | None],
         on_duplicate: Callable[[WorkItem], Awaitable[None]],
         clock: Callable[[], float] = time.monotonic,
+        device_route: DeviceRoute | None = None,
     ) -> None:
         self.queue = queue
         self.cache = cache
@@ -47,6 +52,7 @@ class Preprocessor:
         self.existing_sha256 = existing_sha256
         self.on_duplicate = on_duplicate
         self.clock = clock
+        self.device_route = device_route
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix="inboxd-preprocess")
         self.in_progress = 0
 
@@ -74,7 +80,12 @@ class Preprocessor:
     def _prepare(self, item: WorkItem) -> bool:
         """Read, hash and decode one file; True when its result already exists (a rerun after
         a crash between the result and the move, or the same file dropped twice)."""
-        result = self.pool.decode(item.claimed_path, self.existing_sha256(item.key))
+        expected = self.existing_sha256(item.key)
+        result = None
+        if self.device_route is not None:
+            result = self.device_route.decode(item.claimed_path, expected)
+        if result is None:
+            result = self.pool.decode(item.claimed_path, expected)
         item.sha256, item.size_bytes = result.sha256, result.size_bytes
         if result.error is not None:
             raise result.error
@@ -90,4 +101,6 @@ class Preprocessor:
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.device_route is not None:
+            self.device_route.close()
         self.pool.close()

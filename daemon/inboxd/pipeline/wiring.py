@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from inboxd import logs
 from inboxd.config import Config
+from inboxd.decode import device_route
 from inboxd.decode.pool import DecodePool, WorkerSettings
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.names import NameFilter
@@ -94,6 +95,9 @@ class Pipeline:
             self.queue, self.cache, self.decode_pool, pre.workers, on_error=self.outcomes.error,
             existing_sha256=self.lifecycle.results.recorded_sha256,
             on_duplicate=lambda item: self.outcomes.duplicate(item, item.key), clock=clock,
+            device_route=device_route.build(pre.gpu_decode, model.device, model.spec,
+                                            pre.max_image_pixels, pre.max_file_mb << 20,
+                                            pre.workers),
         )
         self.batcher = Batcher(
             self.cache, config.batch.max_size, config.batch.max_delay_ms, clock,

@@ -22,7 +22,7 @@ from inboxd.files.filesystems import describe as describe_watch
 from inboxd.files.layout import load_checked_config
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.models import faults
-from inboxd.models.device import device_fields
+from inboxd.models.device import device_fields, with_device_defaults
 from inboxd.models.local_engine import LocalEngine
 from inboxd.pipeline.wiring import Pipeline
 from inboxd.service.notify import Notifier
@@ -73,6 +73,8 @@ class Service:
         extending = asyncio.create_task(self._extend_start_timeout())
         try:
             model = await asyncio.to_thread(load_model, self.config.model)
+            self.config, profile = with_device_defaults(  # unset keys follow the device
+                self.config, model.device, model.max_batch)
             engine = LocalEngine(model)
             try:
                 warmed, warm_s = await engine.warm_up(self.config.batch.max_size)
@@ -83,7 +85,7 @@ class Service:
             extending.cancel()
         faults.install(model)
         source = f" ({model.info.source})" if model.info is not None else ""
-        device = device_fields(model.device)
+        device = {**device_fields(model.device), **profile}
         on = str(model.device)
         if "NVIDIA_DRIVER" in device:
             on += (f" ({device['DEVICE_NAME']}, compute capability "
@@ -204,6 +206,7 @@ class Service:
     async def reload(self, pipeline: Pipeline) -> None:
         try:
             new = load_checked_config(self.config_path, self.overrides)
+            new, _ = with_device_defaults(new, pipeline.model.device, pipeline.model.max_batch)
             # A larger batch is checked against the model (a .pt2 program's bound) and warmed
             # on the model's thread *before* the batcher may produce it.
             warmed, warm_s = await pipeline.engine.warm_up(new.batch.max_size)
