@@ -13,7 +13,7 @@ import os
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -136,9 +136,21 @@ def drop_files(inbox: Path, seeds: Path, first: int, count: int) -> list[str]:
     return names
 
 
-def daemon(config: Path, **env: str) -> DaemonProcess:
-    return DaemonProcess(config, env={"RAY_gcs_rpc_server_reconnect_timeout_s":
-                                      BRIDGE_GCS_TIMEOUT_S, **env})
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
+    """The real daemon; its whole output is kept in ``daemon.log`` next to the test's files."""
+    started: list[DaemonProcess] = []
+
+    def start(config: Path, **env: str) -> DaemonProcess:
+        proc = DaemonProcess(config, env={"RAY_gcs_rpc_server_reconnect_timeout_s":
+                                          BRIDGE_GCS_TIMEOUT_S, **env})
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.kill()
+        (tmp_path / "daemon.log").write_text(proc.output())
 
 
 def results_of(root: Path) -> set[str]:
@@ -157,11 +169,12 @@ def stats_series(proc: DaemonProcess, key: str) -> list[float]:
 
 
 def test_a_slowed_pool_makes_the_producer_wait_and_memory_stays_flat(
-        tmp_path: Path, cluster: LocalCluster, program: Path) -> None:
+        tmp_path: Path, cluster: LocalCluster, program: Path,
+        daemon: Callable[..., DaemonProcess]) -> None:
     """Replicas that take 0.15 s a batch: the wait reaches ``await queue.put()`` (put-wait grows
     from nothing to about a batch time), nothing is held beyond the bounds, RSS stays flat."""
     total = 240
-    config = ray_config(tmp_path, program, cluster.address, "inboxd-slow",
+    config = ray_config(tmp_path, program, cluster.address, "inboxd",
                         inbox={"rescan_interval_s": 3600})
     proc = daemon(config, INBOXD_RAY_REPLICA_DELAY_S="0.15")
     try:
@@ -184,17 +197,22 @@ def test_a_slowed_pool_makes_the_producer_wait_and_memory_stays_flat(
     # After the first records (start-up, the first batches) the daemon's memory is flat.
     settled = rss[len(rss) // 3:]
     assert max(settled) - min(settled) < 40 * 2**20, [round(r / 2**20) for r in rss]
+    print(f"slowed replicas: put-wait p50 {stats['PUT_WAIT_MS_P50']} ms, max "
+          f"{stats['PUT_WAIT_MS_MAX']} ms; RSS MiB {[round(r / 2**20) for r in rss]}")
 
 
 def test_a_node_dying_mid_flood_costs_a_retry_not_a_file(
-        tmp_path: Path, cluster: LocalCluster, program: Path) -> None:
+        tmp_path: Path, cluster: LocalCluster, program: Path,
+        daemon: Callable[..., DaemonProcess]) -> None:
     """1,000 files through two replicas; one worker node is removed mid-flood (a third joins, so
     Serve can replace the replica): every file one result, none failed, the lost batch visible
     as retries, in flight never above its capacity."""
     total = 1000
-    config = ray_config(tmp_path, program, cluster.address, "inboxd-flood",
+    config = ray_config(tmp_path, program, cluster.address, "inboxd",
                         inbox={"rescan_interval_s": 3600})
-    proc = daemon(config)
+    # A little slower than the tiny model (a real one takes longer): batches are on the
+    # replicas whenever the node goes, rather than only now and then.
+    proc = daemon(config, INBOXD_RAY_REPLICA_DELAY_S="0.05")
     started_s = time.monotonic()
     try:
         proc.wait_for("ready", 180)
@@ -221,7 +239,8 @@ def test_a_node_dying_mid_flood_costs_a_retry_not_a_file(
 
 
 def test_the_head_dying_leaves_files_waiting_and_a_new_cluster_resumes_them(
-        tmp_path: Path, cluster: LocalCluster, program: Path) -> None:
+        tmp_path: Path, cluster: LocalCluster, program: Path,
+        daemon: Callable[..., DaemonProcess]) -> None:
     """The whole cluster goes (head first): the daemon stays up, logs it, files wait in the
     inbox (none failed); a new cluster at the same address takes them all."""
     config = ray_config(tmp_path, program, cluster.address, "inboxd")

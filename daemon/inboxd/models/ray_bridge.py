@@ -64,12 +64,10 @@ def connect(settings: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         handle = serve.get_app_handle(app_name)
     else:
         serve.start(proxy_location="Disabled")
-        options = actor_options(settings["replica_resources"])
-        if settings["replica_env"]:
-            options["runtime_env"] = {"env_vars": settings["replica_env"]}
         deployment: Any = serve.deployment(
             Replica, name=DEPLOYMENT_NAME, num_replicas=settings["replicas"],
-            max_ongoing_requests=MAX_ONGOING_PER_REPLICA, ray_actor_options=options,
+            max_ongoing_requests=MAX_ONGOING_PER_REPLICA,
+            ray_actor_options=actor_options(settings["replica_resources"]),
             health_check_period_s=2, health_check_timeout_s=30)
         app = deployment.bind(settings["model_config"], settings["files"],
                               settings["max_batch_size"])
@@ -95,10 +93,11 @@ def describe(app_name: str, reused: bool) -> dict[str, Any]:
 
 
 class Bridge:
-    def __init__(self, conn: Connection, handle: Any, call_timeout_s: float) -> None:
+    def __init__(self, conn: Connection, handle: Any, settings: dict[str, Any]) -> None:
         self.conn = conn
         self.handle = handle
-        self.call_timeout_s = call_timeout_s
+        self.call_timeout_s: float = settings["call_timeout_s"]
+        self.delay_s: float = settings["replica_delay_s"]
         self.send_lock = threading.Lock()
         self.tasks: set[asyncio.Task[None]] = set()
 
@@ -130,7 +129,8 @@ class Bridge:
 
     async def call(self, call_id: int, crops: list[Any]) -> None:
         try:
-            reply = await asyncio.wait_for(self.handle.remote(crops), self.call_timeout_s)
+            reply = await asyncio.wait_for(self.handle.remote(crops, self.delay_s),
+                                           self.call_timeout_s)
         except Exception as exc:  # any way a batch can be lost on the cluster: retried
             why = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
             self.send(("lost", call_id, why))
@@ -148,7 +148,7 @@ def main() -> None:
         conn.send(("failed", f"{type(exc).__name__}: {exc}".splitlines()[0][:1000]))
         return
     conn.send(("ready", info))
-    asyncio.run(Bridge(conn, handle, settings["call_timeout_s"]).run())
+    asyncio.run(Bridge(conn, handle, settings).run())
     os._exit(0)  # the daemon is gone or closed us: nothing of Ray's is worth waiting for
 
 

@@ -126,8 +126,8 @@ class RayEngine:
             "call_timeout_s": self.ray.call_timeout_s,
             "model_config": config.model_dump(mode="json"), "files": model_files(config),
             "max_batch_size": max_batch_size,
-            # The test-only slow-replica hook travels to the replicas' environment.
-            "replica_env": {DELAY_ENV: os.environ[DELAY_ENV]} if DELAY_ENV in os.environ else {},
+            # The test-only slow-replica hook, sent with every call (any replica can be slowed).
+            "replica_delay_s": float(os.environ.get(DELAY_ENV, "0") or 0),
         }
         self.bridge: BridgeProcess | None = None
         self.info: dict[str, Any] = {}

@@ -31,7 +31,8 @@ from inboxd.models.engine import DeviceFault
 from inboxd.models.local_engine import infer_splitting
 from inboxd.models.model import Model
 
-# Test-only fault hook: seconds every batch sleeps on the replica (a slow GPU), read at start.
+# Test-only fault hook: seconds every batch sleeps on the replica (a slow GPU), read from the
+# daemon's environment and sent with each call.
 DELAY_ENV = "INBOXD_RAY_REPLICA_DELAY_S"
 MODEL_FILE_KEYS = ("export", "weights", "labels")
 
@@ -66,14 +67,13 @@ class Replica:
         self.model.warm_up(self.model.warm_up_sizes(max_batch_size))
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self.broken: str | None = None
-        self.delay_s = float(os.environ.get(DELAY_ENV, "0") or 0)
 
-    def __call__(self, crops: list[npt.NDArray[np.uint8]]) -> Reply:
+    def __call__(self, crops: list[npt.NDArray[np.uint8]], delay_s: float = 0.0) -> Reply:
         if self.broken is not None:
             raise RuntimeError(f"replica {self.name} is broken: {self.broken}")
         started = time.perf_counter()
-        if self.delay_s:
-            time.sleep(self.delay_s)
+        if delay_s:
+            time.sleep(delay_s)
         items = [_item(n, crop) for n, crop in enumerate(crops)]
         try:
             outcomes = infer_splitting(self.model, items)
