@@ -210,9 +210,9 @@ def test_a_node_dying_mid_flood_costs_a_retry_not_a_file(
     total = 1000
     config = ray_config(tmp_path, program, cluster.address, "inboxd",
                         inbox={"rescan_interval_s": 3600})
-    # A little slower than the tiny model (a real one takes longer): batches are on the
-    # replicas whenever the node goes, rather than only now and then.
-    proc = daemon(config, INBOXD_RAY_REPLICA_DELAY_S="0.05")
+    # Slower than the tiny model (a real one takes longer): the pool is the bottleneck, so each
+    # replica has a batch running (and one waiting on it) whenever the node goes.
+    proc = daemon(config, INBOXD_RAY_REPLICA_DELAY_S="0.3")
     started_s = time.monotonic()
     try:
         proc.wait_for("ready", 180)

@@ -59,7 +59,7 @@ def connect(settings: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
              log_to_driver=False, configure_logging=False)
     app_name = settings["app_name"]
     existing = serve.status().applications.get(app_name)
-    reused = existing is not None and str(existing.status) in ("RUNNING", "DEPLOYING")
+    reused = existing is not None and _name(existing.status) in ("RUNNING", "DEPLOYING")
     if reused:
         handle = serve.get_app_handle(app_name)
     else:
@@ -82,14 +82,19 @@ def describe(app_name: str, reused: bool) -> dict[str, Any]:
     app = serve.status().applications.get(app_name)
     replicas: dict[str, int] = {}
     if app is not None and DEPLOYMENT_NAME in app.deployments:
-        replicas = {str(state): count for state, count
+        replicas = {_name(state): count for state, count
                     in app.deployments[DEPLOYMENT_NAME].replica_states.items()}
     return {"app_name": app_name, "reused": reused,
-            "status": str(app.status) if app is not None else "missing",
+            "status": _name(app.status) if app is not None else "missing",
             "replicas": replicas,
             "nodes": sum(bool(node.get("Alive")) for node in ray.nodes()),  # type: ignore[no-untyped-call]
             "resources": ray.cluster_resources(),  # type: ignore[no-untyped-call]
             "ray_version": ray.__version__}
+
+
+def _name(status: Any) -> str:
+    """Serve's status enums are str subclasses whose str() is 'ApplicationStatus.RUNNING'."""
+    return str(getattr(status, "value", status))
 
 
 class Bridge:

@@ -215,8 +215,9 @@ class RayEngine:
             return
         self.bridge = None
         code = bridge.process.poll()
+        status = "" if code is None else f", exit status {code}"
         self.unavailable_why = (f"the connection to the Ray cluster at {self.ray.address} was "
-                                f"lost (the bridge exited with status {code})")
+                                f"lost (the Ray bridge process closed its connection{status})")
         self._retry_at_s = self.clock() + self._backoff_s
         for future in self._pending.values():
             if not future.done():
@@ -267,7 +268,8 @@ class RayEngine:
                    for name, w in self.replica_ms.items()}
         return {"RAY_CONNECTED": int(self.connected), "RAY_CONNECTS": self.connects,
                 "RAY_LOST_BATCHES": self.lost_batches,
-                "RAY_REPLICA_LATENCY_MS": json.dumps(latency, sort_keys=True)}
+                "RAY_REPLICA_LATENCY_MS": json.dumps(latency, sort_keys=True,
+                                                     separators=(",", ":"))}
 
     def close(self) -> None:
         bridge, self.bridge = self.bridge, None
