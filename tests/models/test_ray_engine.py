@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -166,6 +167,18 @@ def assert_exactly_once(root: Path, names: list[str]) -> None:
 def stats_series(proc: DaemonProcess, key: str) -> list[float]:
     return [float(last_stats([line])[key]) for line in proc.records("stats")
             if f"{key}=" in line]
+
+
+def test_inboxd_models_connects_deploys_and_lists_the_replicas(
+        tmp_path: Path, cluster: LocalCluster, program: Path) -> None:
+    config = ray_config(tmp_path, program, cluster.address, "inboxd")
+    env = {**os.environ, "RAY_gcs_rpc_server_reconnect_timeout_s": BRIDGE_GCS_TIMEOUT_S}
+    done = subprocess.run([sys.executable, "-m", "inboxd", "models", "-c", str(config)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Ray Serve application inboxd at 127.0.0.1:" in done.stdout, done.stdout
+    assert "deployed now" in done.stdout and "replicas: {'RUNNING': 2}" in done.stdout
+    assert "3 node(s)" in done.stdout, done.stdout
 
 
 def test_a_slowed_pool_makes_the_producer_wait_and_memory_stays_flat(
