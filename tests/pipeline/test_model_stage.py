@@ -33,12 +33,16 @@ class ParallelEngine:
         self.out = 0
         self.max_out = 0
         self.calls = 0
+        self.seen: list[str] = []  # what the stage shows while it waits for the engine
+        self.status: Any = None  # the pipeline's status_line, set by the test
 
     async def warm_up(self, max_size: int) -> tuple[list[int], float]:
         return [], 0.0
 
     async def infer(self, batch: list[WorkItem]) -> list[Outcome]:
         self.calls += 1
+        if self.status is not None:
+            self.seen.append(self.status())
         if self.unavailable_calls > 0:
             self.unavailable_calls -= 1
             raise EngineUnavailable("the cluster is gone (fake)", 0.01)
@@ -55,11 +59,14 @@ class ParallelEngine:
         pass
 
 
-def run(root: Path, engine: Any, files: int, **sections: Any) -> Pipeline:
+def run(root: Path, engine: Any, files: int, watch_status: bool = False,
+        **sections: Any) -> Pipeline:
     config = load_config(write_config(root, inbox={"settle_ms": 0}, **sections))
     for n in range(files):
         make_image(root / "inbox" / f"f{n:03}.png", size=(8, 8), color=(n % 200 + 20, 0, 0))
     pipeline = Pipeline(config, FakeModel(), engine=engine)  # type: ignore[arg-type]
+    if watch_status:
+        engine.status = pipeline.status_line
     asyncio.run(pipeline.process_backlog())
     return pipeline
 
@@ -87,11 +94,14 @@ def test_the_local_engine_gets_one_call_at_a_time_whatever_the_capacity(
 def test_an_unreachable_engine_holds_the_batch_without_spending_an_attempt(
         tmp_path: Path) -> None:
     engine = ParallelEngine(unavailable_calls=5)
-    pipeline = run(tmp_path, engine, 10, retry={"max_attempts": 1})
+    pipeline = run(tmp_path, engine, 10, watch_status=True, retry={"max_attempts": 1})
     counters = pipeline.stats.counters
     assert counters.completed == 10 and counters.failed == 0 and counters.retried == 0
     assert pipeline.worker.unavailable_waits == 5
     assert pipeline.worker.unavailable_since_s is None, "reachable again, and logged as such"
+    # systemctl status says so while it lasts (STATUS=), and not once it is over.
+    assert "model unreachable for" in engine.seen[1], engine.seen
+    assert "unreachable" not in pipeline.status_line()
 
 
 def test_the_ray_block_is_checked_without_connecting_or_importing_ray(tmp_path: Path) -> None:
