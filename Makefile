@@ -80,7 +80,7 @@ $(VENV)/.runtime-installed: pyproject.toml | system-deps $(VENV)/bin/python
 	touch $@
 
 $(VENV)/.test-installed: pyproject.toml | system-deps $(VENV)/bin/python
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,ray]'
 	touch $(VENV)/.runtime-installed $@
 
 clean:
@@ -97,9 +97,13 @@ uninstall:
 	@PREFIX=$(PREFIX) bash systemd/install.sh uninstall
 
 # Benchmarks (bench/): one table + JSON + PNG under bench/out/. Not tests: figures, not asserts.
-.PHONY: bench bench-sweep
+.PHONY: bench bench-sweep bench-ray
 bench: setup-test
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
 bench-sweep: setup-test
 	$(BIN)/python -m bench.sweep $(BENCH_ARGS)
+
+# engine: local against engine: ray (one replica on a local Ray cluster), appended to RESULTS.md.
+bench-ray: setup-test
+	$(BIN)/python -m bench.ray_vs_local --append $(BENCH_ARGS)

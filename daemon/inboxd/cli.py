@@ -258,12 +258,12 @@ def cmd_once(args: argparse.Namespace) -> int:
 
 def cmd_models(args: argparse.Namespace) -> int:
     from inboxd.models import listing as model_listing
-    from inboxd.models.loading import load_model
+    from inboxd.models.engines import load_here
 
     config = read_config(args)
     where = str(args.config or "config/inboxd.yaml, the embedded default")
     lines = [*model_listing.builtin_lines(), ""]
-    lines += model_listing.configured_lines(config, load_model(config.model), where)
+    lines += model_listing.configured_lines(config, load_here(config.model), where)
     if args.torchvision:
         lines += ["", *model_listing.torchvision_lines()]
     print("\n".join(lines))

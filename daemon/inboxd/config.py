@@ -67,6 +67,10 @@ class CapacityConfig(Section):
     preprocess_cache: Positive = 4
     preprocess_cache_mb: Positive = 256
     retry_list: Positive = 256
+    # Batches sent to the model and not answered yet. The local engine runs one at a time
+    # whatever this says (one thread, one device); engine: ray keeps up to this many in flight
+    # across the replicas, and the next batch waits here, never in Serve's own queue.
+    in_flight_batches: Positive = 4
 
 
 class BatchConfig(Section):
@@ -137,6 +141,52 @@ class ModelInputConfig(Section):
 ModelKind = Literal["builtin", "torchvision", "export"]
 
 
+class RayConfig(Section):
+    """``model.engine: ray``: where the Serve application runs and what each replica needs.
+    Checked here without connecting; ``inboxd models`` connects and deploys."""
+
+    # A ``ray start`` address (HOST:PORT of the head's GCS, or ray://HOST:PORT), or auto:
+    # RAY_ADDRESS, else the Ray node running on this host.
+    address: str = "auto"
+    replicas: Positive = 2
+    # What one replica reserves on its node, e.g. {GPU: 1}; {CPU: 1} or a custom resource on a
+    # cluster without GPUs. A replica that cannot be placed waits for a node that has it.
+    replica_resources: dict[str, Annotated[float, Field(gt=0)]] = Field(
+        default_factory=lambda: {"GPU": 1.0})
+    app_name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)] = "inboxd"
+    # How long one batch may take on a replica before it counts as lost (a hung replica):
+    # the batch is retried like one whose replica died.
+    call_timeout_s: Annotated[float, Field(gt=0)] = 120
+    # Waits between reconnection attempts while the cluster is unreachable (doubling).
+    reconnect_initial_s: Annotated[float, Field(gt=0)] = 1
+    reconnect_max_s: Annotated[float, Field(gt=0)] = 30
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, address: str) -> str:
+        if address == "auto":
+            return address
+        rest = address.removeprefix("ray://")
+        host, sep, port = rest.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("give auto, HOST:PORT of the head (what `ray start --head` "
+                             "printed, e.g. 10.0.0.5:6379) or ray://HOST:10001")
+        return address
+
+    @field_validator("replica_resources")
+    @classmethod
+    def _some_resource(cls, resources: dict[str, float]) -> dict[str, float]:
+        if not resources:
+            raise ValueError("name what one replica needs, e.g. {GPU: 1} or {CPU: 1}")
+        return resources
+
+    @model_validator(mode="after")
+    def _backoff_ordered(self) -> RayConfig:
+        if self.reconnect_max_s < self.reconnect_initial_s:
+            raise ValueError("reconnect_max_s must be >= reconnect_initial_s")
+        return self
+
+
 class ModelConfig(Section):
     """Which network, where its files are, what it outputs and how it runs.
 
@@ -158,6 +208,9 @@ class ModelConfig(Section):
     device: str = "auto"
     precision: Literal["fp32", "fp16", "bf16"] = "fp32"
     compile: bool = False
+    # Where the model runs: a thread of this process (local) or a Ray Serve application.
+    engine: Literal["local", "ray"] = "local"
+    ray: RayConfig = RayConfig()
 
     # Field validators see the fields declared before them in ``info.data``, so a key that
     # does not fit the model kind is reported at its own YAML line, not at ``model:``.

@@ -36,6 +36,16 @@ def is_device_error(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in DEVICE_ERROR_MARKERS)
 
 
+class EngineUnavailable(Exception):
+    """Where the model runs cannot be reached now (a Ray cluster that is gone). Nobody's fault
+    and no file's attempt: the model stage holds the batch, waits ``retry_after_s`` and sends
+    it again, so the backlog waits on disk behind it."""
+
+    def __init__(self, why: str, retry_after_s: float) -> None:
+        super().__init__(why)
+        self.retry_after_s = retry_after_s
+
+
 class ModelEngine(Protocol):
     async def warm_up(self, max_size: int) -> tuple[list[int], float]:
         """Run the batch sizes up to ``max_size`` once where inference will run (sizes already
@@ -45,7 +55,9 @@ class ModelEngine(Protocol):
 
     async def infer(self, batch: list[WorkItem]) -> list[Outcome]:
         """One outcome per item of ``batch``, in any order; ``DeviceFault`` when the device,
-        not an input, failed."""
+        not an input, failed; ``EngineUnavailable`` when the model cannot be reached now.
+        An engine whose ``parallel_calls`` attribute is true takes several calls at once (up
+        to ``capacity.in_flight_batches``); any other gets one at a time."""
         ...
 
     def close(self) -> None:

@@ -48,6 +48,7 @@ def configured_lines(config: Config, model: Model, where: str) -> list[str]:
     batches = f"up to {config.batch.max_size} images per batch"
     if info.max_batch is not None:
         batches += f" (the program accepts up to {info.max_batch})"
+    ray = ray_lines(config, model) if config.model.engine == "ray" else []
     return [
         f"configured ({where}):",
         f"  {model.name}: {info.source}",
@@ -55,7 +56,35 @@ def configured_lines(config: Config, model: Model, where: str) -> list[str]:
         f"    input: {describe_input(model.spec, model.color)}",
         f"    output: {output}",
         f"    runs on: {model.device}, precision {model.precision}, "
-        f"compile {'on' if config.model.compile else 'off'}, {batches}",
+        f"compile {'on' if config.model.compile else 'off'}, {batches}"
+        + (" (this host's copy, for its checks)" if ray else ""),
+        *ray,
+    ]
+
+
+def ray_lines(config: Config, model: Model) -> list[str]:
+    """``engine: ray``: connect, deploy (or find the application running) and say what runs."""
+    import asyncio
+
+    from inboxd.models.ray_engine import RayEngine
+
+    ray = config.model.ray
+
+    async def deploy() -> dict[str, object]:
+        engine = RayEngine(model, config.model, config.batch.max_size)
+        try:
+            return await engine.connect()
+        finally:
+            engine.close()
+
+    info = asyncio.run(deploy())
+    return [
+        f"  Ray Serve application {info['app_name']} at {ray.address} "
+        f"({'already running' if info['reused'] else 'deployed now'}, status {info['status']}, "
+        f"Ray {info['ray_version']}):",
+        f"    replicas: {info['replicas']} (configured {ray.replicas}, each "
+        f"{dict(ray.replica_resources)})",
+        f"    cluster: {info['nodes']} node(s), resources {info['resources']}",
     ]
 
 

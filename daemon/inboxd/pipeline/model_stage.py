@@ -1,26 +1,40 @@
 """Stage 5: the model stage. Batches from the batcher → the model engine → the result writer.
 
-Where the model runs is the engine's business (``inboxd.models.engine``); this stage only takes
-one batch at a time, remembers since when the engine has had it (the watchdog reads that), and
-hands every outcome on. When the engine reports a ``DeviceFault`` (the device, not an input,
-failed) the stage stops using the model: that batch and every later one go back to the inbox
-uncounted (no attempt spent, nothing to failed/), and ``on_device_fault`` tells the service to
-stop and exit for a restart.
+Where the model runs is the engine's business (``inboxd.models.engine``); this stage keeps at most
+``in_flight`` batches sent and unanswered (one for the local engine: one thread, one device; up
+to ``capacity.in_flight_batches`` for an engine with ``parallel_calls``, such as Ray's). While
+every slot is taken, the batcher is not asked for another batch: the wait reaches the preprocess
+cache, the decoders and ``await queue.put()``, exactly as a busy local GPU does. The bound is this
+stage's, never a remote queue's.
+
+It remembers since when the oldest call has been out (the watchdog reads that), and hands every
+outcome on. When the engine reports a ``DeviceFault`` (the device, not an input, failed) the stage
+stops using the model: that batch and every later one go back to the inbox uncounted (no attempt
+spent, nothing to failed/), and ``on_device_fault`` tells the service to stop and exit for a
+restart. When the engine is unavailable (a Ray cluster that is gone) the stage holds the batch,
+waits the engine's ``retry_after_s`` and sends it again: no attempt spent, the backlog on disk.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from inboxd import logs
 from inboxd.item import WorkItem
-from inboxd.models.engine import DeviceFault, ModelEngine, Outcome
+from inboxd.models.engine import DeviceFault, EngineUnavailable, ModelEngine, Outcome
 from inboxd.pipeline.batcher import Batcher
+
+# However soon an unavailable engine says to try again: no hot loop.
+MIN_UNAVAILABLE_WAIT_S = 0.2
 
 
 class ModelWorker:
+    name = "in_flight"  # the layer: batches sent to the engine and not answered yet
+
     def __init__(
         self,
         engine: ModelEngine,
@@ -30,6 +44,7 @@ class ModelWorker:
         release: Callable[[WorkItem, str], Awaitable[None]] | None = None,
         on_device_fault: Callable[[DeviceFault], None] = lambda fault: None,
         on_inferred: Callable[[float], None] = lambda seconds: None,
+        in_flight: int = 1,
     ) -> None:
         self.engine = engine
         self.on_inferred = on_inferred  # the seconds each engine call took (stats, metrics)
@@ -40,37 +55,120 @@ class ModelWorker:
         self.deliver = deliver
         self.clock = clock
         self.batches_done = 0
-        # When the batch now on the model started (None: idle). The watchdog reads it: a model
-        # call that never returns must stop the WATCHDOG=1 pings so systemd restarts us.
-        self.busy_since_s: float | None = None
+        self.max_in_flight = in_flight if getattr(engine, "parallel_calls", False) else 1
+        self.high_water = 0
+        self._calls: set[asyncio.Task[None]] = set()
+        # When each call now on the engine started. The watchdog reads the oldest: a model call
+        # that never returns must stop the WATCHDOG=1 pings so systemd restarts us.
+        self._busy: dict[int, float] = {}
         self.in_hand = 0  # items taken from the cache and not yet delivered
+        # Since when the engine has been unavailable (None: it is not), and how often.
+        self.unavailable_since_s: float | None = None
+        self.unavailable_waits = 0
+
+    @property
+    def size(self) -> int:
+        return len(self._calls)
+
+    @property
+    def capacity(self) -> int:
+        return self.max_in_flight
+
+    @property
+    def busy_since_s(self) -> float | None:
+        return min(self._busy.values(), default=None)
+
+    def resize(self, in_flight: int) -> None:
+        """SIGHUP: a new bound; calls already out finish, the next wait for a free slot."""
+        if getattr(self.engine, "parallel_calls", False):
+            self.max_in_flight = in_flight
 
     async def run(self) -> None:
-        while True:
-            batch = await self.batcher.next_batch()
-            self.in_hand = len(batch)
-            if self.device_fault is not None:
-                await self._give_back(batch, self.device_fault)
-                continue
-            started_s = self.busy_since_s = self.clock()
-            try:
-                outcomes = await self.engine.infer(batch)
-            except DeviceFault as fault:
-                self._device_failed(fault)
-                await self._give_back(batch, fault)
-                continue
-            finally:
-                self.busy_since_s = None
+        getter: asyncio.Future[Any] | None = None
+        try:
+            while True:
+                while len(self._calls) >= self.max_in_flight:
+                    await self._reap({*self._calls})
+                getter = asyncio.ensure_future(self.batcher.next_batch())
+                while not getter.done():
+                    await self._reap({getter, *self._calls})
+                batch = getter.result()
+                getter = None
+                call = asyncio.create_task(self._call(batch), name="model-call")
+                self._calls.add(call)
+                self.high_water = max(self.high_water, len(self._calls))
+        finally:
+            if getter is not None:
+                getter.cancel()
+            for call in self._calls:
+                call.cancel()
+
+    async def _reap(self, tasks: set[asyncio.Future[Any]]) -> None:
+        """Wait for one of ``tasks``; a call that crashed crashes the stage."""
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            if task in self._calls:
+                self._calls.discard(task)
+                task.result()
+
+    async def _call(self, batch: list[WorkItem]) -> None:
+        self.in_hand += len(batch)
+        try:
+            outcomes = await self._infer(batch)
+            if outcomes is None:
+                return
             now = self.clock()
-            self.on_inferred(now - started_s)
             for item, _ in outcomes:
                 item.inferred_s = now
                 item.image = None  # the pixels are done with: free them before the write
             self.batches_done += 1
             await self.deliver(outcomes)
-            self.in_hand = 0
+        finally:
+            self.in_hand -= len(batch)
+
+    async def _infer(self, batch: list[WorkItem]) -> list[Outcome] | None:
+        while True:
+            if self.device_fault is not None:
+                await self._give_back(batch, self.device_fault)
+                return None
+            token = id(batch)
+            started_s = self._busy[token] = self.clock()
+            try:
+                outcomes = await self.engine.infer(batch)
+            except DeviceFault as fault:
+                self._device_failed(fault)
+                continue
+            except EngineUnavailable as gone:
+                self._busy.pop(token, None)  # waiting for the cluster is not a hung call
+                await self._wait_available(gone)
+                continue
+            finally:
+                self._busy.pop(token, None)
+            self._available()
+            self.on_inferred(self.clock() - started_s)
+            return outcomes
+
+    async def _wait_available(self, gone: EngineUnavailable) -> None:
+        self.unavailable_waits += 1
+        if self.unavailable_since_s is None:
+            self.unavailable_since_s = self.clock()
+            logs.emit(logging.ERROR, "model_unavailable",
+                      f"the model cannot be reached: {gone}. The batches in flight are held "
+                      "and sent again when it is back; new files wait in the inbox",
+                      error=str(gone))
+        await asyncio.sleep(max(MIN_UNAVAILABLE_WAIT_S, gone.retry_after_s))
+
+    def _available(self) -> None:
+        if self.unavailable_since_s is None:
+            return
+        down_s = self.clock() - self.unavailable_since_s
+        self.unavailable_since_s = None
+        logs.emit(logging.WARNING, "model_available",
+                  f"the model is reachable again after {down_s:.1f} s", down_s=round(down_s, 3))
 
     def _device_failed(self, fault: DeviceFault) -> None:
+        if self.device_fault is not None:
+            return
         self.device_fault = fault
         logs.emit(logging.CRITICAL, "device_fault",
                   f"the model's device failed: {fault}. The CUDA context of this process cannot "
@@ -83,7 +181,6 @@ class ModelWorker:
             raise fault  # nobody to hand the files to: a crash, and the claims are recovered
         for item in batch:
             await self.release(item, "the device failed, not this file")
-        self.in_hand = 0
 
     def close(self) -> None:
         self.engine.close()

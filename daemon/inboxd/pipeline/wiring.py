@@ -109,9 +109,10 @@ class Pipeline:
         self.worker = ModelWorker(self.engine, self.batcher, self.writer.submit, clock,
                                   release=self.outcomes.release,
                                   on_device_fault=self._device_fault,
-                                  on_inferred=lambda s: self.stats.inference_ms.add(s * 1000))
-        self.stats.register(self.buffer, self.queue, self.cache, self.batcher, self.writer,
-                            self.retry_list)
+                                  on_inferred=lambda s: self.stats.inference_ms.add(s * 1000),
+                                  in_flight=capacity.in_flight_batches)
+        self.stats.register(self.buffer, self.queue, self.cache, self.batcher, self.worker,
+                            self.writer, self.retry_list)
         self._intake_tasks: list[asyncio.Task[None]] = []
         self._processing_tasks: list[asyncio.Task[None]] = []
         self.crashed: BaseException | None = None
@@ -201,6 +202,14 @@ class Pipeline:
         fields.update(PREPROCESS_CACHE_BYTES=self.cache.size_bytes,
                       PREPROCESS_CACHE_CAPACITY_BYTES=self.cache.capacity_bytes,
                       PREPROCESS_CACHE_HIGH_WATER_BYTES=self.cache.high_water_bytes)
+        # A remote engine's own figures (engine: ray: per-replica latency, lost batches).
+        engine_fields: Callable[[], dict[str, Any]] | None = getattr(self.engine,
+                                                                      "stats_fields", None)
+        if engine_fields is not None:
+            fields.update(engine_fields())
+        down_since_s = self.worker.unavailable_since_s
+        fields["MODEL_UNAVAILABLE_S"] = (round(self.clock() - down_since_s, 3)
+                                         if down_since_s is not None else 0)
         counters = self.stats.counters
         logs.emit(
             logging.INFO, "stats",
@@ -247,7 +256,10 @@ class Pipeline:
     def status_line(self) -> str:
         """The one line systemd shows in ``systemctl status`` (STATUS=)."""
         counters = self.stats.counters
-        return (f"queue {self.queue.qsize()}/{self.queue.maxsize}, "
+        down_since_s = self.worker.unavailable_since_s
+        down = ("" if down_since_s is None else
+                f"model unreachable for {self.clock() - down_since_s:.0f} s (reconnecting), ")
+        return (f"{down}queue {self.queue.qsize()}/{self.queue.maxsize}, "
                 f"buffer {self.buffer.size}/{self.buffer.capacity}, "
                 f"{counters.completed} completed, {counters.failed} failed, "
                 f"{self.stats.recent_files_per_s():.1f} files/s")
@@ -260,6 +272,7 @@ class Pipeline:
         self.queue.resize(capacity.queue)
         self.cache.resize(capacity.preprocess_cache, capacity.preprocess_cache_mb)
         self.retry_list.capacity = capacity.retry_list
+        self.worker.resize(capacity.in_flight_batches)
         self.batcher.configure(config.batch.max_size, config.batch.max_delay_ms)
         self.config = self.config.model_copy(
             update={"capacity": capacity, "batch": config.batch, "stats": config.stats}

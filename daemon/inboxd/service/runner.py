@@ -23,7 +23,7 @@ from inboxd.files.layout import load_checked_config
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.models import faults
 from inboxd.models.device import device_fields, with_device_defaults
-from inboxd.models.local_engine import LocalEngine
+from inboxd.models.engines import load_here, make_engine
 from inboxd.pipeline.wiring import Pipeline
 from inboxd.service.notify import Notifier
 
@@ -57,8 +57,6 @@ class Service:
 
     async def load(self) -> Pipeline:
         """Lock the instance, load and warm up the model (telling systemd it takes a while)."""
-        from inboxd.models.loading import load_model
-
         # Refuse a second daemon of this instance before spending seconds on the model.
         lifecycle = Lifecycle(self.config)
         lifecycle.lock_instance()
@@ -72,10 +70,10 @@ class Service:
         started = time.perf_counter()
         extending = asyncio.create_task(self._extend_start_timeout())
         try:
-            model = await asyncio.to_thread(load_model, self.config.model)
+            model = await asyncio.to_thread(load_here, self.config.model)
             self.config, profile = with_device_defaults(  # unset keys follow the device
                 self.config, model.device, model.max_batch)
-            engine = LocalEngine(model)
+            engine = make_engine(self.config, model)
             try:
                 warmed, warm_s = await engine.warm_up(self.config.batch.max_size)
             except BaseException:
@@ -87,7 +85,10 @@ class Service:
         source = f" ({model.info.source})" if model.info is not None else ""
         device = {**device_fields(model.device), **profile}
         on = str(model.device)
-        if "NVIDIA_DRIVER" in device:
+        if self.config.model.engine == "ray":
+            ray = self.config.model.ray
+            on = f"Ray Serve application {ray.app_name} at {ray.address}"
+        elif "NVIDIA_DRIVER" in device:
             on += (f" ({device['DEVICE_NAME']}, compute capability "
                    f"{device['COMPUTE_CAPABILITY']}, {int(device['GPU_MEMORY_BYTES']) / 2**30:.0f}"
                    f" GiB, driver {device['NVIDIA_DRIVER']}, CUDA {device['CUDA_RUNTIME']}, "

@@ -1,0 +1,31 @@
+"""Which engine runs the model, from ``model.engine``; Ray's is imported only when chosen."""
+
+from __future__ import annotations
+
+from inboxd.config import Config, ModelConfig
+from inboxd.models.engine import ModelEngine
+from inboxd.models.local_engine import LocalEngine
+from inboxd.models.model import Model
+
+
+def here(config: ModelConfig) -> ModelConfig:
+    """The model block for the copy this host loads. With ``engine: ray`` that copy only checks
+    the files and gives the preprocessing and labels; it runs on the CPU in fp32, so an ingest
+    host without a GPU (or whose GPU is for something else) can load it."""
+    if config.engine == "local":
+        return config
+    return config.model_copy(update={"device": "cpu", "precision": "fp32", "compile": False})
+
+
+def load_here(config: ModelConfig) -> Model:
+    from inboxd.models.loading import load_model
+
+    return load_model(here(config))
+
+
+def make_engine(config: Config, model: Model) -> ModelEngine:
+    if config.model.engine == "ray":
+        from inboxd.models.ray_engine import RayEngine
+
+        return RayEngine(model, config.model, config.batch.max_size)
+    return LocalEngine(model)

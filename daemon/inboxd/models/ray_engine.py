@@ -1,0 +1,277 @@
+"""``model.engine: ray``: batches go to a Ray Serve application whose replicas hold the model.
+
+This host keeps everything durable (claims, results, moves, retries); only the forward pass
+runs on the cluster. Ray itself lives in a child process (``ray_bridge``), started on the first
+connection and again after the cluster was lost, so a dead head costs a bridge, never the daemon.
+This module never imports Ray: with ``engine: local`` nothing of it is loaded at all.
+
+What each failure costs:
+- a replica or node that dies with a batch on it (or a batch past ``call_timeout_s``): that
+  batch's items come back as ``TransientError`` and go through the retry list like any
+  transient error (an attempt each); Serve replaces the replica where resources allow;
+- the cluster unreachable (the bridge cannot connect, or exits because its head is gone):
+  ``EngineUnavailable``, no attempt spent; the model stage holds its batches and sends them again
+  after a backoff that doubles from ``reconnect_initial_s`` to ``reconnect_max_s``, and the
+  backlog waits on disk behind the full pipeline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from typing import Any
+
+from inboxd import logs
+from inboxd.config import ModelConfig
+from inboxd.item import TransientError, WorkItem
+from inboxd.models.engine import EngineUnavailable, Outcome
+from inboxd.models.model import Model
+from inboxd.models.ray_replica import DELAY_ENV, decode_reply, model_files
+from inboxd.stats import Window
+
+# Deploying loads and warms the model on every replica; past this the attempt counts as failed.
+START_TIMEOUT_S = 600
+# Replicas whose latency the stats report: the most recent ones (replaced replicas drop out).
+MAX_REPLICAS_TRACKED = 32
+
+
+class BridgeGone(Exception):
+    pass
+
+
+class BridgeProcess:
+    """The child running ``inboxd.models.ray_bridge``, and the socket to it."""
+
+    def __init__(self, on_message: Callable[[Any], None], on_closed: Callable[[], None]) -> None:
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "inboxd.models.ray_bridge", str(theirs.fileno()),
+             str(os.getpid())], pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self.sender = ThreadPoolExecutor(1, thread_name_prefix="inboxd-ray-send")
+        self.first: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._on_message = on_message
+        self._on_closed = on_closed
+        self.closed = False
+
+    def start_reading(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        def read() -> None:
+            while True:
+                try:
+                    message = self.conn.recv()
+                except (EOFError, OSError):
+                    loop.call_soon_threadsafe(self._closed)
+                    return
+                loop.call_soon_threadsafe(self._message, message)
+
+        threading.Thread(target=read, name="inboxd-ray-read", daemon=True).start()
+
+    def _message(self, message: Any) -> None:
+        if not self.first.done():
+            self.first.set_result(message)
+        else:
+            self._on_message(message)
+
+    def _closed(self) -> None:
+        self.closed = True
+        if not self.first.done():
+            self.first.set_exception(BridgeGone(f"the Ray bridge exited with status "
+                                                f"{self.process.poll()} before connecting"))
+        self._on_closed()
+
+    async def send(self, message: Any) -> None:
+        if self.closed:
+            raise BridgeGone("the Ray bridge has exited")
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self.sender, self.conn.send, message)
+        except OSError as exc:
+            raise BridgeGone(f"the Ray bridge has exited ({exc})") from None
+
+    def kill(self) -> None:
+        self.closed = True
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self.conn.close()
+        self.sender.shutdown(wait=False, cancel_futures=True)
+
+
+class RayEngine:
+    parallel_calls = True  # the model stage keeps capacity.in_flight_batches calls out
+
+    def __init__(self, model: Model, config: ModelConfig, max_batch_size: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.model = model  # on this host only for its checks; inference runs on the replicas
+        self.ray = config.ray
+        self.clock = clock
+        self.settings: dict[str, Any] = {
+            "address": self.ray.address, "app_name": self.ray.app_name,
+            "replicas": self.ray.replicas, "replica_resources": dict(self.ray.replica_resources),
+            "call_timeout_s": self.ray.call_timeout_s,
+            "model_config": config.model_dump(mode="json"), "files": model_files(config),
+            "max_batch_size": max_batch_size,
+            # The test-only slow-replica hook, sent with every call (any replica can be slowed).
+            "replica_delay_s": float(os.environ.get(DELAY_ENV, "0") or 0),
+        }
+        self.bridge: BridgeProcess | None = None
+        self.info: dict[str, Any] = {}
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._next_id = 0
+        self._lock: asyncio.Lock | None = None
+        self._retry_at_s = 0.0
+        self._backoff_s = self.ray.reconnect_initial_s
+        self.unavailable_why = "not connected yet"
+        self.connects = 0  # bridges that reached the cluster (1 + reconnections)
+        self.lost_batches = 0  # batches handed back as transient (a replica or node died)
+        self.replica_ms: OrderedDict[str, Window] = OrderedDict()
+
+    @property
+    def connected(self) -> bool:
+        return self.bridge is not None and not self.bridge.closed
+
+    async def warm_up(self, max_size: int) -> tuple[list[int], float]:
+        """The replicas warm themselves up while Serve starts them; this connects and deploys.
+        A cluster not reachable now is logged, not fatal: the first batch tries again."""
+        self.model.check_batch_size(max_size)
+        started = time.perf_counter()
+        try:
+            await self.connect()
+        except EngineUnavailable as exc:
+            logs.emit(logging.WARNING, "model_unavailable",
+                      f"the Ray cluster at {self.ray.address} is not reachable ({exc}): files "
+                      "wait in the inbox until it is", error=str(exc))
+            return [], 0.0
+        return self.model.warm_up_sizes(max_size), time.perf_counter() - started
+
+    async def connect(self) -> dict[str, Any]:
+        """A running bridge, started now if needed; ``EngineUnavailable`` while the cluster is
+        unreachable (and during the backoff after a failed attempt)."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self.connected:
+                return self.info
+            wait_s = self._retry_at_s - self.clock()
+            if wait_s > 0:
+                raise EngineUnavailable(self.unavailable_why, wait_s)
+            try:
+                self.info = await self._start_bridge()
+            except (BridgeGone, TimeoutError) as exc:
+                self.unavailable_why = str(exc) or "connecting timed out"
+                self._retry_at_s = self.clock() + self._backoff_s
+                self._backoff_s = min(self._backoff_s * 2, self.ray.reconnect_max_s)
+                raise EngineUnavailable(self.unavailable_why,
+                                        self._retry_at_s - self.clock()) from None
+            self._backoff_s = self.ray.reconnect_initial_s
+            self.connects += 1
+            logs.emit(logging.INFO, "model_connected",
+                      f"Ray Serve application {self.info['app_name']} "
+                      f"{'reused' if self.info['reused'] else 'deployed'} on "
+                      f"{self.info['nodes']} node(s): replicas {self.info['replicas']}",
+                      app_name=self.info["app_name"], nodes=self.info["nodes"],
+                      replicas=json.dumps(self.info["replicas"]), connects=self.connects)
+            return self.info
+
+    async def _start_bridge(self) -> dict[str, Any]:
+        bridge = BridgeProcess(self._on_message, lambda: self._on_closed(bridge))
+        bridge.start_reading()
+        try:
+            await bridge.send(self.settings)
+            kind, payload = await asyncio.wait_for(asyncio.shield(bridge.first),
+                                                   START_TIMEOUT_S)
+        except BaseException:
+            bridge.kill()
+            raise
+        if kind != "ready":
+            bridge.kill()
+            raise BridgeGone(f"cannot deploy on the Ray cluster at {self.ray.address}: "
+                             f"{payload}")
+        self.bridge = bridge
+        return dict(payload)
+
+    def _on_message(self, message: tuple[str, int, Any]) -> None:
+        future = self._pending.get(message[1])
+        if future is not None and not future.done():
+            future.set_result(message)
+
+    def _on_closed(self, bridge: BridgeProcess) -> None:
+        if bridge is not self.bridge:
+            return
+        self.bridge = None
+        code = bridge.process.poll()
+        status = "" if code is None else f", exit status {code}"
+        self.unavailable_why = (f"the connection to the Ray cluster at {self.ray.address} was "
+                                f"lost (the Ray bridge process closed its connection{status})")
+        self._retry_at_s = self.clock() + self._backoff_s
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(EngineUnavailable(self.unavailable_why, self._backoff_s))
+        threading.Thread(target=bridge.kill, daemon=True).start()  # reap it off the loop
+
+    async def infer(self, batch: list[WorkItem]) -> list[Outcome]:
+        await self.connect()
+        bridge = self.bridge
+        assert bridge is not None
+        call_id = self._next_id = self._next_id + 1
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = future
+        crops = [item.image.pixels for item in batch if item.image is not None]
+        try:
+            await bridge.send(("infer", call_id, crops))
+            # The bridge times the call out itself; this margin only catches a stuck bridge.
+            kind, _, payload = await asyncio.wait_for(future, self.ray.call_timeout_s + 30)
+        except BridgeGone as exc:
+            raise EngineUnavailable(str(exc), self._backoff_s) from None
+        except TimeoutError:
+            bridge.kill()  # a bridge that answers nothing is no bridge: start a fresh one
+            raise EngineUnavailable("the Ray bridge stopped answering", 0) from None
+        finally:
+            self._pending.pop(call_id, None)
+        if kind == "lost":
+            self.lost_batches += 1
+            logs.emit(logging.WARNING, "batch_lost",
+                      f"a batch of {len(batch)} was lost on the Ray cluster ({payload}): its "
+                      "files are retried", batch_size=len(batch), error=payload)
+            return [(item, TransientError(f"the batch was lost on the Ray cluster: {payload}"))
+                    for item in batch]
+        self._record(payload["replica"], payload["ms"])
+        for item in batch:
+            item.inference_ms = payload["ms"]
+        return list(zip(batch, decode_reply(payload), strict=True))
+
+    def _record(self, replica: str, ms: float) -> None:
+        window = self.replica_ms.pop(replica, None) or Window()
+        window.add(ms)
+        self.replica_ms[replica] = window
+        while len(self.replica_ms) > MAX_REPLICAS_TRACKED:
+            self.replica_ms.popitem(last=False)
+
+    def stats_fields(self) -> dict[str, Any]:
+        latency = {name: {"p50_ms": round(w.percentile(50), 1),
+                          "p95_ms": round(w.percentile(95), 1), "samples": len(w.samples)}
+                   for name, w in self.replica_ms.items()}
+        return {"RAY_CONNECTED": int(self.connected), "RAY_CONNECTS": self.connects,
+                "RAY_LOST_BATCHES": self.lost_batches,
+                "RAY_REPLICA_LATENCY_MS": json.dumps(latency, sort_keys=True,
+                                                     separators=(",", ":"))}
+
+    def close(self) -> None:
+        bridge, self.bridge = self.bridge, None
+        if bridge is not None:
+            bridge.kill()

@@ -1,0 +1,121 @@
+"""What one Ray Serve replica runs: the configured model, loaded from files inboxd shipped.
+
+The ingest host sends the model block of its config and the bytes of every file it names
+(weights, ``.pt2``, labels) as the deployment's init arguments, so a GPU host needs only the
+inboxd package installed, not a copy of the model at the same path. The replica writes them to a
+private temporary folder, loads the model with the same checks as the local engine
+(``load_model``) and warms it up before Serve routes anything to it.
+
+A call gets a batch of preprocessed uint8 crops and returns one outcome per crop, in order,
+through the local engine's splitting (``infer_splitting``): a model error on one input fails that
+input only, CUDA OOM halves the batch. A device fault poisons this replica's CUDA context: the
+replica reports the batch as lost (the ingest host retries it elsewhere) and fails its health
+check, so Serve replaces it. Nothing here imports Ray: Serve calls it like any class.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from inboxd.config import ModelConfig
+from inboxd.item import DecodedImage, PermanentError, TransientError, WorkItem
+from inboxd.models.engine import DeviceFault
+from inboxd.models.local_engine import infer_splitting
+from inboxd.models.model import Model
+
+# Test-only fault hook: seconds every batch sleeps on the replica (a slow GPU), read from the
+# daemon's environment and sent with each call.
+DELAY_ENV = "INBOXD_RAY_REPLICA_DELAY_S"
+MODEL_FILE_KEYS = ("export", "weights", "labels")
+
+Reply = dict[str, Any]  # {"replica", "ms", "outcomes": [("ok", Prediction) | (kind, why)]}
+
+
+def model_files(config: ModelConfig) -> dict[str, bytes]:
+    """The bytes of every file the model block names, keyed by its key (on the ingest host)."""
+    files: dict[str, bytes] = {}
+    for key in MODEL_FILE_KEYS:
+        path = getattr(config, key)
+        if path is not None:
+            files[key] = Path(path).read_bytes()
+    return files
+
+
+class Replica:
+    def __init__(self, model_config: dict[str, Any], files: dict[str, bytes],
+                 max_batch_size: int) -> None:
+        from inboxd.models.loading import load_model
+
+        self.folder = tempfile.TemporaryDirectory(prefix="inboxd-replica-")
+        update: dict[str, Path] = {}
+        for key, data in files.items():
+            name = Path(model_config[key]).name
+            path = Path(self.folder.name) / key / name
+            path.parent.mkdir()
+            path.write_bytes(data)
+            update[key] = path
+        config = ModelConfig.model_validate(model_config).model_copy(update=update)
+        self.model: Model = load_model(config)
+        self.model.warm_up(self.model.warm_up_sizes(max_batch_size))
+        self.name = f"{socket.gethostname()}:{os.getpid()}"
+        self.broken: str | None = None
+
+    def __call__(self, crops: list[npt.NDArray[np.uint8]], delay_s: float = 0.0) -> Reply:
+        if self.broken is not None:
+            raise RuntimeError(f"replica {self.name} is broken: {self.broken}")
+        started = time.perf_counter()
+        if delay_s:
+            time.sleep(delay_s)
+        items = [_item(n, crop) for n, crop in enumerate(crops)]
+        try:
+            outcomes = infer_splitting(self.model, items)
+        except DeviceFault as fault:
+            self.broken = str(fault)
+            raise RuntimeError(f"the device of replica {self.name} failed: {fault}") from None
+        by_index: dict[int, Any] = {int(item.rel): outcome for item, outcome in outcomes}
+        encoded: list[tuple[str, Any]] = []
+        for n in range(len(crops)):
+            outcome = by_index[n]
+            if isinstance(outcome, PermanentError):
+                encoded.append(("permanent", str(outcome)))
+            elif isinstance(outcome, Exception):
+                encoded.append(("transient", str(outcome)))
+            else:
+                encoded.append(("ok", outcome))
+        return {"replica": self.name, "ms": (time.perf_counter() - started) * 1000,
+                "outcomes": encoded}
+
+    def check_health(self) -> None:
+        """Serve asks every few seconds; a raise makes it replace this replica."""
+        if self.broken is not None:
+            raise RuntimeError(self.broken)
+
+    def describe(self) -> dict[str, Any]:
+        return {"replica": self.name, "device": str(self.model.device), "model": self.model.name}
+
+
+def _item(n: int, crop: npt.NDArray[np.uint8]) -> WorkItem:
+    """A stand-in for the ingest host's item: ``infer_splitting`` only reads the pixels."""
+    return WorkItem(Path(), str(n), str(n), Path(),
+                    image=DecodedImage(crop, crop.shape[1], crop.shape[0], None, "RGB"))
+
+
+def decode_reply(reply: Reply) -> list[Any]:
+    """The replica's outcomes as predictions or this host's exception types, in order."""
+    decoded: list[Any] = []
+    for kind, value in reply["outcomes"]:
+        if kind == "ok":
+            decoded.append(value)
+        elif kind == "permanent":
+            decoded.append(PermanentError(value))
+        else:
+            decoded.append(TransientError(value))
+    return decoded

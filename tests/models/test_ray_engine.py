@@ -1,0 +1,330 @@
+"""``model.engine: ray`` against a real Ray cluster on this machine (``ray.cluster_utils.Cluster``).
+
+A head plus worker nodes, each advertising one ``fakegpu`` (the stand-in for a GPU a replica
+reserves), every process on the loopback interface, no dashboard. The daemon is the real one
+(``inboxd run`` as a subprocess); its replicas run a tiny exported classifier on the CPU. The
+tests run in file order and share one cluster; the last one shuts it down and checks that no
+Ray process of ours is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+from tests.conftest import DaemonProcess, last_stats, make_image, wait_until, write_config
+
+ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+
+LOOPBACK = "127.0.0.1"
+RESOURCE = "fakegpu"
+# How long a bridge whose head is gone waits before it exits (and the daemon starts another).
+BRIDGE_GCS_TIMEOUT_S = "4"
+
+
+class TinyNet(nn.Module):
+    """1,000 outputs (so the ImageNet labels apply) from 32×32 crops, in microseconds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 8, 3, stride=2)
+        self.fc = nn.Linear(8, 1000)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.conv(x)).mean(dim=(2, 3)))
+
+
+def tiny_program(path: Path) -> Path:
+    batch = torch.export.Dim("batch", min=1, max=64)
+    program = torch.export.export(TinyNet().eval(), (torch.randn(2, 3, 32, 32),),
+                                  dynamic_shapes=({0: batch},))
+    torch.export.save(program, path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+class LocalCluster:
+    """A head (no fakegpu: replicas never land on it) and worker nodes with one fakegpu each."""
+
+    def __init__(self, port: int, workers: int) -> None:
+        self.port = port
+        self.cluster = ray_cluster_utils.Cluster(
+            initialize_head=True, shutdown_at_exit=True,
+            head_node_args={"gcs_server_port": port, "num_cpus": 1, "node_ip_address": LOOPBACK,
+                            "include_dashboard": False})
+        self.nodes = [self.add_worker() for _ in range(workers)]
+
+    @property
+    def address(self) -> str:
+        return f"{LOOPBACK}:{self.port}"
+
+    def add_worker(self) -> Any:
+        return self.cluster.add_node(num_cpus=1, resources={RESOURCE: 1},
+                                     node_ip_address=LOOPBACK)
+
+    def shutdown(self) -> None:
+        self.cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_env() -> Iterator[None]:
+    # Without it the driver resolves 127.0.0.1 to the machine's external address.
+    old = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    yield
+    if old is None:
+        os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+    else:
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = old
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_env: None) -> Iterator[LocalCluster]:
+    local = LocalCluster(free_port(), workers=2)
+    yield local
+    local.shutdown()
+
+
+@pytest.fixture(scope="module")
+def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_program(tmp_path_factory.mktemp("model") / "tiny.pt2")
+
+
+def ray_config(root: Path, program: Path, address: str, app_name: str, **sections: Any) -> Path:
+    model = {"export": str(program), "engine": "ray", "input": {"resize": 32, "crop": 32},
+             "ray": {"address": address, "replicas": 2, "replica_resources": {RESOURCE: 1},
+                     "app_name": app_name, "call_timeout_s": 60,
+                     "reconnect_initial_s": 0.5, "reconnect_max_s": 2}}
+    defaults: dict[str, Any] = {
+        "capacity": {"in_flight_batches": 4, "queue": 2, "preprocess_cache": 8},
+        "batch": {"max_size": 8, "max_delay_ms": 5},
+        "retry": {"max_attempts": 10, "backoff_initial_ms": 50, "backoff_max_ms": 500},
+        "inbox": {"settle_ms": 0, "rescan_interval_s": 2},
+        "preprocess": {"workers": 1},
+    }
+    for key, value in sections.items():
+        defaults[key] = {**defaults.get(key, {}), **value}
+    return write_config(root, model=model, **defaults)
+
+
+def drop_files(inbox: Path, seeds: Path, first: int, count: int) -> list[str]:
+    """``count`` distinct tiny PNGs, renamed into the inbox as well-behaved writers do."""
+    names = []
+    for n in range(first, first + count):
+        src = make_image(seeds / f"{n}.png", size=(32, 32),
+                         color=(n % 256, (n // 256) % 256, 77))
+        name = f"f{n:05}.png"
+        os.rename(src, inbox / name)
+        names.append(name)
+    return names
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
+    """The real daemon; its whole output is kept in ``daemon.log`` next to the test's files."""
+    started: list[DaemonProcess] = []
+
+    def start(config: Path, **env: str) -> DaemonProcess:
+        proc = DaemonProcess(config, env={"RAY_gcs_rpc_server_reconnect_timeout_s":
+                                          BRIDGE_GCS_TIMEOUT_S, **env})
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.kill()
+        (tmp_path / "daemon.log").write_text(proc.output())
+
+
+def results_of(root: Path) -> set[str]:
+    return {p.name.removesuffix(".json") for p in (root / "results").glob("*.json")}
+
+
+def assert_exactly_once(root: Path, names: list[str]) -> None:
+    assert results_of(root) == set(names), "every file exactly one result, under its own name"
+    assert {p.name for p in (root / "done").iterdir()} == set(names)
+    assert not [p for p in (root / "failed").rglob("*") if p.is_file()], "none failed"
+
+
+def stats_series(proc: DaemonProcess, key: str) -> list[float]:
+    return [float(last_stats([line])[key]) for line in proc.records("stats")
+            if f"{key}=" in line]
+
+
+def test_inboxd_models_connects_deploys_and_lists_the_replicas(
+        tmp_path: Path, cluster: LocalCluster, program: Path) -> None:
+    config = ray_config(tmp_path, program, cluster.address, "inboxd")
+    env = {**os.environ, "RAY_gcs_rpc_server_reconnect_timeout_s": BRIDGE_GCS_TIMEOUT_S}
+    done = subprocess.run([sys.executable, "-m", "inboxd", "models", "-c", str(config)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Ray Serve application inboxd at 127.0.0.1:" in done.stdout, done.stdout
+    assert "deployed now" in done.stdout and "replicas: {'RUNNING': 2}" in done.stdout
+    assert "3 node(s)" in done.stdout, done.stdout
+
+
+def test_a_slowed_pool_makes_the_producer_wait_and_memory_stays_flat(
+        tmp_path: Path, cluster: LocalCluster, program: Path,
+        daemon: Callable[..., DaemonProcess]) -> None:
+    """Replicas that take 0.15 s a batch: the wait reaches ``await queue.put()`` (put-wait grows
+    from nothing to about a batch time), nothing is held beyond the bounds, RSS stays flat."""
+    total = 480
+    config = ray_config(tmp_path, program, cluster.address, "inboxd",
+                        inbox={"rescan_interval_s": 3600})
+    proc = daemon(config, INBOXD_RAY_REPLICA_DELAY_S="0.15")
+    try:
+        proc.wait_for("ready", 180)
+        names = drop_files(tmp_path / "inbox", tmp_path / "seeds", 0, total)
+        wait_until(lambda: len(results_of(tmp_path)) == total, 240, "every result")
+        proc.wait_for("stats", count=len(proc.records("stats")) + 1)
+        assert proc.stop() == 0
+    finally:
+        proc.kill()
+    assert_exactly_once(tmp_path, names)
+    stats = last_stats(proc.records("stats"))
+    assert int(stats["IN_FLIGHT_CAPACITY"]) == 4
+    assert int(stats["IN_FLIGHT_HIGH_WATER"]) == 4, "every slot was taken: the pool was the limit"
+    assert float(stats["PUT_WAIT_MS_MAX"]) > 50, stats  # the producer waited ~ a batch time
+    for layer, bound in (("QUEUE", 2), ("PREPROCESS_CACHE", 8), ("BATCH", 8)):
+        assert int(stats[f"{layer}_HIGH_WATER"]) <= bound, (layer, stats)
+    rss = stats_series(proc, "RSS_BYTES")
+    assert len(rss) >= 6, rss
+    # After the first records (start-up, the first batches) the daemon's memory is flat.
+    settled = rss[len(rss) // 3:]
+    assert max(settled) - min(settled) < 40 * 2**20, [round(r / 2**20) for r in rss]
+    print(f"slowed replicas: put-wait p50 {stats['PUT_WAIT_MS_P50']} ms, max "
+          f"{stats['PUT_WAIT_MS_MAX']} ms; RSS MiB {[round(r / 2**20) for r in rss]}")
+
+
+def test_a_node_dying_mid_flood_costs_a_retry_not_a_file(
+        tmp_path: Path, cluster: LocalCluster, program: Path,
+        daemon: Callable[..., DaemonProcess]) -> None:
+    """1,000 files through two replicas; one worker node is removed mid-flood (a third joins, so
+    Serve can replace the replica): every file one result, none failed, the lost batch visible
+    as retries, in flight never above its capacity."""
+    total = 1000
+    config = ray_config(tmp_path, program, cluster.address, "inboxd",
+                        inbox={"rescan_interval_s": 3600})
+    # Slower than the tiny model (a real one takes longer): the pool is the bottleneck, so each
+    # replica has a batch running (and one waiting on it) whenever the node goes.
+    proc = daemon(config, INBOXD_RAY_REPLICA_DELAY_S="0.3")
+    started_s = time.monotonic()
+    try:
+        proc.wait_for("ready", 180)
+        names = drop_files(tmp_path / "inbox", tmp_path / "seeds", 0, total)
+        wait_until(lambda: len(results_of(tmp_path)) >= total // 4, 240, "a quarter done")
+        victim = cluster.nodes.pop(0)
+        cluster.cluster.remove_node(victim, allow_graceful=False)
+        cluster.nodes.append(cluster.add_worker())
+        wait_until(lambda: len(results_of(tmp_path)) == total, 300, "every result")
+        proc.wait_for("stats", count=len(proc.records("stats")) + 1)
+        assert proc.stop() == 0
+    finally:
+        proc.kill()
+    assert_exactly_once(tmp_path, names)
+    stats = last_stats(proc.records("stats"))
+    assert int(stats["COMPLETED"]) == total and int(stats["FAILED"]) == 0
+    assert int(stats["IN_FLIGHT_HIGH_WATER"]) <= int(stats["IN_FLIGHT_CAPACITY"]) == 4
+    assert int(stats["RAY_LOST_BATCHES"]) >= 1, stats
+    assert int(stats["RETRIED"]) >= 1, "the lost batch went through the retry list"
+    print(f"node kill: {total} files, {stats['RETRIED']} retried, "
+          f"{stats['RAY_LOST_BATCHES']} batch(es) lost, 0 lost files, 0 duplicated, in flight "
+          f"high water {stats['IN_FLIGHT_HIGH_WATER']}/{stats['IN_FLIGHT_CAPACITY']}, "
+          f"{time.monotonic() - started_s:.0f} s; replicas {stats['RAY_REPLICA_LATENCY_MS']}")
+
+
+def test_the_head_dying_leaves_files_waiting_and_a_new_cluster_resumes_them(
+        tmp_path: Path, cluster: LocalCluster, program: Path,
+        daemon: Callable[..., DaemonProcess]) -> None:
+    """The whole cluster goes (head first): the daemon stays up, logs it, files wait in the
+    inbox (none failed); a new cluster at the same address takes them all."""
+    config = ray_config(tmp_path, program, cluster.address, "inboxd")
+    proc = daemon(config)
+    try:
+        proc.wait_for("ready", 180)
+        names = drop_files(tmp_path / "inbox", tmp_path / "seeds", 0, 100)
+        wait_until(lambda: len(results_of(tmp_path)) == 100, 120, "the first 100")
+        port = cluster.port
+        cluster.cluster.remove_node(cluster.cluster.head_node, allow_graceful=False)
+        cluster.shutdown()
+        names += drop_files(tmp_path / "inbox", tmp_path / "seeds", 100, 100)
+        proc.wait_for("model_unavailable", 60)
+        time.sleep(3)  # a few reconnection attempts against nothing
+        assert proc.proc.poll() is None, "the daemon stays up"
+        waiting = [p for p in (tmp_path / "inbox").iterdir() if p.suffix == ".png"]
+        assert waiting, "the backlog waits in the inbox"
+        assert not [p for p in (tmp_path / "failed").rglob("*") if p.is_file()]
+        stats = last_stats(proc.records("stats"))
+        assert float(stats["MODEL_UNAVAILABLE_S"]) > 0 and stats["RAY_CONNECTED"] == "0"
+
+        fresh = LocalCluster(port, workers=2)
+        cluster.__dict__.update(fresh.__dict__)  # the module fixture shuts the new one down
+        wait_until(lambda: len(results_of(tmp_path)) == 200, 240, "every result after")
+        proc.wait_for("model_available")
+        assert proc.stop() == 0
+    finally:
+        proc.kill()
+    assert_exactly_once(tmp_path, names)
+    stats = last_stats(proc.records("stats"))
+    assert int(stats["RAY_CONNECTS"]) >= 2
+    print(f"head kill: 200 files, {stats['RETRIED']} retried, 0 lost, 0 duplicated")
+
+
+def test_two_daemons_share_one_serve_app_and_b_returns_a_killed_a_s_files(
+        tmp_path: Path, cluster: LocalCluster, program: Path,
+        daemon: Callable[..., DaemonProcess]) -> None:
+    """Instances a and b on one inbox, one Serve application; a is SIGKILLed mid-flood: b
+    returns a's claimed files by itself and every file gets one result."""
+    base = yaml.safe_load(ray_config(tmp_path, program, cluster.address, "inboxd",
+                                     inbox={"rescan_interval_s": 1}).read_text())
+    configs = {}
+    for name in ("a", "b"):
+        configs[name] = tmp_path / f"{name}.yaml"
+        configs[name].write_text(yaml.safe_dump({**base, "instance": name}))
+    a = daemon(configs["a"], INBOXD_RAY_REPLICA_DELAY_S="0.1")
+    b = daemon(configs["b"], INBOXD_RAY_REPLICA_DELAY_S="0.1")
+    a.wait_for("ready", 180)
+    b.wait_for("ready", 180)
+    names = drop_files(tmp_path / "inbox", tmp_path / "seeds", 0, 400)
+    claimed_by_a = tmp_path / "inbox" / ".processing" / "a"
+    wait_until(lambda: len(results_of(tmp_path)) >= 100 and claimed_by_a.is_dir()
+               and any(claimed_by_a.iterdir()), 120, "a at work")
+    a.proc.send_signal(signal.SIGKILL)
+    a.proc.wait(30)
+    wait_until(lambda: len(results_of(tmp_path)) == 400, 180, "b to finish a's files too")
+    assert b.records("instance_taken_over"), "b finished a's files without taking a over"
+    assert b.stop() == 0
+    assert_exactly_once(tmp_path, names)
+
+
+def test_no_ray_process_is_left_behind(cluster: LocalCluster) -> None:
+    cluster.shutdown()
+
+    def leftovers() -> list[str]:
+        listing = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True,
+                                 text=True, check=True).stdout.splitlines()
+        return [line for line in listing if any(
+            name in line for name in ("raylet", "gcs_server", "ray::", "inboxd.models.ray_bridge",
+                                      "default_worker.py"))]
+
+    wait_until(lambda: not leftovers(), 60, "every Ray process to exit")

@@ -1,0 +1,123 @@
+"""The model stage's in-flight bound and its answer to an engine that cannot be reached, with a
+fake engine at the boundary (the real one on a real cluster: tests/models/test_ray_engine.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from inboxd.config import ConfigError, load_config, parse_config
+from inboxd.item import WorkItem
+from inboxd.models.engine import EngineUnavailable, Outcome
+from inboxd.models.local_engine import LocalEngine
+from inboxd.pipeline.wiring import Pipeline
+
+from tests.conftest import make_image, write_config
+from tests.fakes import FakeModel
+
+
+class ParallelEngine:
+    """Answers every call after ``delay_s``; the first ``unavailable_calls`` calls raise
+    ``EngineUnavailable`` instead (a cluster that is gone, then back)."""
+
+    parallel_calls = True
+
+    def __init__(self, delay_s: float = 0.02, unavailable_calls: int = 0) -> None:
+        self.model = FakeModel()
+        self.delay_s = delay_s
+        self.unavailable_calls = unavailable_calls
+        self.out = 0
+        self.max_out = 0
+        self.calls = 0
+        self.seen: list[str] = []  # what the stage shows while it waits for the engine
+        self.status: Any = None  # the pipeline's status_line, set by the test
+
+    async def warm_up(self, max_size: int) -> tuple[list[int], float]:
+        return [], 0.0
+
+    async def infer(self, batch: list[WorkItem]) -> list[Outcome]:
+        self.calls += 1
+        if self.status is not None:
+            self.seen.append(self.status())
+        if self.unavailable_calls > 0:
+            self.unavailable_calls -= 1
+            raise EngineUnavailable("the cluster is gone (fake)", 0.01)
+        self.out += 1
+        self.max_out = max(self.max_out, self.out)
+        try:
+            await asyncio.sleep(self.delay_s)
+            pixels = [item.image.pixels for item in batch if item.image is not None]
+            return list(zip(batch, self.model.classify(pixels), strict=True))
+        finally:
+            self.out -= 1
+
+    def close(self) -> None:
+        pass
+
+
+def run(root: Path, engine: Any, files: int, watch_status: bool = False,
+        **sections: Any) -> Pipeline:
+    config = load_config(write_config(root, inbox={"settle_ms": 0}, **sections))
+    for n in range(files):
+        make_image(root / "inbox" / f"f{n:03}.png", size=(8, 8), color=(n % 200 + 20, 0, 0))
+    pipeline = Pipeline(config, FakeModel(), engine=engine)  # type: ignore[arg-type]
+    if watch_status:
+        engine.status = pipeline.status_line
+    asyncio.run(pipeline.process_backlog())
+    return pipeline
+
+
+def test_a_parallel_engine_gets_up_to_in_flight_batches_calls_and_never_more(
+        tmp_path: Path) -> None:
+    engine = ParallelEngine()
+    pipeline = run(tmp_path, engine, 120, capacity={"in_flight_batches": 3,
+                                                    "preprocess_cache": 16},
+                   batch={"max_size": 2, "max_delay_ms": 0}, preprocess={"workers": 2})
+    assert pipeline.stats.counters.completed == 120
+    assert engine.max_out == 3, "the bound was reached, and held"
+    fields = pipeline.log_stats()
+    assert fields["IN_FLIGHT_CAPACITY"] == 3 and fields["IN_FLIGHT_HIGH_WATER"] == 3
+
+
+def test_the_local_engine_gets_one_call_at_a_time_whatever_the_capacity(
+        tmp_path: Path) -> None:
+    engine = LocalEngine(FakeModel())  # type: ignore[arg-type]
+    pipeline = run(tmp_path, engine, 20, capacity={"in_flight_batches": 8})
+    assert pipeline.stats.counters.completed == 20
+    assert pipeline.worker.capacity == 1 and pipeline.worker.high_water == 1
+
+
+def test_an_unreachable_engine_holds_the_batch_without_spending_an_attempt(
+        tmp_path: Path) -> None:
+    engine = ParallelEngine(unavailable_calls=5)
+    pipeline = run(tmp_path, engine, 10, watch_status=True, retry={"max_attempts": 1})
+    counters = pipeline.stats.counters
+    assert counters.completed == 10 and counters.failed == 0 and counters.retried == 0
+    assert pipeline.worker.unavailable_waits == 5
+    assert pipeline.worker.unavailable_since_s is None, "reachable again, and logged as such"
+    # systemctl status says so while it lasts (STATUS=), and not once it is over.
+    assert "model unreachable for" in engine.seen[1], engine.seen
+    assert "unreachable" not in pipeline.status_line()
+
+
+def test_the_ray_block_is_checked_without_connecting_or_importing_ray(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config("model:\n  engine: ray\n  ray:\n    address: somewhere\n"
+                     "    replica_resources: {}\n", "x.yaml")
+    joined = "\n".join(caught.value.problems)
+    assert "line 4: model.ray.address" in joined and "HOST:PORT" in joined
+    assert "line 5: model.ray.replica_resources" in joined
+    config = write_config(tmp_path, model={"engine": "ray", "ray": {
+        "address": "10.0.0.5:6379", "replicas": 3, "replica_resources": {"GPU": 1}}},
+        capacity={"in_flight_batches": 6})
+    probe = ("import sys; from inboxd.cli import main; sys.argv = ['inboxd', 'check-config', "
+             f"'-c', {str(config)!r}]; code = main(); "
+             "sys.exit(code or (3 if 'ray' in sys.modules else 0))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "'engine': 'ray'" in done.stdout and "10.0.0.5:6379" in done.stdout
