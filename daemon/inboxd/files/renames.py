@@ -28,27 +28,34 @@ _FLAG_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP}
 
 
 def rename_noreplace(source: Path | str, target: Path | str,
-                     source_dir_fd: int | None = None) -> None:
-    """Rename ``source`` (relative to ``source_dir_fd`` when given) to ``target`` unless
-    ``target`` exists (then ``FileExistsError``). A link at ``target`` is an existing name
-    like any other; a link at ``source`` is renamed itself, never followed."""
+                     source_dir_fd: int | None = None, target_dir_fd: int | None = None) -> None:
+    """Rename ``source`` (relative to ``source_dir_fd`` when given) to ``target`` (relative to
+    ``target_dir_fd``) unless ``target`` exists (then ``FileExistsError``). A link at
+    ``target`` is an existing name like any other; a link at ``source`` is renamed itself,
+    never followed."""
     dir_fd = AT_FDCWD if source_dir_fd is None else source_dir_fd
+    to_fd = AT_FDCWD if target_dir_fd is None else target_dir_fd
     if _renameat2 is not None:
-        if _renameat2(dir_fd, os.fsencode(source), AT_FDCWD, os.fsencode(target),
+        if _renameat2(dir_fd, os.fsencode(source), to_fd, os.fsencode(target),
                       RENAME_NOREPLACE) == 0:
             return
         err = ctypes.get_errno()
         if err not in _FLAG_UNSUPPORTED:
             raise OSError(err, os.strerror(err), str(source), None, str(target))
     try:
-        os.link(source, target, src_dir_fd=source_dir_fd, follow_symlinks=False)
+        os.link(source, target, src_dir_fd=source_dir_fd, dst_dir_fd=target_dir_fd,
+                follow_symlinks=False)
     except OSError as exc:
         if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
             raise
         # No hard links here either (vfat, some FUSE): the best left is check, then rename.
-        if os.path.lexists(target):
+        try:
+            os.stat(target, dir_fd=target_dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            pass
+        else:
             raise FileExistsError(errno.EEXIST, "File exists", str(target)) from None
-        os.rename(source, target, src_dir_fd=source_dir_fd)
+        os.rename(source, target, src_dir_fd=source_dir_fd, dst_dir_fd=target_dir_fd)
         return
     os.unlink(source, dir_fd=source_dir_fd)
 

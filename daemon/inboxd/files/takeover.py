@@ -61,7 +61,11 @@ def take_over_dead(lifecycle: Lifecycle) -> Sweep:
         try:
             with open_inside(inbox, [PROCESSING]) as processing:
                 for name in _other_instances(processing, own, inbox / PROCESSING, sweep):
-                    _take_over_one(lifecycle, inbox, processing, name, sweep)
+                    try:
+                        _take_over_one(lifecycle, inbox, processing, name, sweep)
+                    except OSError as exc:  # that instance's problem: the others still go
+                        sweep.refused.append((str(inbox / PROCESSING / name),
+                                              f"cannot take it over now: {exc}"))
         except LinkedFolder:
             sweep.refused.append((str(inbox / PROCESSING), "a symbolic link, not a folder"))
         except FileNotFoundError:
@@ -100,10 +104,10 @@ def _take_over_one(lifecycle: Lifecycle, inbox: Path, processing: int, name: str
                               "its lock deleted); once it is not, run inboxd recover "
                               f"--instance {name}"))
         return
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:
-            raise
-        sweep.refused.append((str(where / (name + LOCK_SUFFIX)), "a symbolic link, not a lock"))
+    except OSError as exc:  # a folder, a socket, a file we may not open: not a lock of ours
+        why = ("a symbolic link, not a lock" if exc.errno == errno.ELOOP
+               else f"not a lock we can take: {exc.strerror or exc}")
+        sweep.refused.append((str(where / (name + LOCK_SUFFIX)), why))
         return
     try:
         if not stat.S_ISREG(os.fstat(lock).st_mode):
@@ -124,19 +128,19 @@ def _take_over_one(lifecycle: Lifecycle, inbox: Path, processing: int, name: str
             raise
         taken = TakenOver(inbox, name)
         try:
-            _return_all(lifecycle, inbox, name, folder, taken)
+            _return_all(lifecycle, inbox, name, folder, taken, sweep)
         finally:
             os.close(folder)
+            if taken.returned or taken.failed:  # counted and said even if we stopped part-way
+                sweep.taken.append(taken)
         with contextlib.suppress(OSError):  # not empty (a file could not go back): next time
             os.rmdir(name, dir_fd=processing)
-        if taken.returned or taken.failed:
-            sweep.taken.append(taken)
     finally:
         os.close(lock)  # releases the lock: the dead instance may start again now
 
 
 def _return_all(lifecycle: Lifecycle, inbox: Path, instance: str, top: int,
-                taken: TakenOver) -> None:
+                taken: TakenOver, sweep: Sweep) -> None:
     """Every file under the folder ``top`` back to the inbox (or failed/), folders emptied and
     removed bottom-up; iterative, so no nesting depth can exhaust the stack."""
     ledger_path = lifecycle.ledger_path(inbox, instance)
@@ -145,24 +149,27 @@ def _return_all(lifecycle: Lifecycle, inbox: Path, instance: str, top: int,
     # (descriptor, rel prefix, names left, parent descriptor, own name)
     stack: list[tuple[int, str, list[str], int, str]] = [
         (top, "", sorted(os.listdir(top), reverse=True), -1, "")]
+    walked = False
     try:
-        _walk_back(lifecycle, inbox, instance, stack, counts, still_counted, taken)
+        _walk_back(lifecycle, inbox, instance, stack, counts, still_counted, taken, sweep)
+        walked = True
     finally:
         for fd, _, _, parent, _ in stack:
             if parent >= 0:
                 os.close(fd)
-    # The dead instance's ledger now holds only the files it gave back with a count: they keep
-    # it wherever they are claimed next; the rest of it is history.
-    if still_counted or os.path.lexists(ledger_path):
-        known = read_ledger(ledger_path)
-        if {k: list(v) for k, v in known.items()} != still_counted:
-            lifecycle.write_ledger(inbox, instance, still_counted)
+        # The dead instance's ledger now holds only the files it gave back with a count: they
+        # keep it wherever they are claimed next; the rest of it is history. Stopped part-way
+        # (an error), the files still there keep theirs too: a crasher must not lose its count.
+        known = {k: list(v) for k, v in read_ledger(ledger_path).items()}
+        wanted = still_counted if walked else {**known, **still_counted}
+        if known != wanted:
+            lifecycle.write_ledger(inbox, instance, wanted)
 
 
 def _walk_back(lifecycle: Lifecycle, inbox: Path, instance: str,
                stack: list[tuple[int, str, list[str], int, str]],
                counts: dict[str, tuple[int, str]], still_counted: dict[str, list[object]],
-               taken: TakenOver) -> None:
+               taken: TakenOver, sweep: Sweep) -> None:
     while stack:
         fd, prefix, names, parent, own = stack[-1]
         if not names:
@@ -188,22 +195,32 @@ def _walk_back(lifecycle: Lifecycle, inbox: Path, instance: str,
                 claimed, inbox, rel, crashes, reason, instance):
             taken.failed += 1
             continue
-        placed = _give_back(fd, entry, inbox / rel)
-        if placed is not None:
-            taken.returned.append(placed.relative_to(inbox).as_posix())
-            if crashes:
-                still_counted[placed.relative_to(inbox).as_posix()] = [crashes, reason]
-
-
-def _give_back(fd: int, entry: str, target: Path) -> Path | None:
-    """Rename ``entry`` (in folder ``fd``) to ``target`` or a free variant of its name."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    for candidate in name_variants(target.name, time_token()):
         try:
-            rename_noreplace(entry, target.with_name(candidate), fd)
-        except FileExistsError:
+            placed = _give_back(fd, entry, inbox, rel)
+        except LinkedFolder as exc:
+            sweep.refused.append((str(inbox / rel), f"cannot go back: {exc.strerror}"))
+            if crashes:
+                still_counted[rel] = [crashes, reason]  # still claimed under that name
             continue
-        except FileNotFoundError:
-            return None
-        return target.with_name(candidate)
+        if placed is not None:
+            taken.returned.append(placed)
+            if crashes:
+                still_counted[placed] = [crashes, reason]
+
+
+def _give_back(fd: int, entry: str, inbox: Path, rel: str) -> str | None:
+    """Rename ``entry`` (in folder ``fd``) to ``inbox/rel`` or a free variant of its name;
+    returns the name it got under the inbox. The folders on the way are made or opened
+    without following links: one swapped for a link since the claim would carry the file
+    out of the inbox (``LinkedFolder``: the file stays where it is)."""
+    folders, _, leaf = rel.rpartition("/")
+    with open_inside(inbox, folders.split("/") if folders else [], create=True) as target_dir:
+        for candidate in name_variants(leaf, time_token()):
+            try:
+                rename_noreplace(entry, candidate, fd, target_dir)
+            except FileExistsError:
+                continue
+            except FileNotFoundError:
+                return None
+            return f"{folders}/{candidate}" if folders else candidate
     return None  # pragma: no cover - name_variants never ends
