@@ -1,0 +1,131 @@
+"""An adversary against takeover (``files/takeover.py``): planted links and odd lock files on
+a shared inbox, and the files a SIGKILLed instance left mid-way. Nothing may leave the inbox
+through a link, one bad entry may not stop the sweep for every other dead instance, and a
+file whose result was already durable may not get a second one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+
+from inboxd.config import load_config
+from inboxd.files.lifecycle import Lifecycle
+from inboxd.files.takeover import take_over_dead
+from inboxd.pipeline.takeover import Takeovers
+from inboxd.pipeline.wiring import Pipeline
+from inboxd.stats import Stats
+
+from tests.conftest import make_image, write_config
+from tests.fakes import FakeModel
+
+
+def instance(tmp_path: Path, name: str) -> Lifecycle:
+    config = load_config(write_config(tmp_path)).model_copy(update={"instance": name})
+    lifecycle = Lifecycle(config)
+    lifecycle.lock_instance()
+    lifecycle.prepare()
+    return lifecycle
+
+
+def dead(tmp_path: Path, name: str, files: dict[str, bytes]) -> Lifecycle:
+    lifecycle = instance(tmp_path, name)
+    inbox = tmp_path / "inbox"
+    for rel, data in files.items():
+        (inbox / rel).parent.mkdir(parents=True, exist_ok=True)
+        (inbox / rel).write_bytes(data)
+        assert lifecycle.claim(inbox, rel) is not None
+    lifecycle.unlock_instance()
+    return lifecycle
+
+
+def test_a_link_planted_where_a_returned_files_folder_was_is_not_followed(
+        tmp_path: Path) -> None:
+    """a claimed sub/x.jpg and died; meanwhile someone replaced the inbox's sub/ with a link
+    to a folder outside. Giving x.jpg back must not move it out through that link."""
+    inbox, outside = tmp_path / "inbox", tmp_path / "outside"
+    outside.mkdir()
+    dead(tmp_path, "a", {"sub/x.jpg": b"x"})
+    (inbox / "sub").rmdir()
+    (inbox / "sub").symlink_to(outside)
+    b = instance(tmp_path, "b")
+
+    sweep = take_over_dead(b)
+
+    assert list(outside.iterdir()) == [], "a file left the inbox through a planted link"
+    assert (inbox / ".processing" / "a" / "sub" / "x.jpg").read_bytes() == b"x"
+    assert any("symbolic link" in why for _, why in sweep.refused)
+
+
+def test_one_odd_lock_does_not_stop_the_sweep_for_the_others(tmp_path: Path) -> None:
+    """Locks that are a folder or a socket (planted, or left by something else) are that
+    instance's problem: every other dead instance is still taken over, on every inbox."""
+    inbox = tmp_path / "inbox"
+    dead(tmp_path, "z", {"z.jpg": b"z"})
+    processing = inbox / ".processing"
+    for odd in ("a0", "a1"):
+        (processing / odd).mkdir()
+        (processing / odd / f"{odd}.jpg").write_bytes(odd.encode())
+    (processing / "a0.lock").mkdir()  # EISDIR
+    with socket.socket(socket.AF_UNIX) as sock:  # ENXIO
+        sock.bind(str(processing / "a1.lock"))
+        b = instance(tmp_path, "b")
+        sweep = take_over_dead(b)
+    assert [t.instance for t in sweep.taken] == ["z"]
+    assert (inbox / "z.jpg").read_bytes() == b"z"
+    refused = dict(sweep.refused)
+    assert str(processing / "a0.lock") in refused and str(processing / "a1.lock") in refused
+    assert (processing / "a0" / "a0.jpg").exists() and (processing / "a1" / "a1.jpg").exists()
+
+
+def test_a_folder_that_cannot_be_read_does_not_stop_the_sweep(tmp_path: Path) -> None:
+    """A file where a dead instance's sub-folder was swapped in mid-walk, or a folder we may
+    not read: that instance waits for the next sweep; the others are still taken over."""
+    inbox = tmp_path / "inbox"
+    dead(tmp_path, "a", {"deep/x.jpg": b"x"})
+    dead(tmp_path, "c", {"c.jpg": b"c"})
+    folder = inbox / ".processing" / "a" / "deep"
+    shutil.rmtree(folder)
+    os.mkfifo(folder)  # a FIFO where a folder was: goes back like any other entry
+    b = instance(tmp_path, "b")
+    sweep = take_over_dead(b)
+    assert sorted(t.instance for t in sweep.taken) == ["a", "c"]
+    assert (inbox / "c.jpg").read_bytes() == b"c"
+
+
+def test_odd_bytes_in_names_are_taken_over_and_reported(tmp_path: Path) -> None:
+    inbox = tmp_path / "inbox"
+    odd = os.fsdecode(b"\xff\xfe-\x01.jpg")
+    dead(tmp_path, "a", {odd: b"odd"})
+    b = instance(tmp_path, "b")
+    takeovers = Takeovers(b, Stats(), None, 1.0, lambda: None)  # type: ignore[arg-type]
+    assert takeovers.sweep() == 1  # logged and counted: the name's bytes do not break either
+    assert (inbox / odd).read_bytes() == b"odd"
+
+
+def results_for(root: Path, sha256: str) -> list[Path]:
+    return [p for p in (root / "results").rglob("*.json")
+            if json.loads(p.read_text()).get("sha256") == sha256]
+
+
+def test_a_returned_file_whose_result_is_durable_gets_no_second_one(tmp_path: Path) -> None:
+    """a wrote scan.png's result, then was SIGKILLed before the source moved to done/; a new
+    scan.png has since taken the name in the inbox, so the takeover gives the old one back
+    under a variant name. It must still be found done by its sha256, not processed again."""
+    config = load_config(write_config(tmp_path, inbox={"settle_ms": 0}))
+    inbox = tmp_path / "inbox"
+    make_image(inbox / "scan.png", color=(1, 2, 3))
+    a = Pipeline(config.model_copy(update={"instance": "a"}), FakeModel())  # type: ignore[arg-type]
+    asyncio.run(a.process_backlog())
+    [result] = list((tmp_path / "results").glob("*.json"))
+    sha = json.loads(result.read_text())["sha256"]
+    # Undo the move: the result is durable, the source still claimed, a is dead.
+    os.rename(tmp_path / "done" / "scan.png", inbox / ".processing" / "a" / "scan.png")
+    make_image(inbox / "scan.png", color=(200, 100, 50))  # a new file takes the name
+    b = Pipeline(config.model_copy(update={"instance": "b"}), FakeModel())  # type: ignore[arg-type]
+    asyncio.run(b.process_backlog())
+    assert len(results_for(tmp_path, sha)) == 1, "the old scan.png got a second result"
+    assert len(list((tmp_path / "results").glob("*.json"))) == 2
