@@ -6,6 +6,7 @@ file whose result was already durable may not get a second one."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from inboxd.config import load_config
 from inboxd.files.lifecycle import Lifecycle
+from inboxd.files.results import ResultEntry
 from inboxd.files.takeover import take_over_dead
 from inboxd.pipeline.takeover import Takeovers
 from inboxd.pipeline.wiring import Pipeline
@@ -129,3 +131,40 @@ def test_a_returned_file_whose_result_is_durable_gets_no_second_one(tmp_path: Pa
     asyncio.run(b.process_backlog())
     assert len(results_for(tmp_path, sha)) == 1, "the old scan.png got a second result"
     assert len(list((tmp_path / "results").glob("*.json"))) == 2
+
+
+def test_a_claim_variant_whose_result_is_durable_is_finished_not_given_back(
+        tmp_path: Path) -> None:
+    """a claimed a second x.jpg as x.t<hex>.jpg (the first was still in flight), filed its
+    result under x.<sha>.jpg and died before the move. Neither the takeover nor a's own
+    restart may give it back to be filed a third time."""
+    inbox = tmp_path / "inbox"
+    a = instance(tmp_path, "a")
+    (inbox / "x.jpg").write_bytes(b"first")
+    a.claim(inbox, "x.jpg")
+    (inbox / "x.jpg").write_bytes(b"second")
+    second = a.claim(inbox, "x.jpg")
+    assert second is not None and second.name != "x.jpg"
+    sha = hashlib.sha256(b"second").hexdigest()
+    [(filed, _)] = a.results.write([ResultEntry("x.jpg", sha, lambda n: {"sha256": sha})])
+    a.unlock_instance()
+
+    taken = take_over_dead(instance(tmp_path, "b")).taken[0]
+
+    assert (taken.returned, taken.finished) == (["x.jpg"], 1)
+    assert (inbox / "x.jpg").read_bytes() == b"first"
+    assert [p.read_bytes() for p in (tmp_path / "done").glob("x*.jpg")] == [b"second"]
+    assert a.results.find("x.jpg", sha) == filed
+
+
+def test_own_recovery_finishes_a_durable_file_too(tmp_path: Path) -> None:
+    inbox = tmp_path / "inbox"
+    a = instance(tmp_path, "a")
+    (inbox / "scan.jpg").write_bytes(b"old")
+    a.claim(inbox, "scan.jpg")
+    sha = hashlib.sha256(b"old").hexdigest()
+    a.results.write([ResultEntry("scan.jpg", sha, lambda n: {"sha256": sha})])
+    (inbox / "scan.jpg").write_bytes(b"new")  # the name is taken again
+    assert a.recover() == (0, 0)  # neither returned nor failed: finished
+    assert [p.read_bytes() for p in inbox.glob("scan*.jpg")] == [b"new"]
+    assert (tmp_path / "done" / "scan.jpg").read_bytes() == b"old"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +27,15 @@ from inboxd.files.durable import (
 )
 from inboxd.files.instances import LEDGER_SUFFIX, LOCK_WAIT_S, flock_within, merged_ledgers
 from inboxd.files.names import output_path
+from inboxd.files.reading import hash_stream, open_input
 from inboxd.files.renames import name_variants, place, rename_noreplace, time_token
 from inboxd.files.results import ResultFiles, sha_token
 from inboxd.files.safe_paths import open_inside
+from inboxd.item import PermanentError, TransientError
 
 ERROR_SUFFIX = ".error.json"
+# A claimed file's name with the collision token claim/release gave it: photo.t<hex>[.N].jpg.
+_TIME_VARIANT = re.compile(r"^(?P<stem>.+)\.t[0-9a-f]+(?:\.\d+)?(?P<suffix>\.[^.]*)?$")
 # A file in flight at this many stage crashes in a row is failed instead of retried.
 CRASHES_BEFORE_FAILING = 2
 
@@ -159,10 +164,32 @@ class Lifecycle:
                 if crashes >= CRASHES_BEFORE_FAILING and self.fail_crasher(
                         claimed, inbox, rel, crashes, reason, self.config.instance):
                     failed += 1
-                else:
+                elif not self.finish_if_done(claimed, inbox, rel):
                     self.release(claimed, inbox / rel)
                     returned += 1
         return returned, failed
+
+    def finish_if_done(self, claimed: Path, inbox: Path, rel: str) -> bool:
+        """Finish (per ``after_success``) a claimed file whose result is already durable: its
+        holder died before the move. Given back, it could land under a variant name (a new
+        file took its own) and be filed again under that key. Found by sha256 under its name
+        or the one it had before a claim's collision variant."""
+        if self.config.inbox.after_success == "keep":  # a kept file is redone on purpose
+            return False
+        folder, slash, leaf = rel.rpartition("/")
+        plain = _TIME_VARIANT.match(leaf)
+        keys = [rel, f"{folder}{slash}{plain['stem']}{plain['suffix'] or ''}"] if plain else [rel]
+        try:
+            with open_input(claimed, self.config.preprocess.max_file_mb * 2**20) as handle:
+                sha256, _ = hash_stream(handle)
+            for key in keys:
+                name = self.results.find(self.config.key_for(inbox, key), sha256)
+                if name is not None:
+                    self.finish_success(claimed, name, inbox / key, sha256)
+                    return True
+        except (OSError, PermanentError, TransientError):
+            pass  # not readable, not regular, too big, done/ full: given back, decided later
+        return False
 
     def fail_crasher(self, claimed: Path, inbox: Path, rel: str, crashes: int,
                      reason: str, instance: str) -> bool:
@@ -271,4 +298,3 @@ class Lifecycle:
             # very name since the check): take the report back, so there is one outcome only.
             report_path.unlink(missing_ok=True)
             raise
-

@@ -44,6 +44,7 @@ class TakenOver:
     instance: str
     returned: list[str] = field(default_factory=list)  # names under the inbox
     failed: int = 0
+    finished: int = 0  # result already durable (it died before the move): moved on, not back
 
 
 @dataclass
@@ -131,7 +132,8 @@ def _take_over_one(lifecycle: Lifecycle, inbox: Path, processing: int, name: str
             _return_all(lifecycle, inbox, name, folder, taken, sweep)
         finally:
             os.close(folder)
-            if taken.returned or taken.failed:  # counted and said even if we stopped part-way
+            # Counted and said even when we stopped part-way.
+            if taken.returned or taken.failed or taken.finished:
                 sweep.taken.append(taken)
         with contextlib.suppress(OSError):  # not empty (a file could not go back): next time
             os.rmdir(name, dir_fd=processing)
@@ -194,6 +196,9 @@ def _walk_back(lifecycle: Lifecycle, inbox: Path, instance: str,
         if crashes >= CRASHES_BEFORE_FAILING and lifecycle.fail_crasher(
                 claimed, inbox, rel, crashes, reason, instance):
             taken.failed += 1
+            continue
+        if lifecycle.finish_if_done(claimed, inbox, rel):
+            taken.finished += 1
             continue
         try:
             placed = _give_back(fd, entry, inbox, rel)
