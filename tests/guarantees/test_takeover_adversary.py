@@ -168,3 +168,24 @@ def test_own_recovery_finishes_a_durable_file_too(tmp_path: Path) -> None:
     assert a.recover() == (0, 0)  # neither returned nor failed: finished
     assert [p.read_bytes() for p in inbox.glob("scan*.jpg")] == [b"new"]
     assert (tmp_path / "done" / "scan.jpg").read_bytes() == b"old"
+
+
+def test_a_stale_count_under_a_reused_name_does_not_fail_a_healthy_file(tmp_path: Path) -> None:
+    """a crashed once with IMG_0001.jpg in flight, restarted and processed it: its ledger still
+    says 1 for that name. Days later another camera's IMG_0001.jpg (other bytes) is in flight
+    at one crash of b: it was in flight at one crash, not two, and must go back, not fail."""
+    inbox = tmp_path / "inbox"
+    a, b = instance(tmp_path, "a"), instance(tmp_path, "b")
+    (inbox / "IMG_0001.jpg").write_bytes(b"first camera")
+    a.claim(inbox, "IMG_0001.jpg")
+    a.record_crash("stage crashed: a CUDA error")
+    a.recover()
+    claimed = a.claim(inbox, "IMG_0001.jpg")
+    assert claimed is not None
+    claimed.unlink()  # processed fine (after_success: delete)
+
+    (inbox / "IMG_0001.jpg").write_bytes(b"second camera")
+    assert b.claim(inbox, "IMG_0001.jpg") is not None
+    b.record_crash("stage crashed: a CUDA error")
+    assert b.recover() == (1, 0)
+    assert (inbox / "IMG_0001.jpg").read_bytes() == b"second camera"

@@ -11,6 +11,9 @@ import os
 import time
 from pathlib import Path
 
+from inboxd.files.reading import hash_stream, open_input
+from inboxd.item import PermanentError, TransientError
+
 LOCK_SUFFIX = ".lock"
 LEDGER_SUFFIX = ".crashes.json"
 # How long taking an instance's lock waits for its holder before giving up: another instance
@@ -33,30 +36,54 @@ def flock_within(fd: int, wait_s: float) -> bool:
             time.sleep(LOCK_RETRY_S)
 
 
-def read_ledger(path: Path) -> dict[str, tuple[int, str]]:
-    """One instance's ledger: claimed name → (crashes in a row, the last crash's reason)."""
+# One instance's ledger: claimed name → (crashes in a row, the last crash's reason, the sha256
+# of the bytes in flight then, "" when they could not be read).
+Ledger = dict[str, tuple[int, str, str]]
+
+
+def read_ledger(path: Path) -> Ledger:
+    """One instance's ledger (an entry from before the sha256 was kept has an unknown one)."""
     try:
         data = json.loads(path.read_bytes())
-        return {rel: (int(n), str(why)) for rel, (n, why) in data.items()}
-    except (OSError, ValueError, TypeError, AttributeError):
+        return {rel: (int(entry[0]), str(entry[1]), str(entry[2]) if len(entry) > 2 else "")
+                for rel, entry in data.items()}
+    except (OSError, ValueError, TypeError, AttributeError, IndexError, KeyError):
         return {}
 
 
-def merged_ledgers(folder: Path) -> dict[str, tuple[int, str]]:
-    """Every instance's ledger in ``folder`` (a ``.processing/``), the highest count per name.
+def all_ledgers(folder: Path) -> list[Ledger]:
+    """Every instance's ledger in ``folder`` (a ``.processing/``).
 
     A file a takeover returned to the inbox can next be claimed by any instance: its count
     must follow it there, or a file that kills whichever instance takes it would go round a
     shared inbox for ever. Each ledger is written only by its own instance, or by whoever
     holds that instance's lock, always by an atomic replace: reading them needs no lock."""
-    merged: dict[str, tuple[int, str]] = {}
     try:
         names = sorted(n for n in os.listdir(folder)
                        if n.endswith(LEDGER_SUFFIX) and not n.startswith("."))
     except OSError:
-        return merged
-    for name in names:
-        for rel, (n, why) in read_ledger(folder / name).items():
-            if n > merged.get(rel, (0, ""))[0]:
-                merged[rel] = (n, why)
-    return merged
+        return []
+    return [read_ledger(folder / name) for name in names]
+
+
+def crashes_of(ledgers: list[Ledger], rel: str, sha256: str) -> tuple[int, str]:
+    """The highest count any ledger has for ``rel`` *with these bytes*: names are reused (two
+    cameras' IMG_0001.jpg), and a count left by other bytes under the name (a ledger is only
+    rewritten at its own instance's next crash) must not fail a healthy file. Unknown bytes
+    on either side match, erring towards failed/ rather than a crash loop."""
+    best = (0, "")
+    for ledger in ledgers:
+        n, why, sha = ledger.get(rel, (0, "", ""))
+        if n > best[0] and (sha == sha256 or not sha or not sha256):
+            best = (n, why)
+    return best
+
+
+def file_sha256(path: Path, max_bytes: int) -> str:
+    """The sha256 of a claimed regular file, "" when it cannot be read (a link, a FIFO, gone,
+    larger than ``max_bytes``)."""
+    try:
+        with open_input(path, max_bytes) as handle:
+            return hash_stream(handle)[0]
+    except (OSError, PermanentError, TransientError):
+        return ""

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 from inboxd.config import Config
+from inboxd.files import instances, renames
 from inboxd.files.durable import (
     fsync_dir,
     json_bytes,
@@ -25,17 +25,13 @@ from inboxd.files.durable import (
     walk_files,
     write_tmp,
 )
-from inboxd.files.instances import LEDGER_SUFFIX, LOCK_WAIT_S, flock_within, merged_ledgers
+from inboxd.files.instances import LEDGER_SUFFIX, LOCK_WAIT_S, flock_within
 from inboxd.files.names import output_path
-from inboxd.files.reading import hash_stream, open_input
 from inboxd.files.renames import name_variants, place, rename_noreplace, time_token
 from inboxd.files.results import ResultFiles, sha_token
 from inboxd.files.safe_paths import open_inside
-from inboxd.item import PermanentError, TransientError
 
 ERROR_SUFFIX = ".error.json"
-# A claimed file's name with the collision token claim/release gave it: photo.t<hex>[.N].jpg.
-_TIME_VARIANT = re.compile(r"^(?P<stem>.+)\.t[0-9a-f]+(?:\.\d+)?(?P<suffix>\.[^.]*)?$")
 # A file in flight at this many stage crashes in a row is failed instead of retried.
 CRASHES_BEFORE_FAILING = 2
 
@@ -54,6 +50,7 @@ class Lifecycle:
                                    config.done_dir if policy == "move" else None,
                                    replace_kept=policy == "keep")
         self._locks: list[int] = []
+        self.max_file_bytes = config.preprocess.max_file_mb * 2**20
 
     def tmp_dirs(self) -> list[Path]:
         """Our temp folders, on the filesystem of each destination (emptied at start-up)."""
@@ -157,38 +154,39 @@ class Lifecycle:
         returned = failed = 0
         for inbox in self.config.inbox.paths:
             processing = self.config.processing_dir(inbox)
-            ledger = self.crash_counts(inbox)
+            ledgers = self.crash_counts(inbox)
             for claimed in walk_files(processing):
                 rel = claimed.relative_to(processing).as_posix()
-                crashes, reason = ledger.get(rel, (0, ""))
+                sha256 = self.sha256_of(claimed)
+                crashes, reason = instances.crashes_of(ledgers, rel, sha256)
                 if crashes >= CRASHES_BEFORE_FAILING and self.fail_crasher(
                         claimed, inbox, rel, crashes, reason, self.config.instance):
                     failed += 1
-                elif not self.finish_if_done(claimed, inbox, rel):
+                elif not self.finish_if_done(claimed, inbox, rel, sha256):
                     self.release(claimed, inbox / rel)
                     returned += 1
         return returned, failed
 
-    def finish_if_done(self, claimed: Path, inbox: Path, rel: str) -> bool:
+    def sha256_of(self, claimed: Path) -> str:
+        return instances.file_sha256(claimed, self.max_file_bytes)
+
+    def finish_if_done(self, claimed: Path, inbox: Path, rel: str, sha256: str) -> bool:
         """Finish (per ``after_success``) a claimed file whose result is already durable: its
         holder died before the move. Given back, it could land under a variant name (a new
         file took its own) and be filed again under that key. Found by sha256 under its name
         or the one it had before a claim's collision variant."""
-        if self.config.inbox.after_success == "keep":  # a kept file is redone on purpose
+        if self.config.inbox.after_success == "keep" or not sha256:  # keep: redone on purpose
             return False
         folder, slash, leaf = rel.rpartition("/")
-        plain = _TIME_VARIANT.match(leaf)
-        keys = [rel, f"{folder}{slash}{plain['stem']}{plain['suffix'] or ''}"] if plain else [rel]
+        plain = renames.before_time_variant(leaf)
         try:
-            with open_input(claimed, self.config.preprocess.max_file_mb * 2**20) as handle:
-                sha256, _ = hash_stream(handle)
-            for key in keys:
+            for key in [rel] + ([folder + slash + plain] if plain else []):
                 name = self.results.find(self.config.key_for(inbox, key), sha256)
                 if name is not None:
                     self.finish_success(claimed, name, inbox / key, sha256)
                     return True
-        except (OSError, PermanentError, TransientError):
-            pass  # not readable, not regular, too big, done/ full: given back, decided later
+        except OSError:
+            pass  # done/ full or read-only: given back, and decided again later
         return False
 
     def fail_crasher(self, claimed: Path, inbox: Path, rel: str, crashes: int,
@@ -213,13 +211,9 @@ class Lifecycle:
         name = instance or self.config.instance
         return self.config.processing_dir(inbox).parent / f"{name}{LEDGER_SUFFIX}"
 
-    def crash_counts(self, inbox: Path) -> dict[str, tuple[int, str]]:
-        """Crashes in a row per claimed name, over every instance's ledger on this inbox (the
-        highest count wins). A file returned by a takeover may next be claimed by any
-        instance: its count must follow it, or a file that kills whichever instance takes it
-        would go round a shared inbox for ever. Each ledger is written only by its instance
-        (or by whoever holds that instance's lock), so reading them all needs no lock."""
-        return merged_ledgers(self.config.processing_dir(inbox).parent)
+    def crash_counts(self, inbox: Path) -> list[instances.Ledger]:
+        """Every instance's ledger here, for ``crashes_of``: a count follows its file."""
+        return instances.all_ledgers(self.config.processing_dir(inbox).parent)
 
     def record_crash(self, reason: str) -> None:
         """A stage crashed: count one crash against every file claimed now, and forget the
@@ -228,9 +222,11 @@ class Lifecycle:
         next start-up reads this in ``recover``."""
         for inbox in self.config.inbox.paths:
             processing = self.config.processing_dir(inbox)
-            ledger = self.crash_counts(inbox)
-            in_flight = {p.relative_to(processing).as_posix() for p in walk_files(processing)}
-            updated = {rel: [ledger.get(rel, (0, ""))[0] + 1, reason] for rel in in_flight}
+            ledgers = self.crash_counts(inbox)
+            updated: dict[str, list[object]] = {}
+            for claimed in walk_files(processing):  # the bytes too: a name is often reused
+                rel, sha256 = claimed.relative_to(processing).as_posix(), self.sha256_of(claimed)
+                updated[rel] = [instances.crashes_of(ledgers, rel, sha256)[0] + 1, reason, sha256]
             self.write_ledger(inbox, self.config.instance, updated)
 
     def write_ledger(self, inbox: Path, instance: str, entries: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,6 +81,17 @@ def key_variants(key: str, token: str) -> Iterator[str]:
     folder, slash, name = key.rpartition("/")
     for variant in name_variants(name, token):
         yield folder + slash + variant
+
+
+# A name with a time token from name_variants: photo.t<hex>.jpg, photo.t<hex>.3.jpg.
+_TIME_VARIANT = re.compile(r"^(?P<stem>.+)\.t[0-9a-f]+(?:\.\d+)?(?P<suffix>\.[^.]*)?$")
+
+
+def before_time_variant(name: str) -> str | None:
+    """The name a time-token variant was made from, None when ``name`` does not look like one
+    (a guess: only good for looking up something that is then checked, such as a sha256)."""
+    match = _TIME_VARIANT.match(name)
+    return match["stem"] + (match["suffix"] or "") if match else None
 
 
 def time_token() -> str:

@@ -7,9 +7,10 @@ restart waits for it (``instances.LOCK_WAIT_S``), ``inboxd recover`` and every o
 takeover are shut out. Holding it, the taker returns each claimed file to the inbox under its
 own name (a free variant if the name was taken meanwhile, never replacing anything), or sends
 one that was in flight at ``CRASHES_BEFORE_FAILING`` stage crashes to failed/ (counts are
-read from every instance's ledger, ``instances.merged_ledgers``), removes the emptied folder,
-and lets the lock go. The lock file itself stays: unlinking a lock file someone may have open
-lets two processes both "hold" it.
+read from every instance's ledger, for these bytes: ``instances.crashes_of``), finishes one
+whose result is already durable, removes the emptied folder, and lets the lock go. The lock
+file itself stays: unlinking a lock file someone may have open lets two processes both
+"hold" it.
 
 Never touched: a live instance (its lock is held; we never wait for it), a folder without a
 lock file (a version before locks, or a lock someone deleted: its holder may still be running
@@ -28,7 +29,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from inboxd.files.instances import LEDGER_SUFFIX, LOCK_SUFFIX, read_ledger
+from inboxd.files.instances import LEDGER_SUFFIX, LOCK_SUFFIX, Ledger, crashes_of, read_ledger
 from inboxd.files.lifecycle import CRASHES_BEFORE_FAILING, Lifecycle
 from inboxd.files.renames import name_variants, rename_noreplace, time_token
 from inboxd.files.safe_paths import DIR_FLAGS, LinkedFolder, open_inside
@@ -170,7 +171,7 @@ def _return_all(lifecycle: Lifecycle, inbox: Path, instance: str, top: int,
 
 def _walk_back(lifecycle: Lifecycle, inbox: Path, instance: str,
                stack: list[tuple[int, str, list[str], int, str]],
-               counts: dict[str, tuple[int, str]], still_counted: dict[str, list[object]],
+               counts: list[Ledger], still_counted: dict[str, list[object]],
                taken: TakenOver, sweep: Sweep) -> None:
     while stack:
         fd, prefix, names, parent, own = stack[-1]
@@ -191,13 +192,14 @@ def _walk_back(lifecycle: Lifecycle, inbox: Path, instance: str,
             child = os.open(entry, DIR_FLAGS, dir_fd=fd)
             stack.append((child, rel + "/", sorted(os.listdir(child), reverse=True), fd, entry))
             continue
-        crashes, reason = counts.get(rel, (0, ""))
         claimed = Path(f"/proc/self/fd/{fd}") / entry
+        sha256 = lifecycle.sha256_of(claimed)
+        crashes, reason = crashes_of(counts, rel, sha256)
         if crashes >= CRASHES_BEFORE_FAILING and lifecycle.fail_crasher(
                 claimed, inbox, rel, crashes, reason, instance):
             taken.failed += 1
             continue
-        if lifecycle.finish_if_done(claimed, inbox, rel):
+        if lifecycle.finish_if_done(claimed, inbox, rel, sha256):
             taken.finished += 1
             continue
         try:
@@ -205,12 +207,12 @@ def _walk_back(lifecycle: Lifecycle, inbox: Path, instance: str,
         except LinkedFolder as exc:
             sweep.refused.append((str(inbox / rel), f"cannot go back: {exc.strerror}"))
             if crashes:
-                still_counted[rel] = [crashes, reason]  # still claimed under that name
+                still_counted[rel] = [crashes, reason, sha256]  # still claimed under that name
             continue
         if placed is not None:
             taken.returned.append(placed)
             if crashes:
-                still_counted[placed] = [crashes, reason]
+                still_counted[placed] = [crashes, reason, sha256]
 
 
 def _give_back(fd: int, entry: str, inbox: Path, rel: str) -> str | None:
