@@ -8,6 +8,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -21,6 +22,9 @@ LEDGER_SUFFIX = ".crashes.json"
 # and the dead one restarting then must wait, not refuse to start.
 LOCK_WAIT_S = 5.0
 LOCK_RETRY_S = 0.05
+# A ledger names what was in flight at a crash (a few batches): far below this. Cut short, a
+# planted giant one is not valid JSON and counts nothing.
+MAX_LEDGER_BYTES = 4 << 20
 
 
 def flock_within(fd: int, wait_s: float) -> bool:
@@ -42,9 +46,17 @@ Ledger = dict[str, tuple[int, str, str]]
 
 
 def read_ledger(path: Path) -> Ledger:
-    """One instance's ledger (an entry from before the sha256 was kept has an unknown one)."""
+    """One instance's ledger (an entry from before the sha256 was kept has an unknown one).
+
+    Every instance reads every ledger beside it, so one planted there is read carefully: a
+    link is not followed (it could name anything), a FIFO not waited on (start-up would block
+    for ever), and no more than ``MAX_LEDGER_BYTES`` read (a link to /dev/zero never ends)."""
     try:
-        data = json.loads(path.read_bytes())
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return {}
+            data = json.loads(handle.read(MAX_LEDGER_BYTES))
         return {rel: (int(entry[0]), str(entry[1]), str(entry[2]) if len(entry) > 2 else "")
                 for rel, entry in data.items()}
     except (OSError, ValueError, TypeError, AttributeError, IndexError, KeyError):
