@@ -11,6 +11,8 @@ import json
 import os
 import shutil
 import socket
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from inboxd.config import load_config
@@ -189,3 +191,76 @@ def test_a_stale_count_under_a_reused_name_does_not_fail_a_healthy_file(tmp_path
     b.record_crash("stage crashed: a CUDA error")
     assert b.recover() == (1, 0)
     assert (inbox / "IMG_0001.jpg").read_bytes() == b"second camera"
+
+
+def test_names_that_look_like_variants_of_dot_dot_do_not_break_the_sweep(
+        tmp_path: Path) -> None:
+    """``...t1`` reads as a time-token variant of ``..``: looking its result up under that
+    name must not raise (output_path refuses ``..``) and stop the sweep, or start-up."""
+    inbox = tmp_path / "inbox"
+    a = instance(tmp_path, "a")
+    for name in ("...t1", "..t1.", "sub/...t2"):
+        (inbox / ".processing" / "a" / name).parent.mkdir(parents=True, exist_ok=True)
+        (inbox / ".processing" / "a" / name).write_bytes(name.encode())
+    a.unlock_instance()
+    taken = take_over_dead(instance(tmp_path, "b")).taken[0]
+    assert sorted(taken.returned) == ["...t1", "..t1.", "sub/...t2"]
+    assert a.recover() == (0, 0)
+
+
+def test_two_takers_and_the_dead_ones_restart_at_once_lose_and_double_nothing(
+        tmp_path: Path) -> None:
+    inbox = tmp_path / "inbox"
+    files = {f"d{i % 7}/f{i}.jpg": f"bytes {i}".encode() for i in range(150)}
+    dead(tmp_path, "a", files)
+    b, c = instance(tmp_path, "b"), instance(tmp_path, "c")
+    config = load_config(write_config(tmp_path)).model_copy(update={"instance": "a"})
+    restarted = Lifecycle(config)
+
+    def restart() -> None:
+        restarted.lock_instance()
+        restarted.recover()
+
+    errors: list[BaseException] = []
+
+    def guarded(fn: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:
+                errors.append(exc)
+        return run
+
+    threads = [threading.Thread(target=guarded(fn)) for fn in
+               (lambda: take_over_dead(b), lambda: take_over_dead(c), restart)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    found = sorted(p.read_bytes() for p in inbox.rglob("*.jpg") if ".processing" not in p.parts)
+    assert found == sorted(files.values())
+    assert list((inbox / ".processing").rglob("*.jpg")) == []
+
+
+def test_a_planted_ledger_that_is_a_fifo_or_a_link_is_not_read(tmp_path: Path) -> None:
+    """Every instance reads every ``*.crashes.json`` beside it now: a FIFO there would block
+    start-up (and every crash record) for ever, a link to /dev/zero would read without end,
+    and a link to a file outside would be read as ours."""
+    inbox = tmp_path / "inbox"
+    b = instance(tmp_path, "b")
+    processing = inbox / ".processing"
+    os.mkfifo(processing / "fifo.crashes.json")
+    (processing / "zero.crashes.json").symlink_to("/dev/zero")
+    outside = tmp_path / "outside.json"
+    outside.write_text(json.dumps({"x.jpg": [5, "planted"]}))
+    (processing / "link.crashes.json").symlink_to(outside)
+    (inbox / "x.jpg").write_bytes(b"x")
+    assert b.claim(inbox, "x.jpg") is not None
+    done: list[tuple[int, int]] = []
+    thread = threading.Thread(target=lambda: done.append(b.recover()), daemon=True)
+    thread.start()
+    thread.join(timeout=5)
+    if not done:  # unblock the reader so the thread can end
+        os.close(os.open(processing / "fifo.crashes.json", os.O_WRONLY | os.O_NONBLOCK))
+    assert done == [(1, 0)], "recover blocked on a planted ledger, or read a linked one"
