@@ -264,3 +264,22 @@ def test_a_planted_ledger_that_is_a_fifo_or_a_link_is_not_read(tmp_path: Path) -
     if not done:  # unblock the reader so the thread can end
         os.close(os.open(processing / "fifo.crashes.json", os.O_WRONLY | os.O_NONBLOCK))
     assert done == [(1, 0)], "recover blocked on a planted ledger, or read a linked one"
+
+
+def test_a_crasher_given_back_under_a_variant_name_keeps_its_count(tmp_path: Path) -> None:
+    """A new killer.jpg took the name while the crasher was claimed: recovery gives the
+    crasher back as killer.t<hex>.jpg. Crashing again under that name is its second crash."""
+    inbox = tmp_path / "inbox"
+    a = instance(tmp_path, "a")
+    (inbox / "killer.jpg").write_bytes(b"boom")
+    a.claim(inbox, "killer.jpg")
+    a.record_crash("stage crashed")
+    (inbox / "killer.jpg").write_bytes(b"a healthy newcomer")
+    assert a.recover() == (1, 0)
+    [variant] = [p.name for p in inbox.glob("killer.*.jpg")]
+    assert a.claim(inbox, variant) is not None
+    a.record_crash("stage crashed")
+    assert a.recover() == (0, 1)
+    assert (inbox / "killer.jpg").read_bytes() == b"a healthy newcomer"
+    [failed] = list((tmp_path / "failed").glob("killer*.jpg"))
+    assert failed.read_bytes() == b"boom"

@@ -79,15 +79,18 @@ def all_ledgers(folder: Path) -> list[Ledger]:
 
 
 def crashes_of(ledgers: list[Ledger], rel: str, sha256: str) -> tuple[int, str]:
-    """The highest count any ledger has for ``rel`` *with these bytes*: names are reused (two
-    cameras' IMG_0001.jpg), and a count left by other bytes under the name (a ledger is only
-    rewritten at its own instance's next crash) must not fail a healthy file. Unknown bytes
-    on either side match, erring towards failed/ rather than a crash loop."""
+    """The highest count any ledger has for *these bytes*: under any name (given back when its
+    name was taken, a file comes back as a variant, and a crasher must not shed its count by
+    that), and under ``rel`` only for the same bytes — names are reused (two cameras'
+    IMG_0001.jpg), and a count other bytes left under it (a ledger is only rewritten at its
+    own instance's next crash) must not fail a healthy file. Bytes unknown on either side:
+    the name decides, erring towards failed/ rather than a crash loop."""
     best = (0, "")
     for ledger in ledgers:
-        n, why, sha = ledger.get(rel, (0, "", ""))
-        if n > best[0] and (sha == sha256 or not sha or not sha256):
-            best = (n, why)
+        for name, (n, why, sha) in ledger.items():
+            same = sha == sha256 if sha and sha256 else name == rel
+            if n > best[0] and same:
+                best = (n, why)
     return best
 
 
