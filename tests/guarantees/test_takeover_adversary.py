@@ -70,10 +70,11 @@ def test_one_odd_lock_does_not_stop_the_sweep_for_the_others(tmp_path: Path) -> 
     inbox = tmp_path / "inbox"
     dead(tmp_path, "z", {"z.jpg": b"z"})
     processing = inbox / ".processing"
-    for odd in ("a0", "a1"):
+    for odd in ("a0", "a1", "a2"):
         (processing / odd).mkdir()
         (processing / odd / f"{odd}.jpg").write_bytes(odd.encode())
     (processing / "a0.lock").mkdir()  # EISDIR
+    os.mkfifo(processing / "a2.lock")  # opens at once (O_RDWR), but is no lock file
     with socket.socket(socket.AF_UNIX) as sock:  # ENXIO
         sock.bind(str(processing / "a1.lock"))
         b = instance(tmp_path, "b")
@@ -81,8 +82,9 @@ def test_one_odd_lock_does_not_stop_the_sweep_for_the_others(tmp_path: Path) -> 
     assert [t.instance for t in sweep.taken] == ["z"]
     assert (inbox / "z.jpg").read_bytes() == b"z"
     refused = dict(sweep.refused)
-    assert str(processing / "a0.lock") in refused and str(processing / "a1.lock") in refused
-    assert (processing / "a0" / "a0.jpg").exists() and (processing / "a1" / "a1.jpg").exists()
+    for odd in ("a0", "a1", "a2"):
+        assert str(processing / f"{odd}.lock") in refused
+        assert (processing / odd / f"{odd}.jpg").exists()
 
 
 def test_a_folder_that_cannot_be_read_does_not_stop_the_sweep(tmp_path: Path) -> None:
@@ -108,6 +110,16 @@ def test_odd_bytes_in_names_are_taken_over_and_reported(tmp_path: Path) -> None:
     takeovers = Takeovers(b, Stats(), None, 1.0, lambda: None)  # type: ignore[arg-type]
     assert takeovers.sweep() == 1  # logged and counted: the name's bytes do not break either
     assert (inbox / odd).read_bytes() == b"odd"
+    # And as a crasher: its count (a JSON key) and its error report (a JSON value) hold them.
+    c = instance(tmp_path, "c")
+    assert c.claim(inbox, odd) is not None
+    c.record_crash("stage crashed")
+    c.recover()
+    assert c.claim(inbox, odd) is not None
+    c.record_crash("stage crashed")
+    c.unlock_instance()
+    assert takeovers.sweep() == 0
+    assert (tmp_path / "failed" / odd).read_bytes() == b"odd"
 
 
 def results_for(root: Path, sha256: str) -> list[Path]:
