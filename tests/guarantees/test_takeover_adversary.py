@@ -9,6 +9,7 @@ import asyncio
 import hashlib
 import json
 import os
+import resource
 import shutil
 import socket
 import threading
@@ -295,3 +296,23 @@ def test_a_crasher_given_back_under_a_variant_name_keeps_its_count(tmp_path: Pat
     assert (inbox / "killer.jpg").read_bytes() == b"a healthy newcomer"
     [failed] = list((tmp_path / "failed").glob("killer*.jpg"))
     assert failed.read_bytes() == b"boom"
+
+
+def test_a_deeply_nested_claim_is_taken_over_with_few_descriptors(tmp_path: Path) -> None:
+    """A recursive inbox can be as deep as PATH_MAX allows (~2000 levels), and a claim of
+    such a file holds one descriptor at a time. Taking it over must too: a walk that holds
+    one per level runs out of descriptors (the soft limit is often 1024), fails that
+    instance's takeover at every sweep, and starves every other thread of descriptors."""
+    inbox = tmp_path / "inbox"
+    deep = "/".join(["d"] * 300) + "/deep.jpg"
+    dead(tmp_path, "a", {deep: b"deep"})
+    b = instance(tmp_path, "b")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 64, hard))
+    try:
+        sweep = take_over_dead(b)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert [t.returned for t in sweep.taken] == [[deep]], sweep.refused
+    assert (inbox / deep).read_bytes() == b"deep"
+    assert not (inbox / ".processing" / "a").exists()

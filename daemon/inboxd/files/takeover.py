@@ -26,6 +26,7 @@ import errno
 import fcntl
 import os
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,77 +143,100 @@ def _take_over_one(lifecycle: Lifecycle, inbox: Path, processing: int, name: str
         os.close(lock)  # releases the lock: the dead instance may start again now
 
 
+@dataclass
+class _Walk:
+    lifecycle: Lifecycle
+    inbox: Path
+    instance: str
+    counts: list[Ledger]
+    taken: TakenOver
+    sweep: Sweep
+    still_counted: dict[str, list[object]] = field(default_factory=dict)
+
+
 def _return_all(lifecycle: Lifecycle, inbox: Path, instance: str, top: int,
                 taken: TakenOver, sweep: Sweep) -> None:
     """Every file under the folder ``top`` back to the inbox (or failed/), folders emptied and
-    removed bottom-up; iterative, so no nesting depth can exhaust the stack."""
+    removed bottom-up."""
+    walk = _Walk(lifecycle, inbox, instance, lifecycle.crash_counts(inbox), taken, sweep)
     ledger_path = lifecycle.ledger_path(inbox, instance)
-    counts = lifecycle.crash_counts(inbox)
-    still_counted: dict[str, list[object]] = {}
-    # (descriptor, rel prefix, names left, parent descriptor, own name)
-    stack: list[tuple[int, str, list[str], int, str]] = [
-        (top, "", sorted(os.listdir(top), reverse=True), -1, "")]
     walked = False
     try:
-        _walk_back(lifecycle, inbox, instance, stack, counts, still_counted, taken, sweep)
+        _walk_back(walk, top)
         walked = True
     finally:
-        for fd, _, _, parent, _ in stack:
-            if parent >= 0:
-                os.close(fd)
         # The dead instance's ledger now holds only the files it gave back with a count: they
         # keep it wherever they are claimed next; the rest of it is history. Stopped part-way
         # (an error), the files still there keep theirs too: a crasher must not lose its count.
         known = {k: list(v) for k, v in read_ledger(ledger_path).items()}
-        wanted = still_counted if walked else {**known, **still_counted}
+        wanted = walk.still_counted if walked else {**known, **walk.still_counted}
         if known != wanted:
             lifecycle.write_ledger(inbox, instance, wanted)
 
 
-def _walk_back(lifecycle: Lifecycle, inbox: Path, instance: str,
-               stack: list[tuple[int, str, list[str], int, str]],
-               counts: list[Ledger], still_counted: dict[str, list[object]],
-               taken: TakenOver, sweep: Sweep) -> None:
+@contextlib.contextmanager
+def _open_below(top: int, parts: tuple[str, ...]) -> Iterator[int]:
+    """``top/parts…`` opened one part at a time without following links, holding two
+    descriptors at most: a walk that kept one per level open would run out of them at a
+    depth a recursive inbox allows (PATH_MAX: ~2000 levels), and starve every other thread."""
+    fd = os.dup(top)
+    try:
+        for part in parts:
+            child = os.open(part, DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _walk_back(walk: _Walk, top: int) -> None:
+    """Depth first and iterative (no nesting depth can exhaust the stack), folders named by
+    their parts below ``top``, each opened again when needed (see ``_open_below``)."""
+    stack: list[tuple[tuple[str, ...], bool]] = [((), False)]  # (folder, its files done)
     while stack:
-        fd, prefix, names, parent, own = stack[-1]
-        if not names:
-            stack.pop()
-            if parent >= 0:
-                os.close(fd)
-                with contextlib.suppress(OSError):  # not empty: something stayed
-                    os.rmdir(own, dir_fd=parent)
+        parts, expanded = stack.pop()
+        if expanded:
+            if parts:
+                with _open_below(top, parts[:-1]) as parent, contextlib.suppress(OSError):
+                    os.rmdir(parts[-1], dir_fd=parent)  # not empty: something stayed
             continue
-        entry = names.pop()
-        rel = prefix + entry
-        try:
-            mode = os.stat(entry, dir_fd=fd, follow_symlinks=False).st_mode
-        except FileNotFoundError:
-            continue
-        if stat.S_ISDIR(mode):
-            child = os.open(entry, DIR_FLAGS, dir_fd=fd)
-            stack.append((child, rel + "/", sorted(os.listdir(child), reverse=True), fd, entry))
-            continue
-        claimed = Path(f"/proc/self/fd/{fd}") / entry
-        sha256 = lifecycle.sha256_of(claimed)
-        crashes, reason = crashes_of(counts, rel, sha256)
-        if crashes >= CRASHES_BEFORE_FAILING and lifecycle.fail_crasher(
-                claimed, inbox, rel, crashes, reason, instance):
-            taken.failed += 1
-            continue
-        if lifecycle.finish_if_done(claimed, inbox, rel, sha256):
-            taken.finished += 1
-            continue
-        try:
-            placed = _give_back(fd, entry, inbox, rel)
-        except LinkedFolder as exc:
-            sweep.refused.append((str(inbox / rel), f"cannot go back: {exc.strerror}"))
-            if crashes:
-                still_counted[rel] = [crashes, reason, sha256]  # still claimed under that name
-            continue
-        if placed is not None:
-            taken.returned.append(placed)
-            if crashes:
-                still_counted[placed] = [crashes, reason, sha256]
+        stack.append((parts, True))
+        with _open_below(top, parts) as fd:
+            for entry in sorted(os.listdir(fd), reverse=True):
+                try:
+                    mode = os.stat(entry, dir_fd=fd, follow_symlinks=False).st_mode
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISDIR(mode):
+                    stack.append(((*parts, entry), False))
+                else:
+                    _take_back(walk, fd, entry, "/".join((*parts, entry)))
+
+
+def _take_back(walk: _Walk, fd: int, entry: str, rel: str) -> None:
+    """One claimed file: to failed/ (a repeat crasher), on (its result is durable), or back."""
+    claimed = Path(f"/proc/self/fd/{fd}") / entry
+    sha256 = walk.lifecycle.sha256_of(claimed)
+    crashes, reason = crashes_of(walk.counts, rel, sha256)
+    if crashes >= CRASHES_BEFORE_FAILING and walk.lifecycle.fail_crasher(
+            claimed, walk.inbox, rel, crashes, reason, walk.instance):
+        walk.taken.failed += 1
+        return
+    if walk.lifecycle.finish_if_done(claimed, walk.inbox, rel, sha256):
+        walk.taken.finished += 1
+        return
+    try:
+        placed = _give_back(fd, entry, walk.inbox, rel)
+    except LinkedFolder as exc:
+        walk.sweep.refused.append((str(walk.inbox / rel), f"cannot go back: {exc.strerror}"))
+        if crashes:
+            walk.still_counted[rel] = [crashes, reason, sha256]  # still claimed under that name
+        return
+    if placed is not None:
+        walk.taken.returned.append(placed)
+        if crashes:
+            walk.still_counted[placed] = [crashes, reason, sha256]
 
 
 def _give_back(fd: int, entry: str, inbox: Path, rel: str) -> str | None:
