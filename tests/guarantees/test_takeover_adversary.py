@@ -316,3 +316,16 @@ def test_a_deeply_nested_claim_is_taken_over_with_few_descriptors(tmp_path: Path
     assert [t.returned for t in sweep.taken] == [[deep]], sweep.refused
     assert (inbox / deep).read_bytes() == b"deep"
     assert not (inbox / ".processing" / "a").exists()
+
+
+def test_recovery_does_not_give_a_file_back_through_a_planted_link(tmp_path: Path) -> None:
+    """The dead instance's own restart (and every release) takes the same care."""
+    inbox, outside = tmp_path / "inbox", tmp_path / "outside"
+    outside.mkdir()
+    a = dead(tmp_path, "a", {"sub/x.jpg": b"x"})
+    (inbox / "sub").rmdir()
+    (inbox / "sub").symlink_to(outside)
+    a.lock_instance()
+    a.recover()
+    assert list(outside.iterdir()) == []
+    assert (inbox / ".processing" / "a" / "sub" / "x.jpg").read_bytes() == b"x"

@@ -27,9 +27,9 @@ from inboxd.files.durable import (
 )
 from inboxd.files.instances import LEDGER_SUFFIX, LOCK_WAIT_S, flock_within
 from inboxd.files.names import output_path
-from inboxd.files.renames import name_variants, place, rename_noreplace, time_token
+from inboxd.files.renames import name_variants, rename_noreplace, time_token
 from inboxd.files.results import ResultFiles, sha_token
-from inboxd.files.safe_paths import open_inside
+from inboxd.files.safe_paths import LinkedFolder, open_inside
 
 ERROR_SUFFIX = ".error.json"
 # A file in flight at this many stage crashes in a row is failed instead of retried.
@@ -140,10 +140,15 @@ class Lifecycle:
 
     def release(self, claimed: Path, inbox_path: Path) -> Path | None:
         """Hand a claimed file back to the inbox, where a later scan finds it again (under a
-        free variant of its name if a new file took it meanwhile)."""
+        free variant of its name if a new file took it meanwhile), never through a folder
+        swapped for a link since the claim: then it stays claimed (None, as if gone)."""
+        inbox = next((i for i in self.config.inbox.paths if inbox_path.is_relative_to(i)),
+                     inbox_path.parent)
+        rel = inbox_path.relative_to(inbox).as_posix()
         try:
-            return place(claimed, inbox_path, time_token())
-        except FileNotFoundError:
+            with open_inside(claimed.parent, []) as folder:
+                return inbox / renames.place_inside(claimed.name, folder, inbox, rel, time_token())
+        except (FileNotFoundError, LinkedFolder):
             return None
 
     def recover(self) -> tuple[int, int]:
@@ -171,10 +176,9 @@ class Lifecycle:
         return instances.file_sha256(claimed, self.max_file_bytes)
 
     def finish_if_done(self, claimed: Path, inbox: Path, rel: str, sha256: str) -> bool:
-        """Finish (per ``after_success``) a claimed file whose result is already durable: its
-        holder died before the move. Given back, it could land under a variant name (a new
-        file took its own) and be filed again under that key. Found by sha256 under its name
-        or the one it had before a claim's collision variant."""
+        """Finish a claimed file whose result is durable (its holder died before the move):
+        given back under a variant name (a new file took its own) it would be filed again.
+        Found by sha256 under its name or the one before a claim's collision variant."""
         if self.config.inbox.after_success == "keep" or not sha256:  # keep: redone on purpose
             return False
         folder, slash, leaf = rel.rpartition("/")

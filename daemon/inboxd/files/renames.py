@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from inboxd.files.names import fit_name
+from inboxd.files.safe_paths import open_inside
 
 RENAME_NOREPLACE = 1
 AT_FDCWD = -100
@@ -110,4 +111,20 @@ def place(source: Path, target: Path, token: str) -> Path:
         except FileExistsError:
             continue
         return candidate
+    raise AssertionError("name_variants never ends")  # pragma: no cover
+
+
+def place_inside(source: str, source_dir_fd: int, root: Path, rel: str, token: str) -> str:
+    """Rename ``source`` (in folder ``source_dir_fd``) to ``root/rel`` or the first free
+    variant of its name; returns the ``rel`` it got. The folders on the way are made or opened
+    without following links: one swapped for a link since the file left would carry it out
+    of ``root`` (``LinkedFolder``, and nothing moves)."""
+    folders, _, leaf = rel.rpartition("/")
+    with open_inside(root, folders.split("/") if folders else [], create=True) as target_dir:
+        for candidate in name_variants(leaf, token):
+            try:
+                rename_noreplace(source, candidate, source_dir_fd, target_dir)
+            except FileExistsError:
+                continue
+            return f"{folders}/{candidate}" if folders else candidate
     raise AssertionError("name_variants never ends")  # pragma: no cover

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from inboxd.files.instances import LEDGER_SUFFIX, LOCK_SUFFIX, Ledger, crashes_of, read_ledger
 from inboxd.files.lifecycle import CRASHES_BEFORE_FAILING, Lifecycle
-from inboxd.files.renames import name_variants, rename_noreplace, time_token
+from inboxd.files.renames import place_inside, time_token
 from inboxd.files.safe_paths import DIR_FLAGS, LinkedFolder, open_inside
 
 PROCESSING = ".processing"
@@ -240,18 +240,8 @@ def _take_back(walk: _Walk, fd: int, entry: str, rel: str) -> None:
 
 
 def _give_back(fd: int, entry: str, inbox: Path, rel: str) -> str | None:
-    """Rename ``entry`` (in folder ``fd``) to ``inbox/rel`` or a free variant of its name;
-    returns the name it got under the inbox. The folders on the way are made or opened
-    without following links: one swapped for a link since the claim would carry the file
-    out of the inbox (``LinkedFolder``: the file stays where it is)."""
-    folders, _, leaf = rel.rpartition("/")
-    with open_inside(inbox, folders.split("/") if folders else [], create=True) as target_dir:
-        for candidate in name_variants(leaf, time_token()):
-            try:
-                rename_noreplace(entry, candidate, fd, target_dir)
-            except FileExistsError:
-                continue
-            except FileNotFoundError:
-                return None
-            return f"{folders}/{candidate}" if folders else candidate
-    return None  # pragma: no cover - name_variants never ends
+    """``entry`` (in folder ``fd``) back to ``inbox/rel`` or a free variant of its name."""
+    try:
+        return place_inside(entry, fd, inbox, rel, time_token())
+    except FileNotFoundError:
+        return None
