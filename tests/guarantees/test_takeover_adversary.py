@@ -88,9 +88,9 @@ def test_one_odd_lock_does_not_stop_the_sweep_for_the_others(tmp_path: Path) -> 
         assert (processing / odd / f"{odd}.jpg").exists()
 
 
-def test_a_folder_that_cannot_be_read_does_not_stop_the_sweep(tmp_path: Path) -> None:
-    """A file where a dead instance's sub-folder was swapped in mid-walk, or a folder we may
-    not read: that instance waits for the next sweep; the others are still taken over."""
+def test_a_fifo_where_a_claimed_folder_was_goes_back_like_a_file(tmp_path: Path) -> None:
+    """A FIFO swapped in for a dead instance's sub-folder is neither opened (it would block)
+    nor a reason to stop: it goes back as it is, and the other instance is taken over too."""
     inbox = tmp_path / "inbox"
     dead(tmp_path, "a", {"deep/x.jpg": b"x"})
     dead(tmp_path, "c", {"c.jpg": b"c"})
