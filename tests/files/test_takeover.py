@@ -5,6 +5,7 @@ follow a file from one instance to the next, and no planted link is followed."""
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import threading
@@ -104,7 +105,8 @@ def test_a_file_that_kills_every_instance_still_ends_in_failed(tmp_path: Path) -
 
     assert take_over_dead(b).taken[0].returned == ["killer.jpg"]
     ledger = json.loads((inbox / ".processing" / "a.crashes.json").read_text())
-    assert ledger == {"killer.jpg": [1, "stage model-worker crashed: RuntimeError('boom')"]}
+    assert ledger == {"killer.jpg": [1, "stage model-worker crashed: RuntimeError('boom')",
+                                    hashlib.sha256(b"boom").hexdigest()]}
 
     assert b.claim(inbox, "killer.jpg") is not None
     b.record_crash("stage model-worker crashed: RuntimeError('boom')")

@@ -8,8 +8,12 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import stat
 import time
 from pathlib import Path
+
+from inboxd.files.reading import hash_stream, open_input
+from inboxd.item import PermanentError, TransientError
 
 LOCK_SUFFIX = ".lock"
 LEDGER_SUFFIX = ".crashes.json"
@@ -18,6 +22,9 @@ LEDGER_SUFFIX = ".crashes.json"
 # and the dead one restarting then must wait, not refuse to start.
 LOCK_WAIT_S = 5.0
 LOCK_RETRY_S = 0.05
+# A ledger names what was in flight at a crash (a few batches): far below this. Cut short, a
+# planted giant one is not valid JSON and counts nothing.
+MAX_LEDGER_BYTES = 4 << 20
 
 
 def flock_within(fd: int, wait_s: float) -> bool:
@@ -33,30 +40,65 @@ def flock_within(fd: int, wait_s: float) -> bool:
             time.sleep(LOCK_RETRY_S)
 
 
-def read_ledger(path: Path) -> dict[str, tuple[int, str]]:
-    """One instance's ledger: claimed name → (crashes in a row, the last crash's reason)."""
+# One instance's ledger: claimed name → (crashes in a row, the last crash's reason, the sha256
+# of the bytes in flight then, "" when they could not be read).
+Ledger = dict[str, tuple[int, str, str]]
+
+
+def read_ledger(path: Path) -> Ledger:
+    """One instance's ledger (an entry from before the sha256 was kept has an unknown one).
+
+    Every instance reads every ledger beside it, so one planted there is read carefully: a
+    link is not followed (it could name anything), a FIFO not waited on (start-up would block
+    for ever), and no more than ``MAX_LEDGER_BYTES`` read (a link to /dev/zero never ends)."""
     try:
-        data = json.loads(path.read_bytes())
-        return {rel: (int(n), str(why)) for rel, (n, why) in data.items()}
-    except (OSError, ValueError, TypeError, AttributeError):
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return {}
+            data = json.loads(handle.read(MAX_LEDGER_BYTES))
+        return {rel: (int(entry[0]), str(entry[1]), str(entry[2]) if len(entry) > 2 else "")
+                for rel, entry in data.items()}
+    except (OSError, ValueError, TypeError, AttributeError, IndexError, KeyError):
         return {}
 
 
-def merged_ledgers(folder: Path) -> dict[str, tuple[int, str]]:
-    """Every instance's ledger in ``folder`` (a ``.processing/``), the highest count per name.
+def all_ledgers(folder: Path) -> list[Ledger]:
+    """Every instance's ledger in ``folder`` (a ``.processing/``).
 
     A file a takeover returned to the inbox can next be claimed by any instance: its count
     must follow it there, or a file that kills whichever instance takes it would go round a
     shared inbox for ever. Each ledger is written only by its own instance, or by whoever
     holds that instance's lock, always by an atomic replace: reading them needs no lock."""
-    merged: dict[str, tuple[int, str]] = {}
     try:
         names = sorted(n for n in os.listdir(folder)
                        if n.endswith(LEDGER_SUFFIX) and not n.startswith("."))
     except OSError:
-        return merged
-    for name in names:
-        for rel, (n, why) in read_ledger(folder / name).items():
-            if n > merged.get(rel, (0, ""))[0]:
-                merged[rel] = (n, why)
-    return merged
+        return []
+    return [read_ledger(folder / name) for name in names]
+
+
+def crashes_of(ledgers: list[Ledger], rel: str, sha256: str) -> tuple[int, str]:
+    """The highest count any ledger has for *these bytes*: under any name (given back when its
+    name was taken, a file comes back as a variant, and a crasher must not shed its count by
+    that), and under ``rel`` only for the same bytes — names are reused (two cameras'
+    IMG_0001.jpg), and a count other bytes left under it (a ledger is only rewritten at its
+    own instance's next crash) must not fail a healthy file. Bytes unknown on either side:
+    the name decides, erring towards failed/ rather than a crash loop."""
+    best = (0, "")
+    for ledger in ledgers:
+        for name, (n, why, sha) in ledger.items():
+            same = sha == sha256 if sha and sha256 else name == rel
+            if n > best[0] and same:
+                best = (n, why)
+    return best
+
+
+def file_sha256(path: Path, max_bytes: int) -> str:
+    """The sha256 of a claimed regular file, "" when it cannot be read (a link, a FIFO, gone,
+    larger than ``max_bytes``)."""
+    try:
+        with open_input(path, max_bytes) as handle:
+            return hash_stream(handle)[0]
+    except (OSError, PermanentError, TransientError):
+        return ""

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from inboxd.config import Config
+from inboxd.files import instances, renames
 from inboxd.files.durable import (
     fsync_dir,
     json_bytes,
@@ -24,11 +25,11 @@ from inboxd.files.durable import (
     walk_files,
     write_tmp,
 )
-from inboxd.files.instances import LEDGER_SUFFIX, LOCK_WAIT_S, flock_within, merged_ledgers
+from inboxd.files.instances import LEDGER_SUFFIX, LOCK_WAIT_S, flock_within
 from inboxd.files.names import output_path
-from inboxd.files.renames import name_variants, place, rename_noreplace, time_token
+from inboxd.files.renames import name_variants, rename_noreplace, time_token
 from inboxd.files.results import ResultFiles, sha_token
-from inboxd.files.safe_paths import open_inside
+from inboxd.files.safe_paths import LinkedFolder, open_inside
 
 ERROR_SUFFIX = ".error.json"
 # A file in flight at this many stage crashes in a row is failed instead of retried.
@@ -49,6 +50,7 @@ class Lifecycle:
                                    config.done_dir if policy == "move" else None,
                                    replace_kept=policy == "keep")
         self._locks: list[int] = []
+        self.max_file_bytes = config.preprocess.max_file_mb * 2**20
 
     def tmp_dirs(self) -> list[Path]:
         """Our temp folders, on the filesystem of each destination (emptied at start-up)."""
@@ -138,10 +140,15 @@ class Lifecycle:
 
     def release(self, claimed: Path, inbox_path: Path) -> Path | None:
         """Hand a claimed file back to the inbox, where a later scan finds it again (under a
-        free variant of its name if a new file took it meanwhile)."""
+        free variant of its name if a new file took it meanwhile), never through a folder
+        swapped for a link since the claim: then it stays claimed (None, as if gone)."""
+        inbox = next((i for i in self.config.inbox.paths if inbox_path.is_relative_to(i)),
+                     inbox_path.parent)
+        rel = inbox_path.relative_to(inbox).as_posix()
         try:
-            return place(claimed, inbox_path, time_token())
-        except FileNotFoundError:
+            with open_inside(claimed.parent, []) as folder:
+                return inbox / renames.place_inside(claimed.name, folder, inbox, rel, time_token())
+        except (FileNotFoundError, LinkedFolder):
             return None
 
     def recover(self) -> tuple[int, int]:
@@ -152,17 +159,39 @@ class Lifecycle:
         returned = failed = 0
         for inbox in self.config.inbox.paths:
             processing = self.config.processing_dir(inbox)
-            ledger = self.crash_counts(inbox)
+            ledgers = self.crash_counts(inbox)
             for claimed in walk_files(processing):
                 rel = claimed.relative_to(processing).as_posix()
-                crashes, reason = ledger.get(rel, (0, ""))
+                sha256 = self.sha256_of(claimed)
+                crashes, reason = instances.crashes_of(ledgers, rel, sha256)
                 if crashes >= CRASHES_BEFORE_FAILING and self.fail_crasher(
                         claimed, inbox, rel, crashes, reason, self.config.instance):
                     failed += 1
-                else:
+                elif not self.finish_if_done(claimed, inbox, rel, sha256):
                     self.release(claimed, inbox / rel)
                     returned += 1
         return returned, failed
+
+    def sha256_of(self, claimed: Path) -> str:
+        return instances.file_sha256(claimed, self.max_file_bytes)
+
+    def finish_if_done(self, claimed: Path, inbox: Path, rel: str, sha256: str) -> bool:
+        """Finish a claimed file whose result is durable (its holder died before the move):
+        given back under a variant name (a new file took its own) it would be filed again.
+        Found by sha256 under its name or the one before a claim's collision variant."""
+        if self.config.inbox.after_success == "keep" or not sha256:  # keep: redone on purpose
+            return False
+        folder, slash, leaf = rel.rpartition("/")
+        plain = renames.before_time_variant(leaf)
+        try:
+            for key in [rel] + ([folder + slash + plain] if plain else []):
+                name = self.results.find(self.config.key_for(inbox, key), sha256)
+                if name is not None:
+                    self.finish_success(claimed, name, inbox / key, sha256)
+                    return True
+        except OSError:
+            pass  # done/ full or read-only: given back, and decided again later
+        return False
 
     def fail_crasher(self, claimed: Path, inbox: Path, rel: str, crashes: int,
                      reason: str, instance: str) -> bool:
@@ -186,13 +215,9 @@ class Lifecycle:
         name = instance or self.config.instance
         return self.config.processing_dir(inbox).parent / f"{name}{LEDGER_SUFFIX}"
 
-    def crash_counts(self, inbox: Path) -> dict[str, tuple[int, str]]:
-        """Crashes in a row per claimed name, over every instance's ledger on this inbox (the
-        highest count wins). A file returned by a takeover may next be claimed by any
-        instance: its count must follow it, or a file that kills whichever instance takes it
-        would go round a shared inbox for ever. Each ledger is written only by its instance
-        (or by whoever holds that instance's lock), so reading them all needs no lock."""
-        return merged_ledgers(self.config.processing_dir(inbox).parent)
+    def crash_counts(self, inbox: Path) -> list[instances.Ledger]:
+        """Every instance's ledger here, for ``crashes_of``: a count follows its file."""
+        return instances.all_ledgers(self.config.processing_dir(inbox).parent)
 
     def record_crash(self, reason: str) -> None:
         """A stage crashed: count one crash against every file claimed now, and forget the
@@ -201,9 +226,11 @@ class Lifecycle:
         next start-up reads this in ``recover``."""
         for inbox in self.config.inbox.paths:
             processing = self.config.processing_dir(inbox)
-            ledger = self.crash_counts(inbox)
-            in_flight = {p.relative_to(processing).as_posix() for p in walk_files(processing)}
-            updated = {rel: [ledger.get(rel, (0, ""))[0] + 1, reason] for rel in in_flight}
+            ledgers = self.crash_counts(inbox)
+            updated: dict[str, list[object]] = {}
+            for claimed in walk_files(processing):  # the bytes too: a name is often reused
+                rel, sha256 = claimed.relative_to(processing).as_posix(), self.sha256_of(claimed)
+                updated[rel] = [instances.crashes_of(ledgers, rel, sha256)[0] + 1, reason, sha256]
             self.write_ledger(inbox, self.config.instance, updated)
 
     def write_ledger(self, inbox: Path, instance: str, entries: dict[str, Any]) -> None:
@@ -271,4 +298,3 @@ class Lifecycle:
             # very name since the check): take the report back, so there is one outcome only.
             report_path.unlink(missing_ok=True)
             raise
-

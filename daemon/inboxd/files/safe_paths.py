@@ -22,13 +22,17 @@ class LinkedFolder(OSError):
 
 
 @contextlib.contextmanager
-def open_inside(root: Path, parts: Sequence[str]) -> Iterator[int]:
-    """A file descriptor for ``root/parts…``, each part opened without following links."""
+def open_inside(root: Path, parts: Sequence[str], create: bool = False) -> Iterator[int]:
+    """A file descriptor for ``root/parts…``, each part opened without following links;
+    ``create``: a missing part is made (a link there is still refused, never followed)."""
     fd = os.open(root, DIR_FLAGS)
     try:
         for part in parts:
             if part in ("", ".", ".."):
                 raise LinkedFolder(errno.EINVAL, f"not a plain folder name: {part!r}")
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, dir_fd=fd)
             try:
                 child = os.open(part, DIR_FLAGS, dir_fd=fd)
             except OSError as exc:

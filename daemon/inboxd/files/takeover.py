@@ -7,9 +7,10 @@ restart waits for it (``instances.LOCK_WAIT_S``), ``inboxd recover`` and every o
 takeover are shut out. Holding it, the taker returns each claimed file to the inbox under its
 own name (a free variant if the name was taken meanwhile, never replacing anything), or sends
 one that was in flight at ``CRASHES_BEFORE_FAILING`` stage crashes to failed/ (counts are
-read from every instance's ledger, ``instances.merged_ledgers``), removes the emptied folder,
-and lets the lock go. The lock file itself stays: unlinking a lock file someone may have open
-lets two processes both "hold" it.
+read from every instance's ledger, for these bytes: ``instances.crashes_of``), finishes one
+whose result is already durable, removes the emptied folder, and lets the lock go. The lock
+file itself stays: unlinking a lock file someone may have open lets two processes both
+"hold" it.
 
 Never touched: a live instance (its lock is held; we never wait for it), a folder without a
 lock file (a version before locks, or a lock someone deleted: its holder may still be running
@@ -25,12 +26,13 @@ import errno
 import fcntl
 import os
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from inboxd.files.instances import LEDGER_SUFFIX, LOCK_SUFFIX, read_ledger
+from inboxd.files.instances import LEDGER_SUFFIX, LOCK_SUFFIX, Ledger, crashes_of, read_ledger
 from inboxd.files.lifecycle import CRASHES_BEFORE_FAILING, Lifecycle
-from inboxd.files.renames import name_variants, rename_noreplace, time_token
+from inboxd.files.renames import place_inside, time_token
 from inboxd.files.safe_paths import DIR_FLAGS, LinkedFolder, open_inside
 
 PROCESSING = ".processing"
@@ -44,6 +46,7 @@ class TakenOver:
     instance: str
     returned: list[str] = field(default_factory=list)  # names under the inbox
     failed: int = 0
+    finished: int = 0  # result already durable (it died before the move): moved on, not back
 
 
 @dataclass
@@ -61,7 +64,11 @@ def take_over_dead(lifecycle: Lifecycle) -> Sweep:
         try:
             with open_inside(inbox, [PROCESSING]) as processing:
                 for name in _other_instances(processing, own, inbox / PROCESSING, sweep):
-                    _take_over_one(lifecycle, inbox, processing, name, sweep)
+                    try:
+                        _take_over_one(lifecycle, inbox, processing, name, sweep)
+                    except OSError as exc:  # that instance's problem: the others still go
+                        sweep.refused.append((str(inbox / PROCESSING / name),
+                                              f"cannot take it over now: {exc}"))
         except LinkedFolder:
             sweep.refused.append((str(inbox / PROCESSING), "a symbolic link, not a folder"))
         except FileNotFoundError:
@@ -100,10 +107,10 @@ def _take_over_one(lifecycle: Lifecycle, inbox: Path, processing: int, name: str
                               "its lock deleted); once it is not, run inboxd recover "
                               f"--instance {name}"))
         return
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:
-            raise
-        sweep.refused.append((str(where / (name + LOCK_SUFFIX)), "a symbolic link, not a lock"))
+    except OSError as exc:  # a folder, a socket, a file we may not open: not a lock of ours
+        why = ("a symbolic link, not a lock" if exc.errno == errno.ELOOP
+               else f"not a lock we can take: {exc.strerror or exc}")
+        sweep.refused.append((str(where / (name + LOCK_SUFFIX)), why))
         return
     try:
         if not stat.S_ISREG(os.fstat(lock).st_mode):
@@ -124,86 +131,117 @@ def _take_over_one(lifecycle: Lifecycle, inbox: Path, processing: int, name: str
             raise
         taken = TakenOver(inbox, name)
         try:
-            _return_all(lifecycle, inbox, name, folder, taken)
+            _return_all(lifecycle, inbox, name, folder, taken, sweep)
         finally:
             os.close(folder)
+            # Counted and said even when we stopped part-way.
+            if taken.returned or taken.failed or taken.finished:
+                sweep.taken.append(taken)
         with contextlib.suppress(OSError):  # not empty (a file could not go back): next time
             os.rmdir(name, dir_fd=processing)
-        if taken.returned or taken.failed:
-            sweep.taken.append(taken)
     finally:
         os.close(lock)  # releases the lock: the dead instance may start again now
 
 
+@dataclass
+class _Walk:
+    lifecycle: Lifecycle
+    inbox: Path
+    instance: str
+    counts: list[Ledger]
+    taken: TakenOver
+    sweep: Sweep
+    still_counted: dict[str, list[object]] = field(default_factory=dict)
+
+
 def _return_all(lifecycle: Lifecycle, inbox: Path, instance: str, top: int,
-                taken: TakenOver) -> None:
+                taken: TakenOver, sweep: Sweep) -> None:
     """Every file under the folder ``top`` back to the inbox (or failed/), folders emptied and
-    removed bottom-up; iterative, so no nesting depth can exhaust the stack."""
+    removed bottom-up."""
+    walk = _Walk(lifecycle, inbox, instance, lifecycle.crash_counts(inbox), taken, sweep)
     ledger_path = lifecycle.ledger_path(inbox, instance)
-    counts = lifecycle.crash_counts(inbox)
-    still_counted: dict[str, list[object]] = {}
-    # (descriptor, rel prefix, names left, parent descriptor, own name)
-    stack: list[tuple[int, str, list[str], int, str]] = [
-        (top, "", sorted(os.listdir(top), reverse=True), -1, "")]
+    walked = False
     try:
-        _walk_back(lifecycle, inbox, instance, stack, counts, still_counted, taken)
+        _walk_back(walk, top)
+        walked = True
     finally:
-        for fd, _, _, parent, _ in stack:
-            if parent >= 0:
-                os.close(fd)
-    # The dead instance's ledger now holds only the files it gave back with a count: they keep
-    # it wherever they are claimed next; the rest of it is history.
-    if still_counted or os.path.lexists(ledger_path):
-        known = read_ledger(ledger_path)
-        if {k: list(v) for k, v in known.items()} != still_counted:
-            lifecycle.write_ledger(inbox, instance, still_counted)
+        # The dead instance's ledger now holds only the files it gave back with a count: they
+        # keep it wherever they are claimed next; the rest of it is history. Stopped part-way
+        # (an error), the files still there keep theirs too: a crasher must not lose its count.
+        known = {k: list(v) for k, v in read_ledger(ledger_path).items()}
+        wanted = walk.still_counted if walked else {**known, **walk.still_counted}
+        if known != wanted:
+            lifecycle.write_ledger(inbox, instance, wanted)
 
 
-def _walk_back(lifecycle: Lifecycle, inbox: Path, instance: str,
-               stack: list[tuple[int, str, list[str], int, str]],
-               counts: dict[str, tuple[int, str]], still_counted: dict[str, list[object]],
-               taken: TakenOver) -> None:
+@contextlib.contextmanager
+def _open_below(top: int, parts: tuple[str, ...]) -> Iterator[int]:
+    """``top/parts…`` opened one part at a time without following links, holding two
+    descriptors at most: a walk that kept one per level open would run out of them at a
+    depth a recursive inbox allows (PATH_MAX: ~2000 levels), and starve every other thread."""
+    fd = os.dup(top)
+    try:
+        for part in parts:
+            child = os.open(part, DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _walk_back(walk: _Walk, top: int) -> None:
+    """Depth first and iterative (no nesting depth can exhaust the stack), folders named by
+    their parts below ``top``, each opened again when needed (see ``_open_below``)."""
+    stack: list[tuple[tuple[str, ...], bool]] = [((), False)]  # (folder, its files done)
     while stack:
-        fd, prefix, names, parent, own = stack[-1]
-        if not names:
-            stack.pop()
-            if parent >= 0:
-                os.close(fd)
-                with contextlib.suppress(OSError):  # not empty: something stayed
-                    os.rmdir(own, dir_fd=parent)
+        parts, expanded = stack.pop()
+        if expanded:
+            if parts:
+                with _open_below(top, parts[:-1]) as parent, contextlib.suppress(OSError):
+                    os.rmdir(parts[-1], dir_fd=parent)  # not empty: something stayed
             continue
-        entry = names.pop()
-        rel = prefix + entry
-        try:
-            mode = os.stat(entry, dir_fd=fd, follow_symlinks=False).st_mode
-        except FileNotFoundError:
-            continue
-        if stat.S_ISDIR(mode):
-            child = os.open(entry, DIR_FLAGS, dir_fd=fd)
-            stack.append((child, rel + "/", sorted(os.listdir(child), reverse=True), fd, entry))
-            continue
-        crashes, reason = counts.get(rel, (0, ""))
-        claimed = Path(f"/proc/self/fd/{fd}") / entry
-        if crashes >= CRASHES_BEFORE_FAILING and lifecycle.fail_crasher(
-                claimed, inbox, rel, crashes, reason, instance):
-            taken.failed += 1
-            continue
-        placed = _give_back(fd, entry, inbox / rel)
-        if placed is not None:
-            taken.returned.append(placed.relative_to(inbox).as_posix())
-            if crashes:
-                still_counted[placed.relative_to(inbox).as_posix()] = [crashes, reason]
+        stack.append((parts, True))
+        with _open_below(top, parts) as fd:
+            for entry in sorted(os.listdir(fd), reverse=True):
+                try:
+                    mode = os.stat(entry, dir_fd=fd, follow_symlinks=False).st_mode
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISDIR(mode):
+                    stack.append(((*parts, entry), False))
+                else:
+                    _take_back(walk, fd, entry, "/".join((*parts, entry)))
 
 
-def _give_back(fd: int, entry: str, target: Path) -> Path | None:
-    """Rename ``entry`` (in folder ``fd``) to ``target`` or a free variant of its name."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    for candidate in name_variants(target.name, time_token()):
-        try:
-            rename_noreplace(entry, target.with_name(candidate), fd)
-        except FileExistsError:
-            continue
-        except FileNotFoundError:
-            return None
-        return target.with_name(candidate)
-    return None  # pragma: no cover - name_variants never ends
+def _take_back(walk: _Walk, fd: int, entry: str, rel: str) -> None:
+    """One claimed file: to failed/ (a repeat crasher), on (its result is durable), or back."""
+    claimed = Path(f"/proc/self/fd/{fd}") / entry
+    sha256 = walk.lifecycle.sha256_of(claimed)
+    crashes, reason = crashes_of(walk.counts, rel, sha256)
+    if crashes >= CRASHES_BEFORE_FAILING and walk.lifecycle.fail_crasher(
+            claimed, walk.inbox, rel, crashes, reason, walk.instance):
+        walk.taken.failed += 1
+        return
+    if walk.lifecycle.finish_if_done(claimed, walk.inbox, rel, sha256):
+        walk.taken.finished += 1
+        return
+    try:
+        placed = _give_back(fd, entry, walk.inbox, rel)
+    except LinkedFolder as exc:
+        walk.sweep.refused.append((str(walk.inbox / rel), f"cannot go back: {exc.strerror}"))
+        if crashes:
+            walk.still_counted[rel] = [crashes, reason, sha256]  # still claimed under that name
+        return
+    if placed is not None:
+        walk.taken.returned.append(placed)
+        if crashes:
+            walk.still_counted[placed] = [crashes, reason, sha256]
+
+
+def _give_back(fd: int, entry: str, inbox: Path, rel: str) -> str | None:
+    """``entry`` (in folder ``fd``) back to ``inbox/rel`` or a free variant of its name."""
+    try:
+        return place_inside(entry, fd, inbox, rel, time_token())
+    except FileNotFoundError:
+        return None

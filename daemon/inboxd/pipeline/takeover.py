@@ -53,9 +53,12 @@ class Takeovers:
                       f"{count} claimed file(s) to {taken.inbox}"
                       + (f" ({shown})" if count else "")
                       + (f"; {taken.failed} in flight at repeated crashes went to failed/"
-                         if taken.failed else ""),
+                         if taken.failed else "")
+                      + (f"; {taken.finished} whose result was already durable finished"
+                         if taken.finished else ""),
                       dead_instance=taken.instance, inbox=str(taken.inbox), returned=count,
-                      failed=taken.failed, instance=self.lifecycle.config.instance)
+                      failed=taken.failed, finished=taken.finished,
+                      instance=self.lifecycle.config.instance)
         for path, why in found.refused:
             if path not in self._reported and len(self._reported) < MAX_REPORTED:
                 self._reported.add(path)
