@@ -30,7 +30,7 @@ import numpy.typing as npt
 
 from inboxd.files.durable import commit_pause, fsync_dir, json_bytes, write_tmp, write_tmps
 from inboxd.files.names import output_path
-from inboxd.files.renames import key_variants, place, rename_noreplace
+from inboxd.files.renames import key_variants, place, rename_into
 
 JSON_SUFFIX = ".json"
 VECTOR_SUFFIX = ".npy"
@@ -167,9 +167,8 @@ class ResultFiles:
         next free one (rewriting the JSON, and the vector, for it)."""
         while True:
             target = self.json_path(name)
-            target.parent.mkdir(parents=True, exist_ok=True)
             try:
-                rename_noreplace(tmp, target)
+                rename_into(tmp, target)
                 return name
             except FileExistsError:
                 if self.recorded_sha256(name) == entry.sha256:
