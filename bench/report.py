@@ -102,7 +102,11 @@ def overhead_lines(r: dict[str, Any]) -> list[str]:
            f"  inboxd, 2 instances on one inbox: {two['files_per_s']:.0f} files/s = "
            f"{r['ratio_two']:.2f}x",
            f"  CPU per file: daemon {one['cpu_ms_per_file']['daemon']:.2f} ms, decode workers "
-           f"{one['cpu_ms_per_file']['decode_workers']:.2f} ms"]
+           f"{one['cpu_ms_per_file']['decode_workers']:.2f} ms; the loop "
+           f"{r['reference'].get('cpu_ms_per_file', float('nan')):.2f} / "
+           f"{r['reference_after'].get('cpu_ms_per_file', float('nan')):.2f} ms; loop CPU / "
+           f"inboxd CPU {r.get('cpu_ratio', float('nan')):.2f} (x 2 cores = the ratio a quiet "
+           "machine allows)"]
     if "memory" in r:
         mem = r["memory"]
         small, big = (mem[k]["peak_rss_above_idle"] for k in sorted(mem, key=int)[:2])
