@@ -81,10 +81,17 @@ def sync_together(fds: Sequence[int]) -> None:
         for fd in fds:
             os.fdatasync(fd)
         return
-    futures = [_pool().submit(os.fdatasync, fd) for fd in fds]
+    # One task per thread, each with its share: a hand-off per thread, not one per file.
+    shares = [fds[start::SYNC_THREADS] for start in range(min(SYNC_THREADS, len(fds)))]
+    futures = [_pool().submit(_sync_each, share) for share in shares]
     errors = [exc for future in futures if (exc := future.exception()) is not None]
     if errors:
         raise errors[0]
+
+
+def _sync_each(fds: Sequence[int]) -> None:
+    for fd in fds:
+        os.fdatasync(fd)
 
 
 def write_tmps(tmp_dir: Path, blobs: Sequence[bytes], suffix: str) -> list[Path]:
