@@ -97,9 +97,15 @@ uninstall:
 	@PREFIX=$(PREFIX) bash systemd/install.sh uninstall
 
 # Benchmarks (bench/): one table + JSON + PNG under bench/out/. Not tests: figures, not asserts.
-.PHONY: bench bench-sweep bench-ray
+.PHONY: bench bench-sweep bench-ray bench-overhead
 bench: setup-test
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
+
+# Only the pipeline-overhead scenario of `make bench` (null model, 4,000 tiny JPEGs, 1 and 2
+# instances, a cProfile run, peak RSS under 2,000 vs 20,000 files): a few minutes (10 on a
+# saturated machine).
+bench-overhead: setup-test
+	$(BIN)/python -m bench.overhead $(BENCH_ARGS)
 
 bench-sweep: setup-test
 	$(BIN)/python -m bench.sweep $(BENCH_ARGS)

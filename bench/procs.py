@@ -132,7 +132,10 @@ class RssSampler:
 class Daemon:
     """``python -m inboxd run -c CONFIG``; ``ready_s`` is start → ``[ready]`` in seconds."""
 
-    def __init__(self, config: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, config: Path, env: dict[str, str] | None = None,
+                 command: list[str] | None = None) -> None:
+        """``command`` replaces ``-m inboxd`` (the profiled runner, say); ``run -c CONFIG``
+        follows it."""
         self.config = config
         self.ready = threading.Event()
         self.ready_s: float | None = None
@@ -143,7 +146,7 @@ class Daemon:
         self._lock = threading.Condition()
         self._started = time.monotonic()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "inboxd", "run", "-c", str(config)],
+            [sys.executable, *(command or ["-m", "inboxd"]), "run", "-c", str(config)],
             cwd=config.parent,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,

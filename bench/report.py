@@ -89,6 +89,44 @@ def rows(r: dict[str, Any]) -> list[Row]:
     return out
 
 
+def overhead_lines(r: dict[str, Any]) -> list[str]:
+    """The overhead scenario's part of the bench table."""
+    one, two = r["one"], r["two"]
+    out = [f"pipeline overhead ({r['setup']['files']:,} JPEGs of 64x48, null torch.export "
+           f"model 32x32, batch {r['setup']['batch']}):",
+           f"  single-thread durable loop: {r['reference']['files_per_s']:.0f} / "
+           f"{r['reference_after']['files_per_s']:.0f} files/s (before / after; max counts)",
+           f"  inboxd, 1 instance: {one['files_per_s']:.0f} files/s = {r['ratio_one']:.2f}x "
+           f"the loop (target >= 1.5x: {'yes' if r['ratio_one'] >= 1.5 else 'NO'}); "
+           f"batch p50 {one.get('batch_size_p50', float('nan')):.0f}",
+           f"  inboxd, 2 instances on one inbox: {two['files_per_s']:.0f} files/s = "
+           f"{r['ratio_two']:.2f}x",
+           f"  CPU per file: daemon {one['cpu_ms_per_file']['daemon']:.2f} ms, decode workers "
+           f"{one['cpu_ms_per_file']['decode_workers']:.2f} ms; the loop "
+           f"{r['reference'].get('cpu_ms_per_file', float('nan')):.2f} / "
+           f"{r['reference_after'].get('cpu_ms_per_file', float('nan')):.2f} ms; loop CPU / "
+           f"inboxd CPU {r.get('cpu_ratio', float('nan')):.2f} (x 2 cores = the ratio a quiet "
+           "machine allows)"]
+    if "memory" in r:
+        mem = r["memory"]
+        small, big = (mem[k]["peak_rss_above_idle"] for k in sorted(mem, key=int)[:2])
+        out.append("  peak RSS above idle: " + ", ".join(
+            f"{int(k):,} files {v['peak_rss_above_idle'] / 2**20:.1f} MB"
+            for k, v in sorted(mem.items(), key=lambda kv: int(kv[0])))
+                   + f" (target: within 10%: {'yes' if big <= small * 1.1 else 'NO'})")
+    if "profile" in r:
+        p = r["profile"]
+        out.append(f"  profile (cProfile, every thread; {p['busy_ms_per_file']:.2f} ms busy "
+                   "per file, profiled): " + ", ".join(
+                       f"{k} {v:.0%}" for k, v in sorted(p["share_of_busy"].items(),
+                                                         key=lambda kv: -kv[1]) if v >= 0.01))
+        out.append("  per file: " + ", ".join(f"{k} {v:g}"
+                                               for k, v in p["calls_per_file"].items()))
+        out.append("  top functions (ms per file, profiled): " + "; ".join(
+            f"{t['function']} {t['ms_per_file']:.3f}" for t in p["top"][:8]))
+    return out
+
+
 def table(r: dict[str, Any]) -> str:
     env = r["environment"]
     device = env["gpu"] or f"CPU, {env['cpus']} cores, {env['torch_threads']} torch threads"
@@ -120,6 +158,9 @@ def table(r: dict[str, Any]) -> str:
     if "model_rss_mb" in r["ceiling"]:
         lines.append("model working set, peak RSS one call adds, by batch: " + ", ".join(
             f"{b}: {mb:.0f} MB" for b, mb in r["ceiling"]["model_rss_mb"].items()))
+    if "overhead" in r:
+        lines.append("")
+        lines.extend(overhead_lines(r["overhead"]))
     lines.append(f"bench wall time {r['wall_s']:.0f} s")
     return "\n".join(lines)
 

@@ -50,6 +50,9 @@ class Profile:
     baseline_count: int = 300
     ceiling_s: float = 15
     guard_mb: int = 3072
+    # Pipeline overhead (bench/overhead.py): null model, tiny JPEGs, batch 64.
+    overhead_count: int = 4000
+    overhead_memory: str = "2000,20000"
 
 
 # Which corpus files a run floods with. The CPU mix leaves out 3- and 12-MP PNGs: one costs
@@ -70,7 +73,8 @@ PROFILES = {
                    open_loop_s=10, baseline_count=1000, ceiling_s=5),
     "quick": Profile("quick", "mixed", ceiling_count=60, probe_count=24, batch_sizes="1,8",
                      flood=120, big_flood=2000, big_window_s=8, latency_drops=10,
-                     open_loop_s=4, baseline_count=30, guard_mb=512, ceiling_s=3),
+                     open_loop_s=4, baseline_count=30, guard_mb=512, ceiling_s=3,
+                     overhead_count=600, overhead_memory="300,3000"),
 }
 
 
@@ -137,6 +141,8 @@ class Bench:
             r.setdefault("unbounded", {})[str(count)] = self.stage(
                 f"unbounded {count}", partial(run_json, "bench.unbounded", *args))
         shutil.rmtree(WORK_DIR / "inboxd-big", ignore_errors=True)  # 20,000 links
+        r["overhead"] = self.stage("pipeline overhead", lambda: run_json(
+            "bench.overhead", "--count", str(p.overhead_count), "--memory", p.overhead_memory))
         return r
 
     def inboxd(self, mix: list[Photo]) -> None:

@@ -68,8 +68,15 @@ def format_value(value: Any) -> str:
 class StderrFormatter(logging.Formatter):
     """``2026-11-30T07:40:01.123Z INFO completed a/b.jpg KEY=value ...`` — one line per record."""
 
+    _second = -1
+    _stamp = ""
+
     def format(self, record: logging.LogRecord) -> str:
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        second = int(record.created)
+        if second != self._second:  # one strftime per second, not one per record
+            self._second, self._stamp = second, time.strftime("%Y-%m-%dT%H:%M:%S",
+                                                              time.gmtime(second))
+        stamp = self._stamp
         millis = int(record.msecs)
         parts = [f"{stamp}.{millis:03d}Z", f"{record.levelname:<7}"]
         event = record_event(record)

@@ -23,10 +23,18 @@ class WireError(Exception):
 
 
 def send(fd: int, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
+    """One frame, the payload written from where it lies (``writev``: never copied into the
+    frame; a decoded crop is sent straight from its array)."""
     encoded = json.dumps(header).encode()
-    view = memoryview(PREFIX.pack(len(encoded), len(payload)) + encoded + bytes(payload))
-    while view:
-        view = view[os.write(fd, view):]
+    payload = memoryview(payload).cast("B")
+    views = [memoryview(PREFIX.pack(len(encoded), payload.nbytes) + encoded), payload]
+    while views:
+        written = os.writev(fd, views)
+        while views and written >= views[0].nbytes:
+            written -= views[0].nbytes
+            views.pop(0)
+        if written:
+            views[0] = views[0][written:]
 
 
 def recv(fd: int, deadline_s: float | None = None,

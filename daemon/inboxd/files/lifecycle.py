@@ -27,7 +27,7 @@ from inboxd.files.durable import (
 )
 from inboxd.files.instances import LEDGER_SUFFIX, LOCK_WAIT_S, flock_within
 from inboxd.files.names import output_path
-from inboxd.files.renames import name_variants, rename_noreplace, time_token
+from inboxd.files.renames import name_variants, rename_into, rename_noreplace, time_token
 from inboxd.files.results import ResultFiles, sha_token
 from inboxd.files.safe_paths import LinkedFolder, open_inside
 
@@ -127,10 +127,9 @@ class Lifecycle:
         processing = self.config.processing_dir(inbox)
         with open_inside(inbox, parts[:-1]) as source_dir:
             target = output_path(processing, rel)
-            target.parent.mkdir(parents=True, exist_ok=True)
             for name in name_variants(target.name, time_token()):
                 try:
-                    rename_noreplace(parts[-1], target.with_name(name), source_dir)
+                    rename_into(parts[-1], target.with_name(name), source_dir)
                 except FileExistsError:
                     continue
                 except FileNotFoundError:

@@ -7,8 +7,10 @@ without limit. The source later moves to ``done/<name>``, the same name, so a fi
 finds its result by name. The same bytes under the same key always map to the same name, so a
 re-drop or a rerun after a crash finds its earlier result in one or two opens.
 
-Durability is grouped per batch: every JSON is written to a temp file and fsynced, then each is
-renamed into place without replacing anything, and each results folder is fsynced once. A
+Durability is grouped per batch (group commit): every JSON is written to its temp file, all of
+them are made durable together (``durable.write_tmps``), then each is renamed into place without
+replacing anything, and each results folder is fsynced once; only after that does the caller
+move the batch's sources. A
 batch's vectors are made durable *before* its JSON: a rerun treats an existing JSON with the
 same sha256 as done, so a JSON must never exist without its vector.
 """
@@ -26,9 +28,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from inboxd.files.durable import fsync_dir, json_bytes, write_tmp
+from inboxd.files.durable import commit_pause, fsync_dir, json_bytes, write_tmp, write_tmps
 from inboxd.files.names import output_path
-from inboxd.files.renames import key_variants, place, rename_noreplace
+from inboxd.files.renames import key_variants, place, rename_into
 
 JSON_SUFFIX = ".json"
 VECTOR_SUFFIX = ".npy"
@@ -108,22 +110,26 @@ class ResultFiles:
                           for _, entry, name in todo if entry.vector is not None}
         for folder in vector_folders:
             fsync_dir(folder)
-        temps: list[Path] = []
+        # All durable together, or (a full disk part-way) none left behind.
+        temps = write_tmps(self.tmp_dir, [json_bytes(entry.document(name))
+                                          for _, entry, name in todo], JSON_SUFFIX)
+        commit_pause()
+        folders: set[Path] = set()
+        placed = 0
         try:
-            for _, entry, name in todo:
-                temps.append(write_tmp(self.tmp_dir, json_bytes(entry.document(name)),
-                                       JSON_SUFFIX))
+            for (index, entry, name), tmp in zip(todo, temps, strict=True):
+                filed = self._place_json(tmp, entry, name)
+                outcome[index] = (filed, False)
+                folders.add(self.json_path(filed).parent)
+                placed += 1
         except OSError:
-            for tmp in temps:  # a full disk fails the batch part-way: give the space back
+            for tmp in temps[placed:]:  # not placed: give the space back now
                 tmp.unlink(missing_ok=True)
             raise
-        folders: set[Path] = set()
-        for (index, entry, name), tmp in zip(todo, temps, strict=True):
-            filed = self._place_json(tmp, entry, name)
-            outcome[index] = (filed, False)
-            folders.add(self.json_path(filed).parent)
+        commit_pause()
         for folder in folders:
             fsync_dir(folder)
+        commit_pause()
         return [filed for filed in outcome if filed is not None]
 
     def _claim_name(self, entry: ResultEntry) -> str:
@@ -161,9 +167,8 @@ class ResultFiles:
         next free one (rewriting the JSON, and the vector, for it)."""
         while True:
             target = self.json_path(name)
-            target.parent.mkdir(parents=True, exist_ok=True)
             try:
-                rename_noreplace(tmp, target)
+                rename_into(tmp, target)
                 return name
             except FileExistsError:
                 if self.recorded_sha256(name) == entry.sha256:

@@ -4,6 +4,12 @@ For each candidate: is it a regular file that has settled (mtime at least ``inbo
 old)? Then claim it with one atomic rename into this instance's processing folder and put it on
 the queue. The put is where backpressure lands: when the GPU is behind, this coroutine waits,
 the event buffer fills, and further files stay on disk (deferred) until there is room.
+
+Claims are batched: as many due candidates as the queue has room for (at most
+``CLAIM_BATCH``) are looked at and claimed in one call on the intake's own thread, so a flood
+costs one hand-off per batch and the event loop makes none of those syscalls. A batch never
+exceeds the queue's free room, so no claimed file waits anywhere the queue's capacity does not
+count. A lone candidate is claimed inline, as before.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import os
 import stat
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from inboxd import logs
@@ -32,6 +40,17 @@ from inboxd.stats import Stats
 
 # A mtime further ahead than this is worth a word in the log (small skews are normal on NFS).
 FUTURE_MTIME_S = 2.0
+CLAIM_BATCH = 64
+Claim = tuple[WorkItem, str | None] | None
+
+
+@dataclass
+class Effects:
+    """What looking at candidates changes in event-loop state, applied on the loop afterwards
+    (the looking may run on the intake's thread)."""
+
+    ignored: int = 0
+    later: list[tuple[Candidate, float]] = field(default_factory=list)
 
 
 class Intake:
@@ -58,10 +77,12 @@ class Intake:
         self.clock = clock
         self.wall_clock = wall_clock
         self.settle_s = config.inbox.settle_ms / 1000
-        self.busy = False  # between taking a candidate and its put() returning
+        self.busy = False  # between taking candidates and their put() returning
         self.skipped = SkippedPaths()
+        self._claimer: ThreadPoolExecutor | None = None  # made on the first batch
 
     async def run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             due = self.buffer.pop_due(self.clock())
             if due is None:
@@ -72,64 +93,99 @@ class Intake:
                 continue
             self.busy = True
             try:
-                claim = self._claim_if_ready(due)
-                if claim is None:
-                    continue
-                item, refusal = claim
+                batch = self._more_due(due)
+                effects = Effects()
+                if len(batch) == 1:
+                    claims = [self._claim_if_ready(due, effects)]
+                else:
+                    claims = await loop.run_in_executor(self._executor(), self._claim_all,
+                                                        batch, effects)
+                self.stats.counters.ignored += effects.ignored
+                for candidate, due_s in effects.later:
+                    self.buffer.retry_later(candidate, due_s)
+                await self._enqueue(claims)
+            finally:
+                self.busy = False
+
+    def _more_due(self, first: Candidate) -> list[Candidate]:
+        """``first`` and further due candidates, as many as the queue has room for."""
+        batch = [first]
+        room = min(CLAIM_BATCH, self.queue.maxsize - self.queue.qsize())
+        while len(batch) < room:
+            more = self.buffer.pop_due(self.clock())
+            if not isinstance(more, Candidate):
+                break
+            batch.append(more)
+        return batch
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._claimer is None:
+            self._claimer = ThreadPoolExecutor(1, thread_name_prefix="inboxd-claim")
+        return self._claimer
+
+    def close(self) -> None:
+        if self._claimer is not None:
+            self._claimer.shutdown(wait=True)
+
+    def _claim_all(self, batch: list[Candidate], effects: Effects) -> list[Claim]:
+        return [self._claim_if_ready(candidate, effects) for candidate in batch]
+
+    async def _enqueue(self, claims: list[Claim]) -> None:
+        taken = [claim for claim in claims if claim is not None]
+        for index, (item, refusal) in enumerate(taken):
+            try:
                 if refusal is None:
                     await self._put(item)
                 else:
                     await self.on_refused(item, refusal)
-            finally:
-                self.busy = False
+            except asyncio.CancelledError:
+                # Shutdown: the rest of the batch goes back to the inbox, untouched.
+                for rest, _ in taken[index + 1:]:
+                    self.lifecycle.release(rest.claimed_path, rest.inbox / rest.rel)
+                    self.stats.counters.released += 1
+                raise
 
-    def _claim_if_ready(self, candidate: Candidate) -> tuple[WorkItem, str | None] | None:
+    def _claim_if_ready(self, candidate: Candidate, effects: Effects) -> Claim:
         path, inbox = candidate.path, candidate.inbox
         rel = relative_inside(path, inbox)
         if rel is None:
-            return self._ignored()
+            return _ignored(effects)
         try:
             st = os.lstat(path)
         except (FileNotFoundError, NotADirectoryError):
-            return self._ignored()  # claimed by another instance, or removed by its writer
+            return _ignored(effects)  # claimed by another instance, or removed by its writer
         except OSError as exc:  # ENAMETOOLONG, EACCES on a folder, ELOOP: this path's problem
             self.skipped.note(path, f"cannot look at it: {exc.strerror}")
-            return self._ignored()
+            return _ignored(effects)
         if stat.S_ISDIR(st.st_mode):
-            return self._ignored()  # folders are walked by the scan, never processed
+            return _ignored(effects)  # folders are walked by the scan, never processed
         refusal = None
         if stat.S_ISLNK(st.st_mode):
             refusal = describe_link(path, inbox)
         elif not stat.S_ISREG(st.st_mode):
             refusal = "not a regular file (a FIFO, socket or device): only regular files are read"
         else:
-            if not self._settled(candidate, st):
+            if not self._settled(candidate, st, effects):
                 return None
             if self.config.inbox.after_success == "keep" and self._already_done(rel, inbox, st):
-                return self._ignored()
+                return _ignored(effects)
         try:
             claimed = self.lifecycle.claim(inbox, rel)
         except LinkedFolder as exc:
             self.skipped.note(path, f"refused: {exc.strerror}; it stays where it is")
-            return self._ignored()
+            return _ignored(effects)
         except OSError as exc:
             self.skipped.note(path, claim_problem(exc))
-            return self._ignored()
+            return _ignored(effects)
         if claimed is None:
-            return self._ignored()
+            return _ignored(effects)
         self.claimed += 1
         item = WorkItem(inbox=inbox, rel=rel, key=self.config.key_for(inbox, rel),
                         claimed_path=claimed, noticed_s=candidate.noticed_s,
                         identity=identity(st))
         return item, refusal
 
-    def _ignored(self) -> tuple[WorkItem, str | None] | None:
-        """Admitted to the buffer but not ours after all: counted, so that every accepted path
-        ends up either claimed or ignored. Returns None: nothing to put on the queue."""
-        self.stats.counters.ignored += 1
-        return None
-
-    def _settled(self, candidate: Candidate, st: os.stat_result) -> bool:
+    def _settled(self, candidate: Candidate, st: os.stat_result, effects: Effects) -> bool:
         """Unchanged for settle_ms, by its mtime (a file renamed in finished is old at once)
         or by our own observation (whatever its mtime says: clocks can be wrong)."""
         now_s = self.clock()
@@ -148,7 +204,7 @@ class Intake:
         due_s = candidate.observed_at_s + self.settle_s
         if age_s >= 0:
             due_s = min(due_s, now_s + self.settle_s - age_s)
-        self.buffer.retry_later(candidate, due_s)
+        effects.later.append((candidate, due_s))
         return False
 
     def _already_done(self, rel: str, inbox: Path, st: os.stat_result) -> bool:
@@ -179,6 +235,13 @@ class Intake:
         self.stats.put_wait_ms.add(waited_ms)
         logs.emit(logging.DEBUG, "enqueued", f"enqueued {item.key}", path=item.key,
                   put_wait_ms=round(waited_ms, 3), queue_size=self.queue.qsize())
+
+
+def _ignored(effects: Effects) -> Claim:
+    """Admitted to the buffer but not ours after all: counted, so that every accepted path
+    ends up either claimed or ignored. Returns None: nothing to put on the queue."""
+    effects.ignored += 1
+    return None
 
 
 def claim_problem(exc: OSError) -> str:

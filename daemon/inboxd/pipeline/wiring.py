@@ -331,6 +331,7 @@ class Pipeline:
                       in_flight=self.outcomes.active())
         await _cancel([drain, forced])
         await _cancel(self._processing_tasks)
+        self.intake.close()
         self.preprocessor.close()
         self.worker.close()
         for item in self.retry_list.drain():

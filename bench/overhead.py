@@ -1,0 +1,291 @@
+"""Pipeline overhead: the daemon's own per-file cost, with a model that costs nothing.
+
+A trivial ``torch.export`` program (32×32 input, a mean and a 3→10 linear layer), tiny JPEGs of
+64×48 and batches of 64: what is left is inboxd's own work per file. Measured in one run, next
+to the same durable work done by one Python thread in a plain loop (claim by rename, read +
+sha256, Pillow decode + resize, the null model per 64, JSON to a temp file + fsync + rename, one
+results-folder fsync per 64, then the 64 sources renamed to ``done/``):
+
+- files/s of one daemon and of two daemons (instances ``a`` and ``b``) on one inbox;
+- a second daemon run under cProfile (``bench/profiled.py``): where its time goes per file;
+- CPU seconds per file of the daemon process and of its decode workers;
+- peak RSS growth of a fresh daemon under a 2,000- and a 20,000-file flood.
+
+    python -m bench.overhead [--count 4000] [--memory 2000,20000]  →  one JSON line on stdout
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+from PIL import Image
+
+from bench import profiled, report
+from bench.measure import ResultWatcher, drop_many
+from bench.offline import emit
+from bench.photos import Photo
+from bench.procs import DEFAULT_CONFIG, Daemon, RssSampler
+from bench.scenarios import Running, flood
+
+BENCH_DIR = Path(__file__).resolve().parent
+WORK_DIR = BENCH_DIR / "out" / "overhead"
+DISTINCT_JPEGS = 256
+BATCH = 64
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+class NullModel(torch.nn.Module):
+    """Costs nothing: per-channel means → 10 scores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.fc(x.mean(dim=(2, 3)))
+        return out
+
+
+def make_inputs(work: Path) -> tuple[Path, Path, list[Photo]]:
+    """The null program, its labels and ``DISTINCT_JPEGS`` seeded 64×48 JPEGs (kept)."""
+    work.mkdir(parents=True, exist_ok=True)
+    program, labels = work / "null.pt2", work / "labels.txt"
+    if not program.exists():
+        torch.manual_seed(0)
+        batch = torch.export.Dim("batch", min=1, max=BATCH)
+        exported = torch.export.export(NullModel().eval(), (torch.randn(2, 3, 32, 32),),
+                                       dynamic_shapes=({0: batch},))
+        torch.export.save(exported, program)
+    labels.write_text("".join(f"class{i}\n" for i in range(10)))
+    folder = work / "jpegs"
+    folder.mkdir(exist_ok=True)
+    rng = np.random.default_rng(12)
+    photos = []
+    for index in range(DISTINCT_JPEGS):
+        path = folder / f"tiny{index:03d}.jpg"
+        if not path.exists():
+            base = rng.integers(0, 256, (6, 8, 3), dtype=np.uint8)
+            image = Image.fromarray(base).resize((64, 48), Image.Resampling.BICUBIC)
+            image.save(path, quality=90)
+        photos.append(Photo(path, "seeded", "64x48", "jpg", 64 * 48 / 1e6, path.stat().st_size))
+    return program, labels, photos
+
+
+def write_config(root: Path, program: Path, labels: Path, instance: str = "default") -> Path:
+    config: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text()) or {}
+    config["inbox"]["paths"] = [str(root / "inbox")]
+    config.update(results_dir=str(root / "results"), done_dir=str(root / "done"),
+                  failed_dir=str(root / "failed"), instance=instance)
+    config["stats"]["interval_s"] = 1
+    config["model"] = {"export": str(program), "labels": str(labels), "device": "cpu",
+                       "input": {"resize": 32, "crop": 32}, "top_k": 5}
+    config["batch"] = {"max_size": BATCH, "max_delay_ms": 10}
+    # Room for a whole batch behind the decoders, or batches could never reach 64.
+    config["capacity"].update(queue=BATCH, preprocess_cache=2 * BATCH)
+    (root / "inbox").mkdir(parents=True, exist_ok=True)
+    path = root / f"inboxd-{instance}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def cpu_s(pid: int) -> tuple[float, float]:
+    """(own, descendants'): user + system CPU seconds of ``pid`` and of its live descendants
+    (the decode workers)."""
+    own = children_s = 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        own = (int(fields[11]) + int(fields[12])) / CLK_TCK
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as children:
+                children_s += sum(sum(cpu_s(int(child))) for child in children.read().split())
+    except (OSError, ValueError, IndexError):
+        pass
+    return own, children_s
+
+
+def reference(root: Path, config_path: Path, photos: list[Photo], count: int) -> dict[str, Any]:
+    """One thread, no daemon, the same durable work (see the module docstring)."""
+    from inboxd.config import load_config
+    from inboxd.decode.pillow import decode_image
+    from inboxd.files.durable import fsync_dir, json_bytes, write_tmp
+    from inboxd.files.reading import read_and_hash
+    from inboxd.models.loading import load_model
+
+    config = load_config(config_path)
+    model = load_model(config.model)
+    model.warm_up(model.warm_up_sizes(BATCH))
+    inbox, processing, results, done, tmp = (root / n for n in (
+        "inbox", "processing", "results", "done", "tmp"))
+    for folder in (processing, results, done, tmp):
+        folder.mkdir(parents=True, exist_ok=True)
+    names = drop_many(photos, inbox, count, "ref")
+    max_pixels = config.preprocess.max_image_pixels
+    started, cpu_started = time.perf_counter(), time.process_time()
+    for first in range(0, count, BATCH):
+        batch = names[first:first + BATCH]
+        claimed, images, hashes = [], [], []
+        for name in batch:
+            os.rename(inbox / name, processing / name)
+            claimed.append(processing / name)
+            data, sha256 = read_and_hash(processing / name)
+            images.append(decode_image(data, model.spec, max_pixels))
+            hashes.append((sha256, len(data)))
+        predictions = model.classify([image.pixels for image in images])
+        for name, image, (sha256, size), prediction in zip(batch, images, hashes, predictions,
+                                                           strict=True):
+            document = {"source": name, "sha256": sha256, "size_bytes": size,
+                        "model": model.name, "top_k": prediction.top_k,
+                        "image": {"width": image.width, "height": image.height,
+                                  "format": image.format, "mode": image.mode}}
+            os.rename(write_tmp(tmp, json_bytes(document), ".json"), results / f"{name}.json")
+        fsync_dir(results)
+        for path in claimed:
+            os.rename(path, done / path.name)
+    elapsed = time.perf_counter() - started
+    cpu_ms = (time.process_time() - cpu_started) * 1000 / count
+    return {"count": count, "files_per_s": round(count / elapsed, 1),
+            "cpu_ms_per_file": round(cpu_ms, 3)}
+
+
+def start(root: Path, config: Path, command: list[str] | None = None) -> Running:
+    # The daemon runs in its folder: the profiled runner must still find this package.
+    path = os.pathsep.join(filter(None, [str(BENCH_DIR.parent), os.environ.get("PYTHONPATH")]))
+    daemon = Daemon(config, env={"PYTHONPATH": path}, command=command)
+    rss = RssSampler(daemon.pid)
+    results = ResultWatcher(root / "results", 0.01)
+    try:
+        daemon.wait_ready()
+        daemon.next_stats()
+    except BaseException:
+        daemon.kill()
+        raise
+    return Running(root, daemon, rss, results, rss.now())
+
+
+def fresh(root: Path) -> Path:
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    return root
+
+
+def one_instance(root: Path, program: Path, labels: Path, photos: list[Photo], count: int,
+                 command: list[str] | None = None) -> dict[str, Any]:
+    run = start(root, write_config(fresh(root), program, labels), command)
+    try:
+        pid = run.daemon.pid
+        if command is not None:  # profiled: the profile counts from here
+            base = Path(command[-1] + ".base")
+            base.unlink(missing_ok=True)
+            os.kill(pid, signal.SIGUSR1)
+            while not base.exists():
+                time.sleep(0.01)
+        own_before, workers_before = cpu_s(pid)
+        figures = flood(run, photos, count, timeout_s=count / 20 + 120, prefix="ov")
+        own_after, workers_after = cpu_s(pid)
+        figures["cpu_ms_per_file"] = {
+            "daemon": round((own_after - own_before) * 1000 / count, 3),
+            "decode_workers": round((workers_after - workers_before) * 1000 / count, 3)}
+        figures.pop("rss_series", None)
+    finally:
+        figures_stop = run.stop()
+    figures["stop"] = figures_stop
+    return figures
+
+
+def two_instances(root: Path, program: Path, labels: Path, photos: list[Photo],
+                  count: int) -> dict[str, Any]:
+    fresh(root)
+    daemons = [Daemon(write_config(root, program, labels, name)) for name in ("a", "b")]
+    watcher = ResultWatcher(root / "results", 0.01)
+    try:
+        for daemon in daemons:
+            daemon.wait_ready()
+            daemon.next_stats()
+        started = time.monotonic()
+        names = drop_many(photos, root / "inbox", count, "two")
+        if not watcher.wait_for(names, count / 20 + 120):
+            raise RuntimeError("two instances: results missing")
+        elapsed = max(watcher.seen[n] for n in names) - started
+    finally:
+        codes = [daemon.stop() for daemon in daemons]
+        watcher.stop()
+    return {"count": count, "files_per_s": round(count / elapsed, 1), "exit_codes": codes}
+
+
+def memory(root: Path, program: Path, labels: Path, photos: list[Photo],
+           counts: list[int]) -> dict[str, Any]:
+    """A fresh daemon per flood size: peak RSS above its own idle figure."""
+    found = {}
+    for count in counts:
+        run = start(root, write_config(fresh(root), program, labels))
+        try:
+            figures = flood(run, photos, count, timeout_s=count / 20 + 120, prefix="mem")
+        finally:
+            run.stop()
+        found[str(count)] = {"files_per_s": figures["files_per_s"],
+                             "peak_rss_above_idle": figures["peak_rss_above_idle"],
+                             "idle_rss": figures["idle_rss"]}
+    shutil.rmtree(root, ignore_errors=True)
+    return found
+
+
+def run(count: int, memory_counts: list[int], profile: bool) -> dict[str, Any]:
+    program, labels, photos = make_inputs(WORK_DIR)
+    ref_root = fresh(WORK_DIR / "reference")
+    result: dict[str, Any] = {"setup": {"files": count, "jpeg": "64x48", "distinct": len(photos),
+                                        "model": "torch.export null program, 32x32 input",
+                                        "batch": BATCH}}
+    result["reference"] = reference(ref_root, write_config(ref_root, program, labels), photos,
+                                    count)
+    result["one"] = one_instance(WORK_DIR / "one", program, labels, photos, count)
+    result["two"] = two_instances(WORK_DIR / "two", program, labels, photos, count)
+    result["reference_after"] = reference(fresh(ref_root), write_config(ref_root, program,
+                                                                        labels), photos, count)
+    ref = max(result["reference"]["files_per_s"], result["reference_after"]["files_per_s"])
+    result["ratio_one"] = round(result["one"]["files_per_s"] / ref, 2)
+    result["ratio_two"] = round(result["two"]["files_per_s"] / ref, 2)
+    # CPU per file is far steadier than files/s on a shared machine: the loop's (one thread)
+    # against the daemon's own plus its decode workers'.
+    ref_cpu = min(result["reference"]["cpu_ms_per_file"],
+                  result["reference_after"]["cpu_ms_per_file"])
+    daemon_cpu = sum(result["one"]["cpu_ms_per_file"].values())
+    result["cpu_ratio"] = round(ref_cpu / daemon_cpu, 2)
+    if profile:
+        out = WORK_DIR / "daemon.prof"
+        root = WORK_DIR / "profiled"
+        result["profiled"] = one_instance(root, program, labels, photos, count,
+                                          ["-m", "bench.profiled", str(out)])
+        result["profile"] = profiled.summary(str(out), count)
+    if memory_counts:
+        result["memory"] = memory(WORK_DIR / "memory", program, labels, photos, memory_counts)
+    for name in ("reference", "one", "two", "profiled"):
+        shutil.rmtree(WORK_DIR / name, ignore_errors=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--count", type=int, default=4000)
+    parser.add_argument("--memory", default="2000,20000",
+                        help="flood sizes for the peak-RSS comparison ('' skips it)")
+    parser.add_argument("--no-profile", action="store_true")
+    args = parser.parse_args()
+    counts = [int(c) for c in args.memory.split(",") if c]
+    result = run(args.count, counts, not args.no_profile)
+    print("\n".join(report.overhead_lines(result)), file=sys.stderr)
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Group commit's building blocks: temps made durable together, and renames that make their
+folder only when it is missing."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+from inboxd.files import durable
+from inboxd.files.renames import rename_into
+
+
+def test_write_tmps_writes_every_blob_and_syncs_each(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[int] = []
+    real = os.fdatasync
+
+    def counting(fd: int) -> None:
+        synced.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(durable.os, "fdatasync", counting)
+    blobs = [f"result {n}\n".encode() for n in range(40)]
+    temps = durable.write_tmps(tmp_path / "tmp", blobs, ".json")
+    assert [t.read_bytes() for t in temps] == blobs
+    assert len(synced) == len(blobs)  # every file's own fdatasync: no shared barrier assumed
+
+
+def test_write_tmps_leaves_nothing_when_a_sync_fails(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = 0
+
+    def failing(fd: int) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(durable.os, "fdatasync", failing)
+    with pytest.raises(OSError):
+        durable.write_tmps(tmp_path / "tmp", [b"x"] * 20, ".json")
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_rename_into_makes_a_missing_folder_and_reports_a_missing_source(tmp_path: Path) -> None:
+    source = tmp_path / "a.json"
+    source.write_text("{}")
+    target = tmp_path / "deep" / "er" / "a.json"
+    rename_into(source, target)
+    assert target.read_text() == "{}" and not source.exists()
+    with pytest.raises(FileNotFoundError):
+        rename_into(source, target.with_name("b.json"))  # the folder is there: source gone
+    other = tmp_path / "b.json"
+    other.write_text("{}")
+    with pytest.raises(FileExistsError):
+        rename_into(other, target)  # never over an existing result
