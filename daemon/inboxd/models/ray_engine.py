@@ -18,6 +18,7 @@ What each failure costs:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -37,13 +38,18 @@ from inboxd.config import ModelConfig
 from inboxd.item import TransientError, WorkItem
 from inboxd.models.engine import EngineUnavailable, Outcome
 from inboxd.models.model import Model
-from inboxd.models.ray_replica import DELAY_ENV, decode_reply, model_files
+from inboxd.models.ray_replica import DELAY_ENV, BadReply, decode_reply, model_files
 from inboxd.stats import Window
 
 # Deploying loads and warms the model on every replica; past this the attempt counts as failed.
 START_TIMEOUT_S = 600
 # Replicas whose latency the stats report: the most recent ones (replaced replicas drop out).
 MAX_REPLICAS_TRACKED = 32
+# What the child runs (after the interpreter); a test puts a scripted bridge of its own here.
+BRIDGE_COMMAND: tuple[str, ...] = ("-m", "inboxd.models.ray_bridge")
+# The bridge times each call out itself (call_timeout_s); past this margin more, the bridge is
+# the stuck one (or the pipe is out of step) and is replaced.
+BRIDGE_MARGIN_S = 30.0
 
 
 class BridgeGone(Exception):
@@ -57,7 +63,7 @@ class BridgeProcess:
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "inboxd.models.ray_bridge", str(theirs.fileno()),
+            [sys.executable, *BRIDGE_COMMAND, str(theirs.fileno()),
              str(os.getpid())], pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
         theirs.close()
         self.conn = Connection(ours.detach())
@@ -74,10 +80,12 @@ class BridgeProcess:
             while True:
                 try:
                     message = self.conn.recv()
-                except (EOFError, OSError):
-                    loop.call_soon_threadsafe(self._closed)
+                except Exception:  # EOF, or bytes that do not unpickle: no bridge to trust
+                    if self.process.poll() is None:
+                        self.process.kill()  # the pipe is out of step: nothing after is sane
+                    _tell(loop, self._closed)
                     return
-                loop.call_soon_threadsafe(self._message, message)
+                _tell(loop, self._message, message)
 
         threading.Thread(target=read, name="inboxd-ray-read", daemon=True).start()
 
@@ -110,6 +118,11 @@ class BridgeProcess:
         self.process.wait()
         self.conn.close()
         self.sender.shutdown(wait=False, cancel_futures=True)
+
+
+def _tell(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody left to tell
+        loop.call_soon_threadsafe(callback, *args)
 
 
 class RayEngine:
@@ -205,7 +218,13 @@ class RayEngine:
         self.bridge = bridge
         return dict(payload)
 
-    def _on_message(self, message: tuple[str, int, Any]) -> None:
+    def _on_message(self, message: Any) -> None:
+        # Anything but ("result" | "lost", a call of ours, payload) answers no call: a call
+        # whose answer never comes is timed out like a stuck bridge.
+        if not (isinstance(message, tuple) and len(message) == 3
+                and message[0] in ("result", "lost") and isinstance(message[1], int)):
+            logs.log.error("the Ray bridge sent something that is no reply: %.200r", message)
+            return
         future = self._pending.get(message[1])
         if future is not None and not future.done():
             future.set_result(message)
@@ -234,8 +253,8 @@ class RayEngine:
         crops = [item.image.pixels for item in batch if item.image is not None]
         try:
             await bridge.send(("infer", call_id, crops))
-            # The bridge times the call out itself; this margin only catches a stuck bridge.
-            kind, _, payload = await asyncio.wait_for(future, self.ray.call_timeout_s + 30)
+            kind, _, payload = await asyncio.wait_for(future,
+                                                      self.ray.call_timeout_s + BRIDGE_MARGIN_S)
         except BridgeGone as exc:
             raise EngineUnavailable(str(exc), self._backoff_s) from None
         except TimeoutError:
@@ -244,16 +263,24 @@ class RayEngine:
         finally:
             self._pending.pop(call_id, None)
         if kind == "lost":
-            self.lost_batches += 1
-            logs.emit(logging.WARNING, "batch_lost",
-                      f"a batch of {len(batch)} was lost on the Ray cluster ({payload}): its "
-                      "files are retried", batch_size=len(batch), error=payload)
-            return [(item, TransientError(f"the batch was lost on the Ray cluster: {payload}"))
-                    for item in batch]
-        self._record(payload["replica"], payload["ms"])
+            return self._lost(batch, str(payload))
+        try:
+            decoded = decode_reply(payload, len(batch))
+            replica, ms = str(payload["replica"]), float(payload["ms"])
+        except (BadReply, KeyError, TypeError, ValueError) as exc:
+            return self._lost(batch, f"a malformed reply: {exc}")
+        self._record(replica, ms)
         for item in batch:
-            item.inference_ms = payload["ms"]
-        return list(zip(batch, decode_reply(payload), strict=True))
+            item.inference_ms = ms
+        return list(zip(batch, decoded, strict=True))
+
+    def _lost(self, batch: list[WorkItem], why: str) -> list[Outcome]:
+        self.lost_batches += 1
+        logs.emit(logging.WARNING, "batch_lost",
+                  f"a batch of {len(batch)} was lost on the Ray cluster ({why}): its "
+                  "files are retried", batch_size=len(batch), error=why)
+        return [(item, TransientError(f"the batch was lost on the Ray cluster: {why}"))
+                for item in batch]
 
     def _record(self, replica: str, ms: float) -> None:
         window = self.replica_ms.pop(replica, None) or Window()

@@ -1,0 +1,133 @@
+"""The Ray engine against a bridge that misbehaves: a real child process on the real socket
+protocol (``scripted_bridge.py``), no Ray. Every item of a call gets exactly one outcome, on
+the right item, or the whole call comes back to be sent again; the daemon never hangs on it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from inboxd.config import load_config
+from inboxd.item import DecodedImage, TransientError, WorkItem
+from inboxd.models import ray_engine
+from inboxd.models.engine import EngineUnavailable
+from inboxd.models.model import Classification
+from inboxd.models.ray_engine import RayEngine
+
+from tests.conftest import write_config
+from tests.fakes import FakeModel
+
+SCRIPT = Path(__file__).with_name("scripted_bridge.py")
+
+
+@pytest.fixture(autouse=True)
+def scripted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ray_engine, "BRIDGE_COMMAND", (str(SCRIPT),))
+    monkeypatch.setattr(ray_engine, "BRIDGE_MARGIN_S", 1.0)
+
+
+@pytest.fixture
+def make_engine(tmp_path: Path) -> Iterator[Any]:
+    engines: list[RayEngine] = []
+
+    def make(script: str) -> RayEngine:
+        config = load_config(write_config(tmp_path, model={"engine": "ray", "ray": {
+            "address": "127.0.0.1:1", "replica_resources": {"CPU": 1}, "call_timeout_s": 1,
+            "reconnect_initial_s": 0.05, "reconnect_max_s": 0.1}}))
+        engine = RayEngine(FakeModel(), config.model, 8)  # type: ignore[arg-type]
+        engine.settings["script"] = script
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+def batch(n: int, tag: str = "f") -> list[WorkItem]:
+    crop = np.zeros((8, 8, 3), dtype=np.uint8)
+    return [WorkItem(Path(), f"{tag}{i}", f"{tag}{i}", Path(),
+                     image=DecodedImage(crop, 8, 8, None, "RGB")) for i in range(n)]
+
+
+def labels(outcomes: list[Any]) -> list[tuple[str, Any]]:
+    return [(item.key, o.top_k[0]["label"] if isinstance(o, Classification) else type(o))
+            for item, o in outcomes]
+
+
+def test_a_reply_with_the_wrong_number_of_outcomes_retries_the_batch(make_engine: Any) -> None:
+    engine = make_engine("short")
+    items = batch(3)
+    outcomes = asyncio.run(engine.infer(items))
+    assert [item for item, _ in outcomes] == items, "each item once, none invented"
+    assert all(isinstance(o, TransientError) for _, o in outcomes), outcomes
+    assert engine.lost_batches == 1
+
+
+def test_stray_objects_in_a_reply_are_those_items_errors_only(make_engine: Any) -> None:
+    outcomes = asyncio.run(make_engine("stray").infer(batch(4)))
+    assert labels(outcomes) == [("f0", TransientError), ("f1", TransientError),
+                                ("f2", "n2"), ("f3", "n3")]
+
+
+def test_a_reply_without_its_replica_retries_the_batch(make_engine: Any) -> None:
+    outcomes = asyncio.run(make_engine("no_replica").infer(batch(2)))
+    assert [type(o) for _, o in outcomes] == [TransientError, TransientError]
+
+
+def test_replies_for_no_call_of_ours_are_ignored(make_engine: Any) -> None:
+    async def four() -> list[list[Any]]:
+        engine = make_engine("strangers")
+        return await asyncio.gather(*(engine.infer(batch(2, tag=t)) for t in "abcd"))
+
+    for tag, outcomes in zip("abcd", asyncio.run(four()), strict=True):
+        assert labels(outcomes) == [(f"{tag}0", "n0"), (f"{tag}1", "n1")]
+
+
+@pytest.mark.parametrize("script", ["garbage", "truncated"])
+def test_a_bridge_out_of_step_is_replaced_and_its_calls_sent_again(
+        make_engine: Any, script: str) -> None:
+    """Bytes that do not unpickle used to kill the reader thread silently: every call then
+    waited out its timeout, on a bridge nobody replaced until then."""
+    engine = make_engine(script)
+
+    async def attempt() -> float:
+        started = time.monotonic()
+        with pytest.raises(EngineUnavailable):
+            await engine.infer(batch(2))
+        return time.monotonic() - started
+
+    waited_s = asyncio.run(attempt())
+    limit_s = 1.0 if script == "garbage" else 1.0 + 1.0 + 1.5  # truncated: call + margin
+    assert waited_s < limit_s, waited_s
+    assert not engine.connected
+
+
+def test_a_bridge_killed_with_four_calls_out_hands_all_four_back(make_engine: Any) -> None:
+    engine = make_engine("hold")
+
+    async def scenario() -> list[Any]:
+        await engine.connect()
+        assert engine.bridge is not None
+        calls = [asyncio.ensure_future(engine.infer(batch(2, tag=t))) for t in "abcd"]
+        while len(engine._pending) < 4:
+            await asyncio.sleep(0.01)
+        os.kill(engine.bridge.process.pid, signal.SIGKILL)
+        results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 5)
+        assert not engine._pending
+        # The next call starts a fresh bridge once the backoff is over.
+        engine.settings["script"] = "echo"
+        await asyncio.sleep(0.1)
+        results.append(await engine.infer(batch(1)))
+        return results
+
+    *gone, after = asyncio.run(scenario())
+    assert all(isinstance(r, EngineUnavailable) for r in gone), gone
+    assert labels(after) == [("f0", "n0")] and engine.connects == 2
