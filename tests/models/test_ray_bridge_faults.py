@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from inboxd.config import load_config
 from inboxd.item import DecodedImage, TransientError, WorkItem
-from inboxd.models import ray_engine
+from inboxd.models import ray_engine, ray_pipe
 from inboxd.models.engine import EngineUnavailable
 from inboxd.models.model import Classification
 from inboxd.models.ray_engine import RayEngine
@@ -29,7 +29,7 @@ SCRIPT = Path(__file__).with_name("scripted_bridge.py")
 
 @pytest.fixture(autouse=True)
 def scripted(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ray_engine, "BRIDGE_COMMAND", (str(SCRIPT),))
+    monkeypatch.setattr(ray_pipe, "BRIDGE_COMMAND", (str(SCRIPT),))
     monkeypatch.setattr(ray_engine, "BRIDGE_MARGIN_S", 1.0)
 
 
