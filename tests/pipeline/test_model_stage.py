@@ -14,6 +14,7 @@ from inboxd.config import ConfigError, load_config, parse_config
 from inboxd.item import WorkItem
 from inboxd.models.engine import EngineUnavailable, Outcome
 from inboxd.models.local_engine import LocalEngine
+from inboxd.pipeline.model_stage import ModelWorker
 from inboxd.pipeline.wiring import Pipeline
 
 from tests.conftest import make_image, write_config
@@ -121,3 +122,30 @@ def test_the_ray_block_is_checked_without_connecting_or_importing_ray(tmp_path: 
                           timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "'engine': 'ray'" in done.stdout and "10.0.0.5:6379" in done.stdout
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+@pytest.mark.parametrize(("call_limit_s", "overdue_after_s"), [(None, 30), (750, 750)])
+def test_the_watchdog_waits_out_an_engine_s_own_call_limit(
+        call_limit_s: float | None, overdue_after_s: float) -> None:
+    """Ray's calls time out by themselves (call_timeout_s, then a retry): a watchdog that gave
+    up at WatchdogSec / 2 = 30 s restarted the daemon, in-flight files and all, long before a
+    remote node's lost batch could come back as a retry. The oldest of several calls counts."""
+    engine = ParallelEngine()
+    if call_limit_s is not None:
+        engine.call_limit_s = call_limit_s  # type: ignore[attr-defined]
+    clock = Clock()
+    worker = ModelWorker(engine, None, None, clock, in_flight=4)  # type: ignore[arg-type]
+    assert worker.overdue_s(30) is None, "idle"
+    worker._busy.update({1: clock.now_s, 2: clock.now_s + 10})
+    clock.now_s += overdue_after_s - 1
+    assert worker.overdue_s(30) is None
+    clock.now_s += 1
+    assert worker.overdue_s(30) == overdue_after_s

@@ -209,6 +209,14 @@ class RayEngine:
         while len(self.replica_ms) > MAX_REPLICAS_TRACKED:
             self.replica_ms.popitem(last=False)
 
+    @property
+    def call_limit_s(self) -> float:
+        """The longest one ``infer`` can legitimately take: (re)connecting and deploying, then
+        the call with the bridge's own timeout and our margin on it. Everything in it is timed
+        out here, so the watchdog must not call it hung sooner: a slow redeploy or a remote node
+        that hangs costs a retry, and restarting this host would bring no remote GPU back."""
+        return START_TIMEOUT_S + self.ray.call_timeout_s + BRIDGE_MARGIN_S
+
     def stats_fields(self) -> dict[str, Any]:
         latency = {name: {"p50_ms": round(w.percentile(50), 1),
                           "p95_ms": round(w.percentile(95), 1), "samples": len(w.samples)}
