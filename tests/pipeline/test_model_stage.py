@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -149,3 +150,75 @@ def test_the_watchdog_waits_out_an_engine_s_own_call_limit(
     assert worker.overdue_s(30) is None
     clock.now_s += 1
     assert worker.overdue_s(30) == overdue_after_s
+
+
+class FailsAfter(FakeModel):
+    """A device that fails for good after ``good_batches`` batches, slowly enough that several
+    calls are out when it does."""
+
+    def __init__(self, good_batches: int) -> None:
+        super().__init__()
+        self.good_batches = good_batches
+
+    def classify(self, images: Any) -> Any:
+        time.sleep(0.01)
+        if len(self.batch_sizes) >= self.good_batches:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return super().classify(images)
+
+    predict = classify
+
+
+def test_a_device_fault_with_several_calls_out_hands_every_file_back(tmp_path: Path) -> None:
+    """The overlapped local engine (CUDA's; forced here on the CPU) keeps several calls out:
+    when the device fails under them, each batch in flight, and each one after, goes back to
+    the inbox unspent; none failed, none lost, none with two results."""
+    engine = LocalEngine(FailsAfter(good_batches=3), overlap=True)  # type: ignore[arg-type]
+    assert engine.parallel_calls
+    pipeline = run(tmp_path, engine, 40, capacity={"in_flight_batches": 4},
+                   batch={"max_size": 2, "max_delay_ms": 0})
+    counters = pipeline.stats.counters
+    assert pipeline.device_fault is not None
+    assert pipeline.worker.high_water > 1, "several calls were out"
+    results = list((tmp_path / "results").glob("*.json"))
+    back = [p for p in (tmp_path / "inbox").iterdir() if p.suffix == ".png"]
+    assert counters.failed == 0 and not list((tmp_path / "failed").rglob("*.png"))
+    assert len(results) == counters.completed > 0
+    assert len(back) + len(results) == 40, "every file has a result or is back in the inbox"
+    assert not {p.stem for p in back} & {p.name.removesuffix(".png.json") for p in results}
+
+
+class Resizing(ParallelEngine):
+    """On call ``at``, with 4 out, a SIGHUP sets in_flight_batches to 1; then back to 4."""
+
+    def __init__(self) -> None:
+        super().__init__(delay_s=0.03)
+        self.worker: ModelWorker | None = None
+        self.after_down: list[int] = []  # calls out, this one included, at each later start
+        self.after_up: list[int] = []
+
+    async def infer(self, batch: list[WorkItem]) -> list[Outcome]:
+        assert self.worker is not None
+        if self.calls == 30:
+            self.worker.resize(1)
+        elif self.calls == 45:
+            self.worker.resize(4)
+        elif self.calls > 30:
+            (self.after_down if self.calls < 45 else self.after_up).append(self.out + 1)
+        return await super().infer(batch)
+
+
+def test_resizing_in_flight_down_with_four_out_drains_to_the_new_bound(tmp_path: Path) -> None:
+    engine = Resizing()
+    config = load_config(write_config(tmp_path, inbox={"settle_ms": 0},
+                                      capacity={"in_flight_batches": 4, "preprocess_cache": 16},
+                                      batch={"max_size": 2, "max_delay_ms": 0}))
+    for n in range(140):
+        make_image(tmp_path / "inbox" / f"f{n:03}.png", size=(8, 8), color=(n % 200 + 20, 0, 0))
+    pipeline = Pipeline(config, FakeModel(), engine=engine)  # type: ignore[arg-type]
+    engine.worker = pipeline.worker
+    asyncio.run(pipeline.process_backlog())
+    assert pipeline.stats.counters.completed == 140
+    assert engine.max_out == 4 and engine.after_down and engine.after_up
+    assert max(engine.after_down) == 1, engine.after_down
+    assert max(engine.after_up) == 4, "back up to the new bound, no deadlock on the way"
