@@ -222,3 +222,32 @@ def test_resizing_in_flight_down_with_four_out_drains_to_the_new_bound(tmp_path:
     assert engine.max_out == 4 and engine.after_down and engine.after_up
     assert max(engine.after_down) == 1, engine.after_down
     assert max(engine.after_up) == 4, "back up to the new bound, no deadlock on the way"
+
+
+def test_a_stop_with_four_calls_hung_ends_at_the_grace_period_with_every_file_back(
+        tmp_path: Path) -> None:
+    engine = ParallelEngine(delay_s=3600)
+    config = load_config(write_config(tmp_path, inbox={"settle_ms": 0}, shutdown={"grace_s": 0.5},
+                                      capacity={"in_flight_batches": 4},
+                                      batch={"max_size": 2, "max_delay_ms": 0}))
+    for n in range(30):
+        make_image(tmp_path / "inbox" / f"f{n:03}.png", size=(8, 8), color=(n % 200 + 20, 0, 0))
+    pipeline = Pipeline(config, FakeModel(), engine=engine)  # type: ignore[arg-type]
+
+    async def stop_when_four_are_out() -> float:
+        stop = asyncio.Event()
+        backlog = asyncio.create_task(pipeline.process_backlog(stop=stop))
+        while engine.out < 4:
+            await asyncio.sleep(0.01)
+        stop.set()  # what SIGTERM does
+        started = time.monotonic()
+        await backlog
+        stopped_s = time.monotonic() - started
+        await asyncio.sleep(0.1)  # a cancelled call that went on would deliver now
+        return stopped_s
+
+    stopped_s = asyncio.run(stop_when_four_are_out())
+    assert stopped_s < 0.5 + 1.5, stopped_s
+    assert engine.out == 0, "the hung calls were cancelled, not left running"
+    assert not list((tmp_path / "results").glob("*.json"))
+    assert len([p for p in (tmp_path / "inbox").iterdir() if p.suffix == ".png"]) == 30
