@@ -4,6 +4,7 @@ fake engine at the boundary (the real one on a real cluster: tests/models/test_r
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from inboxd.config import ConfigError, load_config, parse_config
 from inboxd.item import WorkItem
 from inboxd.models.engine import EngineUnavailable, Outcome
 from inboxd.models.local_engine import LocalEngine
+from inboxd.models.model import Classification
 from inboxd.pipeline.model_stage import ModelWorker
 from inboxd.pipeline.wiring import Pipeline
 
@@ -251,3 +253,26 @@ def test_a_stop_with_four_calls_hung_ends_at_the_grace_period_with_every_file_ba
     assert engine.out == 0, "the hung calls were cancelled, not left running"
     assert not list((tmp_path / "results").glob("*.json"))
     assert len([p for p in (tmp_path / "inbox").iterdir() if p.suffix == ".png"]) == 30
+
+
+class NaNFor(ParallelEngine):
+    """A replica whose network overflows on some inputs: NaN scores for those items only."""
+
+    async def infer(self, batch: list[WorkItem]) -> list[Outcome]:
+        outcomes = await super().infer(batch)
+        for _, prediction in outcomes:
+            assert isinstance(prediction, Classification)
+            if prediction.top_k[0]["index"] % 5 == 0:
+                prediction.top_k[0]["score"] = float("nan")
+        return outcomes
+
+
+def test_nan_scores_fail_that_file_and_never_reach_a_result(tmp_path: Path) -> None:
+    """``json.dumps`` writes NaN as a bare ``NaN``: a result no strict JSON reader accepts."""
+    pipeline = run(tmp_path, NaNFor(), 20, batch={"max_size": 4})
+    counters = pipeline.stats.counters
+    assert counters.completed == 16 and counters.failed == 4
+    for result in (tmp_path / "results").glob("*.json"):
+        assert "NaN" not in result.read_text(), result
+    reports = [json.loads(p.read_text()) for p in (tmp_path / "failed").glob("*.error.json")]
+    assert len(reports) == 4 and all("not a number" in json.dumps(r) for r in reports), reports
