@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import time
 from collections.abc import Iterator
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +21,12 @@ from inboxd.item import DecodedImage, TransientError, WorkItem
 from inboxd.models import ray_engine, ray_pipe
 from inboxd.models.engine import EngineUnavailable
 from inboxd.models.model import Classification
+from inboxd.models.ray_bridge import Bridge
 from inboxd.models.ray_engine import RayEngine
+from inboxd.models.ray_replica import Replica, decode_reply
 
 from tests.conftest import write_config
-from tests.fakes import FakeModel
+from tests.fakes import POISON_RED, FakeModel
 
 SCRIPT = Path(__file__).with_name("scripted_bridge.py")
 
@@ -131,3 +135,67 @@ def test_a_bridge_killed_with_four_calls_out_hands_all_four_back(make_engine: An
     *gone, after = asyncio.run(scenario())
     assert all(isinstance(r, EngineUnavailable) for r in gone), gone
     assert labels(after) == [("f0", "n0")] and engine.connects == 2
+
+
+def replica(model: Any) -> Replica:
+    """A replica around ``model``, without Serve or the model files (``__init__``'s part)."""
+    made = Replica.__new__(Replica)
+    made.model, made.name, made.broken = model, "test:1", None
+    return made
+
+
+def test_a_replica_failing_on_one_input_fails_that_input_only() -> None:
+    crops = [np.full((8, 8, 3), red, dtype=np.uint8) for red in (40, POISON_RED, 41, 42)]
+    reply = replica(FakeModel())(crops)
+    outcomes = decode_reply(reply, len(crops))
+    assert [type(o).__name__ for o in outcomes] == ["Classification", "PermanentError",
+                                                    "Classification", "Classification"]
+    assert [o.top_k[0]["index"] for o in outcomes if isinstance(o, Classification)] == [40, 41,
+                                                                                        42]
+
+
+def test_a_replica_whose_device_failed_loses_the_batch_and_fails_its_health_check() -> None:
+    class Broken(FakeModel):
+        def classify(self, images: Any) -> Any:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        predict = classify
+
+    broken = replica(Broken())
+    with pytest.raises(RuntimeError, match="device of replica"):
+        broken([np.zeros((8, 8, 3), dtype=np.uint8)] * 2)
+    with pytest.raises(RuntimeError):
+        broken.check_health()  # Serve replaces it
+
+
+class Handle:
+    """Serve's handle as the bridge sees it: ``remote`` returns an awaitable reply."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def remote(self, crops: list[Any], delay_s: float) -> Any:
+        async def answer() -> Any:
+            if self.how == "never":
+                await asyncio.sleep(3600)
+            if self.how == "dies":
+                raise RuntimeError("ActorDiedError: the replica's node is gone\nsecond line")
+            return {"replica": "r", "ms": 1.0, "outcomes": [("ok", None)] * len(crops)}
+        return answer()
+
+
+@pytest.mark.parametrize(("how", "kind", "why"), [
+    ("never", "lost", "TimeoutError"), ("dies", "lost", "RuntimeError: ActorDiedError"),
+    ("answers", "result", None)])
+def test_the_bridge_answers_every_call_once_even_a_call_that_never_returns(
+        how: str, kind: str, why: str | None) -> None:
+    ours, theirs = socket.socketpair()
+    daemon_end, bridge_end = Connection(ours.detach()), Connection(theirs.detach())
+    bridge = Bridge(bridge_end, Handle(how), {"call_timeout_s": 0.2, "replica_delay_s": 0})
+    asyncio.run(bridge.call(7, [np.zeros((8, 8, 3), dtype=np.uint8)] * 3))
+    answer = daemon_end.recv()
+    assert answer[:2] == (kind, 7) and not daemon_end.poll(0.1), "one answer, for call 7"
+    if why is not None:
+        assert answer[2].startswith(why) and "\n" not in answer[2], answer
+    daemon_end.close()
+    bridge_end.close()
