@@ -34,6 +34,9 @@ def reply(crops: list[object]) -> dict[str, object]:
 def main() -> None:
     conn = Connection(int(sys.argv[1]))
     script = conn.recv()["script"]
+    if script == "bad_hello":
+        conn.send(("ready", "no info"))
+        time.sleep(60)
     conn.send(("ready", {"app_name": "scripted", "reused": False, "nodes": 1,
                          "replicas": {"RUNNING": 1}}))
     while True:

@@ -114,6 +114,13 @@ def test_a_bridge_out_of_step_is_replaced_and_its_calls_sent_again(
     assert not engine.connected
 
 
+def test_a_bridge_whose_hello_is_garbage_is_a_failed_connection(make_engine: Any) -> None:
+    engine = make_engine("bad_hello")
+    with pytest.raises(EngineUnavailable, match="cannot deploy"):
+        asyncio.run(engine.infer(batch(1)))
+    assert not engine.connected and engine.connects == 0
+
+
 def test_a_bridge_killed_with_four_calls_out_hands_all_four_back(make_engine: Any) -> None:
     engine = make_engine("hold")
 

@@ -40,6 +40,8 @@ from inboxd.stats import Window
 START_TIMEOUT_S = 600
 # Replicas whose latency the stats report: the most recent ones (replaced replicas drop out).
 MAX_REPLICAS_TRACKED = 32
+# What the log line of a connection reads from the bridge's ("ready", info).
+INFO_KEYS = frozenset({"app_name", "reused", "nodes", "replicas"})
 # The bridge times each call out itself (call_timeout_s); past this margin more, the bridge is
 # the stuck one (or the pipe is out of step) and is replaced.
 BRIDGE_MARGIN_S = 30.0
@@ -126,12 +128,14 @@ class RayEngine:
         bridge.start_reading()
         try:
             await bridge.send(self.settings)
-            kind, payload = await asyncio.wait_for(asyncio.shield(bridge.first),
-                                                   START_TIMEOUT_S)
+            first = await asyncio.wait_for(asyncio.shield(bridge.first), START_TIMEOUT_S)
         except BaseException:
             bridge.kill()
             raise
-        if kind != "ready":
+        # Checked like every reply: a hello that is not ("ready", info) is a failed start
+        # (retried with backoff), not an exception out of the model stage.
+        kind, payload = first if isinstance(first, tuple) and len(first) == 2 else ("?", first)
+        if kind != "ready" or not isinstance(payload, dict) or not payload.keys() >= INFO_KEYS:
             bridge.kill()
             raise BridgeGone(f"cannot deploy on the Ray cluster at {self.ray.address}: "
                              f"{payload}")
