@@ -4,8 +4,10 @@ fake engine at the boundary (the real one on a real cluster: tests/models/test_r
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,8 @@ from inboxd.config import ConfigError, load_config, parse_config
 from inboxd.item import WorkItem
 from inboxd.models.engine import EngineUnavailable, Outcome
 from inboxd.models.local_engine import LocalEngine
+from inboxd.models.model import Classification
+from inboxd.pipeline.model_stage import ModelWorker
 from inboxd.pipeline.wiring import Pipeline
 
 from tests.conftest import make_image, write_config
@@ -121,3 +125,154 @@ def test_the_ray_block_is_checked_without_connecting_or_importing_ray(tmp_path: 
                           timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "'engine': 'ray'" in done.stdout and "10.0.0.5:6379" in done.stdout
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+@pytest.mark.parametrize(("call_limit_s", "overdue_after_s"), [(None, 30), (750, 750)])
+def test_the_watchdog_waits_out_an_engine_s_own_call_limit(
+        call_limit_s: float | None, overdue_after_s: float) -> None:
+    """Ray's calls time out by themselves (call_timeout_s, then a retry): a watchdog that gave
+    up at WatchdogSec / 2 = 30 s restarted the daemon, in-flight files and all, long before a
+    remote node's lost batch could come back as a retry. The oldest of several calls counts."""
+    engine = ParallelEngine()
+    if call_limit_s is not None:
+        engine.call_limit_s = call_limit_s  # type: ignore[attr-defined]
+    clock = Clock()
+    worker = ModelWorker(engine, None, None, clock, in_flight=4)  # type: ignore[arg-type]
+    assert worker.overdue_s(30) is None, "idle"
+    worker._busy.update({1: clock.now_s, 2: clock.now_s + 10})
+    clock.now_s += overdue_after_s - 1
+    assert worker.overdue_s(30) is None
+    clock.now_s += 1
+    assert worker.overdue_s(30) == overdue_after_s
+
+
+class FailsAfter(FakeModel):
+    """A device that fails for good after ``good_batches`` batches, slowly enough that several
+    calls are out when it does."""
+
+    def __init__(self, good_batches: int) -> None:
+        super().__init__()
+        self.good_batches = good_batches
+
+    def classify(self, images: Any) -> Any:
+        time.sleep(0.01)
+        if len(self.batch_sizes) >= self.good_batches:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return super().classify(images)
+
+    predict = classify
+
+
+def test_a_device_fault_with_several_calls_out_hands_every_file_back(tmp_path: Path) -> None:
+    """The overlapped local engine (CUDA's; forced here on the CPU) keeps several calls out:
+    when the device fails under them, each batch in flight, and each one after, goes back to
+    the inbox unspent; none failed, none lost, none with two results."""
+    engine = LocalEngine(FailsAfter(good_batches=3), overlap=True)  # type: ignore[arg-type]
+    assert engine.parallel_calls
+    pipeline = run(tmp_path, engine, 40, capacity={"in_flight_batches": 4},
+                   batch={"max_size": 2, "max_delay_ms": 0})
+    counters = pipeline.stats.counters
+    assert pipeline.device_fault is not None
+    assert pipeline.worker.high_water > 1, "several calls were out"
+    results = list((tmp_path / "results").glob("*.json"))
+    back = [p for p in (tmp_path / "inbox").iterdir() if p.suffix == ".png"]
+    assert counters.failed == 0 and not list((tmp_path / "failed").rglob("*.png"))
+    assert len(results) == counters.completed > 0
+    assert len(back) + len(results) == 40, "every file has a result or is back in the inbox"
+    assert not {p.stem for p in back} & {p.name.removesuffix(".png.json") for p in results}
+
+
+class Resizing(ParallelEngine):
+    """On call ``at``, with 4 out, a SIGHUP sets in_flight_batches to 1; then back to 4."""
+
+    def __init__(self) -> None:
+        super().__init__(delay_s=0.03)
+        self.worker: ModelWorker | None = None
+        self.after_down: list[int] = []  # calls out, this one included, at each later start
+        self.after_up: list[int] = []
+
+    async def infer(self, batch: list[WorkItem]) -> list[Outcome]:
+        assert self.worker is not None
+        if self.calls == 30:
+            self.worker.resize(1)
+        elif self.calls == 45:
+            self.worker.resize(4)
+        elif self.calls > 30:
+            (self.after_down if self.calls < 45 else self.after_up).append(self.out + 1)
+        return await super().infer(batch)
+
+
+def test_resizing_in_flight_down_with_four_out_drains_to_the_new_bound(tmp_path: Path) -> None:
+    engine = Resizing()
+    config = load_config(write_config(tmp_path, inbox={"settle_ms": 0},
+                                      capacity={"in_flight_batches": 4, "preprocess_cache": 16},
+                                      batch={"max_size": 2, "max_delay_ms": 0}))
+    for n in range(140):
+        make_image(tmp_path / "inbox" / f"f{n:03}.png", size=(8, 8), color=(n % 200 + 20, 0, 0))
+    pipeline = Pipeline(config, FakeModel(), engine=engine)  # type: ignore[arg-type]
+    engine.worker = pipeline.worker
+    asyncio.run(pipeline.process_backlog())
+    assert pipeline.stats.counters.completed == 140
+    assert engine.max_out == 4 and engine.after_down and engine.after_up
+    assert max(engine.after_down) == 1, engine.after_down
+    assert max(engine.after_up) == 4, "back up to the new bound, no deadlock on the way"
+
+
+def test_a_stop_with_four_calls_hung_ends_at_the_grace_period_with_every_file_back(
+        tmp_path: Path) -> None:
+    engine = ParallelEngine(delay_s=3600)
+    config = load_config(write_config(tmp_path, inbox={"settle_ms": 0}, shutdown={"grace_s": 0.5},
+                                      capacity={"in_flight_batches": 4},
+                                      batch={"max_size": 2, "max_delay_ms": 0}))
+    for n in range(30):
+        make_image(tmp_path / "inbox" / f"f{n:03}.png", size=(8, 8), color=(n % 200 + 20, 0, 0))
+    pipeline = Pipeline(config, FakeModel(), engine=engine)  # type: ignore[arg-type]
+
+    async def stop_when_four_are_out() -> float:
+        stop = asyncio.Event()
+        backlog = asyncio.create_task(pipeline.process_backlog(stop=stop))
+        while engine.out < 4:
+            await asyncio.sleep(0.01)
+        stop.set()  # what SIGTERM does
+        started = time.monotonic()
+        await backlog
+        stopped_s = time.monotonic() - started
+        await asyncio.sleep(0.1)  # a cancelled call that went on would deliver now
+        return stopped_s
+
+    stopped_s = asyncio.run(stop_when_four_are_out())
+    assert stopped_s < 0.5 + 1.5, stopped_s
+    assert engine.out == 0, "the hung calls were cancelled, not left running"
+    assert not list((tmp_path / "results").glob("*.json"))
+    assert len([p for p in (tmp_path / "inbox").iterdir() if p.suffix == ".png"]) == 30
+
+
+class NaNFor(ParallelEngine):
+    """A replica whose network overflows on some inputs: NaN scores for those items only."""
+
+    async def infer(self, batch: list[WorkItem]) -> list[Outcome]:
+        outcomes = await super().infer(batch)
+        for _, prediction in outcomes:
+            assert isinstance(prediction, Classification)
+            if prediction.top_k[0]["index"] % 5 == 0:
+                prediction.top_k[0]["score"] = float("nan")
+        return outcomes
+
+
+def test_nan_scores_fail_that_file_and_never_reach_a_result(tmp_path: Path) -> None:
+    """``json.dumps`` writes NaN as a bare ``NaN``: a result no strict JSON reader accepts."""
+    pipeline = run(tmp_path, NaNFor(), 20, batch={"max_size": 4})
+    counters = pipeline.stats.counters
+    assert counters.completed == 16 and counters.failed == 4
+    for result in (tmp_path / "results").glob("*.json"):
+        assert "NaN" not in result.read_text(), result
+    reports = [json.loads(p.read_text()) for p in (tmp_path / "failed").glob("*.error.json")]
+    assert len(reports) == 4 and all("not a number" in json.dumps(r) for r in reports), reports

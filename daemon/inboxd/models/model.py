@@ -12,6 +12,7 @@ What to load, and every check that the configured files and device can work, liv
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -62,6 +63,17 @@ class Embedding:
 
 
 Prediction = Classification | Embedding
+
+
+def not_finite(prediction: Prediction) -> str | None:
+    """What in ``prediction`` is NaN or infinite (fp16 overflow, a network that diverges on one
+    input), or None. JSON has no such numbers: ``json.dumps`` would write a ``NaN`` that strict
+    readers reject, in a result that claims to be a classification."""
+    if isinstance(prediction, Embedding):
+        bad = int(np.count_nonzero(~np.isfinite(prediction.vector)))
+        return f"{bad} of the {prediction.dim} embedding values" if bad else None
+    bad = sum(not math.isfinite(float(entry.get("score", 0.0))) for entry in prediction.top_k)
+    return f"{bad} of the top-{len(prediction.top_k)} scores" if bad else None
 
 
 @dataclass(frozen=True)

@@ -21,15 +21,10 @@ import asyncio
 import json
 import logging
 import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from multiprocessing.connection import Connection
 from typing import Any
 
 from inboxd import logs
@@ -37,79 +32,19 @@ from inboxd.config import ModelConfig
 from inboxd.item import TransientError, WorkItem
 from inboxd.models.engine import EngineUnavailable, Outcome
 from inboxd.models.model import Model
-from inboxd.models.ray_replica import DELAY_ENV, decode_reply, model_files
+from inboxd.models.ray_pipe import BridgeGone, BridgeProcess
+from inboxd.models.ray_replica import DELAY_ENV, BadReply, decode_reply, model_files
 from inboxd.stats import Window
 
 # Deploying loads and warms the model on every replica; past this the attempt counts as failed.
 START_TIMEOUT_S = 600
 # Replicas whose latency the stats report: the most recent ones (replaced replicas drop out).
 MAX_REPLICAS_TRACKED = 32
-
-
-class BridgeGone(Exception):
-    pass
-
-
-class BridgeProcess:
-    """The child running ``inboxd.models.ray_bridge``, and the socket to it."""
-
-    def __init__(self, on_message: Callable[[Any], None], on_closed: Callable[[], None]) -> None:
-        ours, theirs = socket.socketpair()
-        env = dict(os.environ)
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "inboxd.models.ray_bridge", str(theirs.fileno()),
-             str(os.getpid())], pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
-        theirs.close()
-        self.conn = Connection(ours.detach())
-        self.sender = ThreadPoolExecutor(1, thread_name_prefix="inboxd-ray-send")
-        self.first: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._on_message = on_message
-        self._on_closed = on_closed
-        self.closed = False
-
-    def start_reading(self) -> None:
-        loop = asyncio.get_running_loop()
-
-        def read() -> None:
-            while True:
-                try:
-                    message = self.conn.recv()
-                except (EOFError, OSError):
-                    loop.call_soon_threadsafe(self._closed)
-                    return
-                loop.call_soon_threadsafe(self._message, message)
-
-        threading.Thread(target=read, name="inboxd-ray-read", daemon=True).start()
-
-    def _message(self, message: Any) -> None:
-        if not self.first.done():
-            self.first.set_result(message)
-        else:
-            self._on_message(message)
-
-    def _closed(self) -> None:
-        self.closed = True
-        if not self.first.done():
-            self.first.set_exception(BridgeGone(f"the Ray bridge exited with status "
-                                                f"{self.process.poll()} before connecting"))
-        self._on_closed()
-
-    async def send(self, message: Any) -> None:
-        if self.closed:
-            raise BridgeGone("the Ray bridge has exited")
-        loop = asyncio.get_running_loop()
-        try:
-            await loop.run_in_executor(self.sender, self.conn.send, message)
-        except OSError as exc:
-            raise BridgeGone(f"the Ray bridge has exited ({exc})") from None
-
-    def kill(self) -> None:
-        self.closed = True
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
-        self.conn.close()
-        self.sender.shutdown(wait=False, cancel_futures=True)
+# What the log line of a connection reads from the bridge's ("ready", info).
+INFO_KEYS = frozenset({"app_name", "reused", "nodes", "replicas"})
+# The bridge times each call out itself (call_timeout_s); past this margin more, the bridge is
+# the stuck one (or the pipe is out of step) and is replaced.
+BRIDGE_MARGIN_S = 30.0
 
 
 class RayEngine:
@@ -193,19 +128,27 @@ class RayEngine:
         bridge.start_reading()
         try:
             await bridge.send(self.settings)
-            kind, payload = await asyncio.wait_for(asyncio.shield(bridge.first),
-                                                   START_TIMEOUT_S)
+            first = await asyncio.wait_for(asyncio.shield(bridge.first), START_TIMEOUT_S)
         except BaseException:
             bridge.kill()
             raise
-        if kind != "ready":
+        # Checked like every reply: a hello that is not ("ready", info) is a failed start
+        # (retried with backoff), not an exception out of the model stage.
+        kind, payload = first if isinstance(first, tuple) and len(first) == 2 else ("?", first)
+        if kind != "ready" or not isinstance(payload, dict) or not payload.keys() >= INFO_KEYS:
             bridge.kill()
             raise BridgeGone(f"cannot deploy on the Ray cluster at {self.ray.address}: "
                              f"{payload}")
         self.bridge = bridge
         return dict(payload)
 
-    def _on_message(self, message: tuple[str, int, Any]) -> None:
+    def _on_message(self, message: Any) -> None:
+        # Anything but ("result" | "lost", a call of ours, payload) answers no call: a call
+        # whose answer never comes is timed out like a stuck bridge.
+        if not (isinstance(message, tuple) and len(message) == 3
+                and message[0] in ("result", "lost") and isinstance(message[1], int)):
+            logs.log.error("the Ray bridge sent something that is no reply: %.200r", message)
+            return
         future = self._pending.get(message[1])
         if future is not None and not future.done():
             future.set_result(message)
@@ -234,8 +177,8 @@ class RayEngine:
         crops = [item.image.pixels for item in batch if item.image is not None]
         try:
             await bridge.send(("infer", call_id, crops))
-            # The bridge times the call out itself; this margin only catches a stuck bridge.
-            kind, _, payload = await asyncio.wait_for(future, self.ray.call_timeout_s + 30)
+            kind, _, payload = await asyncio.wait_for(future,
+                                                      self.ray.call_timeout_s + BRIDGE_MARGIN_S)
         except BridgeGone as exc:
             raise EngineUnavailable(str(exc), self._backoff_s) from None
         except TimeoutError:
@@ -244,16 +187,24 @@ class RayEngine:
         finally:
             self._pending.pop(call_id, None)
         if kind == "lost":
-            self.lost_batches += 1
-            logs.emit(logging.WARNING, "batch_lost",
-                      f"a batch of {len(batch)} was lost on the Ray cluster ({payload}): its "
-                      "files are retried", batch_size=len(batch), error=payload)
-            return [(item, TransientError(f"the batch was lost on the Ray cluster: {payload}"))
-                    for item in batch]
-        self._record(payload["replica"], payload["ms"])
+            return self._lost(batch, str(payload))
+        try:
+            decoded = decode_reply(payload, len(batch))
+            replica, ms = str(payload["replica"]), float(payload["ms"])
+        except (BadReply, KeyError, TypeError, ValueError) as exc:
+            return self._lost(batch, f"a malformed reply: {exc}")
+        self._record(replica, ms)
         for item in batch:
-            item.inference_ms = payload["ms"]
-        return list(zip(batch, decode_reply(payload), strict=True))
+            item.inference_ms = ms
+        return list(zip(batch, decoded, strict=True))
+
+    def _lost(self, batch: list[WorkItem], why: str) -> list[Outcome]:
+        self.lost_batches += 1
+        logs.emit(logging.WARNING, "batch_lost",
+                  f"a batch of {len(batch)} was lost on the Ray cluster ({why}): its "
+                  "files are retried", batch_size=len(batch), error=why)
+        return [(item, TransientError(f"the batch was lost on the Ray cluster: {why}"))
+                for item in batch]
 
     def _record(self, replica: str, ms: float) -> None:
         window = self.replica_ms.pop(replica, None) or Window()
@@ -261,6 +212,14 @@ class RayEngine:
         self.replica_ms[replica] = window
         while len(self.replica_ms) > MAX_REPLICAS_TRACKED:
             self.replica_ms.popitem(last=False)
+
+    @property
+    def call_limit_s(self) -> float:
+        """The longest one ``infer`` can legitimately take: (re)connecting and deploying, then
+        the call with the bridge's own timeout and our margin on it. Everything in it is timed
+        out here, so the watchdog must not call it hung sooner: a slow redeploy or a remote node
+        that hangs costs a retry, and restarting this host would bring no remote GPU back."""
+        return START_TIMEOUT_S + self.ray.call_timeout_s + BRIDGE_MARGIN_S
 
     def stats_fields(self) -> dict[str, Any]:
         latency = {name: {"p50_ms": round(w.percentile(50), 1),

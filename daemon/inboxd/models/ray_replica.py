@@ -29,7 +29,7 @@ from inboxd.config import ModelConfig
 from inboxd.item import DecodedImage, PermanentError, TransientError, WorkItem
 from inboxd.models.engine import DeviceFault
 from inboxd.models.local_engine import infer_splitting
-from inboxd.models.model import Model
+from inboxd.models.model import Classification, Embedding, Model
 
 # Test-only fault hook: seconds every batch sleeps on the replica (a slow GPU), read from the
 # daemon's environment and sent with each call.
@@ -108,14 +108,31 @@ def _item(n: int, crop: npt.NDArray[np.uint8]) -> WorkItem:
                     image=DecodedImage(crop, crop.shape[1], crop.shape[0], None, "RGB"))
 
 
-def decode_reply(reply: Reply) -> list[Any]:
-    """The replica's outcomes as predictions or this host's exception types, in order."""
+class BadReply(Exception):
+    """A reply that cannot be matched to its batch item by item: the batch is retried."""
+
+
+def decode_reply(reply: Reply, count: int) -> list[Any]:
+    """The replica's outcomes as predictions or this host's exception types, in order; one per
+    crop of the ``count`` sent, or ``BadReply``. Checked, not trusted: a reply one short or one
+    long would attach outcomes to the wrong files, and a stray object instead of a prediction
+    would crash the result writer."""
+    try:
+        outcomes = list(reply["outcomes"])
+    except (KeyError, TypeError) as exc:
+        raise BadReply(f"a reply without outcomes ({type(exc).__name__}: {exc})") from None
+    if len(outcomes) != count:
+        raise BadReply(f"{len(outcomes)} outcomes for {count} crops")
     decoded: list[Any] = []
-    for kind, value in reply["outcomes"]:
-        if kind == "ok":
+    for outcome in outcomes:
+        kind, value = outcome if isinstance(outcome, tuple) and len(outcome) == 2 else ("?", "")
+        if kind == "ok" and isinstance(value, Classification | Embedding):
             decoded.append(value)
         elif kind == "permanent":
-            decoded.append(PermanentError(value))
-        else:
-            decoded.append(TransientError(value))
+            decoded.append(PermanentError(str(value)))
+        elif kind == "transient":
+            decoded.append(TransientError(str(value)))
+        else:  # that item's own problem: retried like any transient error
+            decoded.append(TransientError(f"the replica sent no result for this file "
+                                          f"({type(value).__name__} under {kind!r})"))
     return decoded

@@ -19,9 +19,9 @@ from inboxd.config import Config
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.results import ResultEntry
 from inboxd.files.settling import still_being_written
-from inboxd.item import TransientError, WorkItem
+from inboxd.item import PermanentError, TransientError, WorkItem
 from inboxd.models.engine import Outcome
-from inboxd.models.model import Embedding, Model, Prediction
+from inboxd.models.model import Embedding, Model, Prediction, not_finite
 from inboxd.pipeline.outcomes import Outcomes, RunIO, utc_now
 
 HANDOFF_BATCHES = 1
@@ -71,6 +71,10 @@ class ResultWriter:
     async def _write(self, batch: list[Outcome]) -> None:
         good: list[tuple[WorkItem, Prediction]] = []
         for item, outcome in batch:
+            why = None if isinstance(outcome, Exception) else not_finite(outcome)
+            if why is not None:  # the same input gives the same numbers: no retry
+                outcome = PermanentError(f"the model's output for this file is not a number "
+                                         f"({why} are NaN or infinite)")
             if isinstance(outcome, Exception):
                 await self.outcomes.error(item, outcome)
             else:

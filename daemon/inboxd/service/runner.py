@@ -178,19 +178,19 @@ class Service:
     async def _keep_watchdog(self, pipeline: Pipeline) -> None:
         """``WATCHDOG=1`` only while the model worker is idle or its batch is younger than half
         the watchdog timeout: a model call that hangs stops the pings, and systemd restarts us
-        at most 1.5 × WatchdogSec after the call began."""
+        at most 1.5 × WatchdogSec after the call began. An engine that times its own calls out
+        (Ray's) is given its ``call_limit_s`` first: a lost remote call is a retry there."""
         interval_s = self.notifier.watchdog_interval_s()
         if interval_s is None:
             return
         while True:
-            busy_since_s = pipeline.worker.busy_since_s
-            if busy_since_s is None or time.monotonic() - busy_since_s < interval_s:
+            busy_s = pipeline.worker.overdue_s(interval_s)
+            if busy_s is None:
                 self.notifier.watchdog()
             else:
                 logs.emit(logging.ERROR, "watchdog",
-                          f"the model has been on one batch for "
-                          f"{time.monotonic() - busy_since_s:.0f} s: no watchdog ping, systemd "
-                          "will restart the service", busy_s=round(time.monotonic() - busy_since_s))
+                          f"the model has been on one batch for {busy_s:.0f} s: no watchdog "
+                          "ping, systemd will restart the service", busy_s=round(busy_s))
             await asyncio.sleep(interval_s)
 
     # -- reload ------------------------------------------------------------------------------
