@@ -26,14 +26,7 @@ from inboxd.stats import Stats
 
 from tests.conftest import make_image, write_config
 from tests.fakes import FakeModel
-
-
-def instance(tmp_path: Path, name: str) -> Lifecycle:
-    config = load_config(write_config(tmp_path)).model_copy(update={"instance": name})
-    lifecycle = Lifecycle(config)
-    lifecycle.lock_instance()
-    lifecycle.prepare()
-    return lifecycle
+from tests.files.test_takeover import instance
 
 
 def dead(tmp_path: Path, name: str, files: dict[str, bytes]) -> Lifecycle:

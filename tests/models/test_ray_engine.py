@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import yaml
-from torch import nn
 
+from bench.ray_vs_local import tiny_program  # the bench's model: tests and figures agree
 from tests.conftest import DaemonProcess, last_stats, make_image, wait_until, write_config
 
 ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
@@ -36,25 +35,6 @@ RESOURCE = "fakegpu"
 BRIDGE_GCS_TIMEOUT_S = "4"
 
 
-class TinyNet(nn.Module):
-    """1,000 outputs (so the ImageNet labels apply) from 32×32 crops, in microseconds."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.conv = nn.Conv2d(3, 8, 3, stride=2)
-        self.fc = nn.Linear(8, 1000)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.relu(self.conv(x)).mean(dim=(2, 3)))
-
-
-def tiny_program(path: Path) -> Path:
-    batch = torch.export.Dim("batch", min=1, max=64)
-    program = torch.export.export(TinyNet().eval(), (torch.randn(2, 3, 32, 32),),
-                                  dynamic_shapes=({0: batch},))
-    torch.export.save(program, path)
-    return path
 
 
 def free_port() -> int:
