@@ -214,3 +214,43 @@ def test_several_inboxes_file_results_under_each_inbox_name(tmp_path: Path) -> N
     asyncio.run(Pipeline(load_config(config), FakeModel()).process_backlog())  # type: ignore[arg-type]
     assert (tmp_path / "results" / "cams" / "x.png.json").exists()
     assert (tmp_path / "results" / "scans" / "x.png.json").exists()
+
+
+def test_one_paths_surprise_in_a_claim_batch_costs_only_that_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug or an odd error on one candidate (here a RuntimeError) must not crash the intake:
+    the claims already made in that batch would be stranded and counted against at a crash."""
+    pipeline = pipeline_for(tmp_path, capacity={"queue": 16}, inbox={"settle_ms": 0})
+    names = {f"f{n:03}.png" for n in range(40)}
+    for n, name in enumerate(sorted(names)):
+        make_image(tmp_path / "inbox" / name, size=(8, 8), color=(n + 50, 0, 0))
+    real_claim = pipeline.intake._claim_if_ready
+
+    def claim(candidate: Any, effects: Any) -> Any:
+        if candidate.path.name == "f007.png":
+            raise RuntimeError("a surprise")
+        return real_claim(candidate, effects)
+
+    monkeypatch.setattr(pipeline.intake, "_claim_if_ready", claim)
+    asyncio.run(asyncio.wait_for(pipeline.process_backlog(), 60))
+    results, failed = outcome_names(tmp_path)
+    assert results == names - {"f007.png"} and not failed
+    assert (tmp_path / "inbox" / "f007.png").exists()  # left where it was, said once
+    assert not list((tmp_path / "inbox" / ".processing").rglob("*.png"))
+
+
+def test_a_durable_result_wins_over_a_crash_count(tmp_path: Path) -> None:
+    """A file in flight at two crashes whose result was already durable (the crashes came
+    between the write and the move) is finished, not failed: failed/ too would be two outcomes."""
+    pipeline = pipeline_for(tmp_path, inbox={"settle_ms": 0})
+    make_image(tmp_path / "inbox" / "a.png", size=(8, 8))
+    asyncio.run(pipeline.process_backlog())
+    os.rename(tmp_path / "done" / "a.png", tmp_path / "inbox" / ".processing" / "default" / "a.png")
+
+    again = pipeline_for(tmp_path, inbox={"settle_ms": 0})
+    for _ in range(2):
+        again.lifecycle.record_crash("a crash between the write and the move")
+    asyncio.run(again.process_backlog())
+    results, failed = outcome_names(tmp_path)
+    assert results == {"a.png"} and not failed
+    assert (tmp_path / "done" / "a.png").exists()

@@ -5,7 +5,8 @@ inbox/rel ─claim─▶ inbox/.processing/<instance>/rel ─▶ done/<name> | d
 A result is durable (``files.results``) *before* the source moves: a kill at any instant leaves
 either no result (the file is processed again) or a complete one (which the rerun finds by its
 sha256 and does not redo). Every destination that is taken gets the next free variant of the
-name (``files.renames``), so no input ever replaces another.
+name (``files.renames``), so no input ever replaces another. Longer than 300 lines because every
+move is here, so that the no-replace and durable-first rules can be checked in one place.
 """
 
 from __future__ import annotations
@@ -163,10 +164,13 @@ class Lifecycle:
                 rel = claimed.relative_to(processing).as_posix()
                 sha256 = self.sha256_of(claimed)
                 crashes, reason = instances.crashes_of(ledgers, rel, sha256)
+                # A durable result first: failing that file too would give it two outcomes.
+                if self.finish_if_done(claimed, inbox, rel, sha256):
+                    continue
                 if crashes >= CRASHES_BEFORE_FAILING and self.fail_crasher(
                         claimed, inbox, rel, crashes, reason, self.config.instance):
                     failed += 1
-                elif not self.finish_if_done(claimed, inbox, rel, sha256):
+                else:
                     self.release(claimed, inbox / rel)
                     returned += 1
         return returned, failed
@@ -186,6 +190,8 @@ class Lifecycle:
             for key in [rel] + ([folder + slash + plain] if plain else []):
                 name = self.results.find(self.config.key_for(inbox, key), sha256)
                 if name is not None:
+                    # Its holder may have died before the folder's fsync: make it durable.
+                    fsync_dir(self.results.json_path(name).parent)
                     self.finish_success(claimed, name, inbox / key, sha256)
                     return True
         except OSError:

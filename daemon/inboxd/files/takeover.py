@@ -215,16 +215,16 @@ def _walk_back(walk: _Walk, top: int) -> None:
 
 
 def _take_back(walk: _Walk, fd: int, entry: str, rel: str) -> None:
-    """One claimed file: to failed/ (a repeat crasher), on (its result is durable), or back."""
+    """One claimed file: on (its result is durable), to failed/ (a repeat crasher), or back."""
     claimed = Path(f"/proc/self/fd/{fd}") / entry
     sha256 = walk.lifecycle.sha256_of(claimed)
     crashes, reason = crashes_of(walk.counts, rel, sha256)
+    if walk.lifecycle.finish_if_done(claimed, walk.inbox, rel, sha256):  # before failing it
+        walk.taken.finished += 1
+        return
     if crashes >= CRASHES_BEFORE_FAILING and walk.lifecycle.fail_crasher(
             claimed, walk.inbox, rel, crashes, reason, walk.instance):
         walk.taken.failed += 1
-        return
-    if walk.lifecycle.finish_if_done(claimed, walk.inbox, rel, sha256):
-        walk.taken.finished += 1
         return
     try:
         placed = _give_back(fd, entry, walk.inbox, rel)
