@@ -67,9 +67,10 @@ class CapacityConfig(Section):
     preprocess_cache: Positive = 4
     preprocess_cache_mb: Positive = 256
     retry_list: Positive = 256
-    # Batches sent to the model and not answered yet. The local engine runs one at a time
-    # whatever this says (one thread, one device); engine: ray keeps up to this many in flight
-    # across the replicas, and the next batch waits here, never in Serve's own queue.
+    # Batches sent to the model and not answered yet. The local engine on the CPU runs one at
+    # a time whatever this says; on CUDA it takes this many (the copy of one overlaps the
+    # compute of another); engine: ray keeps up to this many in flight across the replicas.
+    # The next batch waits here, never in Serve's own queue.
     in_flight_batches: Positive = 4
 
 

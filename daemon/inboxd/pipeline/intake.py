@@ -7,9 +7,10 @@ the event buffer fills, and further files stay on disk (deferred) until there is
 
 Claims are batched: as many due candidates as the queue has room for (at most
 ``CLAIM_BATCH``) are looked at and claimed in one call on the intake's own thread, so a flood
-costs one hand-off per batch and the event loop makes none of those syscalls. A batch never
-exceeds the queue's free room, so no claimed file waits anywhere the queue's capacity does not
-count. A lone candidate is claimed inline, as before.
+costs one hand-off per batch and the event loop makes none of those syscalls. A batch is sized
+to the queue's free room when it is taken; the retry list may fill some of that room meanwhile,
+so at most ``CLAIM_BATCH`` - 1 claimed files can wait on ``put()`` beyond the queue. A lone
+candidate is claimed inline. One path's surprise (a bug, an odd error) skips that path only.
 """
 
 from __future__ import annotations
@@ -96,10 +97,9 @@ class Intake:
                 batch = self._more_due(due)
                 effects = Effects()
                 if len(batch) == 1:
-                    claims = [self._claim_if_ready(due, effects)]
+                    claims = self._claim_all(batch, effects)
                 else:
-                    claims = await loop.run_in_executor(self._executor(), self._claim_all,
-                                                        batch, effects)
+                    claims = await self._claim_batch(loop, batch, effects)
                 self.stats.counters.ignored += effects.ignored
                 for candidate, due_s in effects.later:
                     self.buffer.retry_later(candidate, due_s)
@@ -127,8 +127,25 @@ class Intake:
         if self._claimer is not None:
             self._claimer.shutdown(wait=True)
 
+    async def _claim_batch(self, loop: asyncio.AbstractEventLoop, batch: list[Candidate],
+                           effects: Effects) -> list[Claim]:
+        claiming = loop.run_in_executor(self._executor(), self._claim_all, batch, effects)
+        try:
+            return await asyncio.shield(claiming)
+        except asyncio.CancelledError:
+            # Shutdown: the thread's renames go on regardless; what they claimed goes back.
+            self._release([claim for claim in await claiming if claim is not None])
+            raise
+
     def _claim_all(self, batch: list[Candidate], effects: Effects) -> list[Claim]:
-        return [self._claim_if_ready(candidate, effects) for candidate in batch]
+        claims: list[Claim] = []
+        for candidate in batch:
+            try:
+                claims.append(self._claim_if_ready(candidate, effects))
+            except Exception as exc:  # one path's surprise must not cost the batch's claims
+                self.skipped.note(candidate.path, f"cannot claim it: {exc!r}")
+                claims.append(_ignored(effects))
+        return claims
 
     async def _enqueue(self, claims: list[Claim]) -> None:
         taken = [claim for claim in claims if claim is not None]
@@ -139,11 +156,13 @@ class Intake:
                 else:
                     await self.on_refused(item, refusal)
             except asyncio.CancelledError:
-                # Shutdown: the rest of the batch goes back to the inbox, untouched.
-                for rest, _ in taken[index + 1:]:
-                    self.lifecycle.release(rest.claimed_path, rest.inbox / rest.rel)
-                    self.stats.counters.released += 1
+                self._release(taken[index + 1:])  # shutdown: the rest goes back, untouched
                 raise
+
+    def _release(self, taken: list[tuple[WorkItem, str | None]]) -> None:
+        for item, _ in taken:
+            self.lifecycle.release(item.claimed_path, item.inbox / item.rel)
+            self.stats.counters.released += 1
 
     def _claim_if_ready(self, candidate: Candidate, effects: Effects) -> Claim:
         path, inbox = candidate.path, candidate.inbox

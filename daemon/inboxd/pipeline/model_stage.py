@@ -1,8 +1,9 @@
 """Stage 5: the model stage. Batches from the batcher → the model engine → the result writer.
 
 Where the model runs is the engine's business (``inboxd.models.engine``); this stage keeps at most
-``in_flight`` batches sent and unanswered (one for the local engine: one thread, one device; up
-to ``capacity.in_flight_batches`` for an engine with ``parallel_calls``, such as Ray's). While
+``in_flight`` batches sent and unanswered (one for the local engine on the CPU; up to
+``capacity.in_flight_batches`` for an engine with ``parallel_calls``: the local engine on CUDA,
+where a second call's copy overlaps the first's compute, and Ray's). While
 every slot is taken, the batcher is not asked for another batch: the wait reaches the preprocess
 cache, the decoders and ``await queue.put()``, exactly as a busy local GPU does. The bound is this
 stage's, never a remote queue's.

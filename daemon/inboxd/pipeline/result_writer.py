@@ -1,10 +1,11 @@
 """Stage 6: the result writer. Model outcomes → durable JSON results → the source moved on.
 
-A batch's results are written together: each JSON is fsynced, renamed into place, and each
-results folder fsynced once, and only then do the sources move (so durability costs one
-directory fsync per batch, not per file, and no source ever moves before its result is safe).
+A batch's results are written together (group commit, ``files.results``): every JSON to its
+temp file, all of them fdatasynced in parallel, renamed into place, each results folder fsynced
+once, and only then do the sources move (so no source ever moves before its result is safe).
 The hand-off from the model worker holds one batch: the model infers batch n+1 while batch n is
-being written, and waits if writing falls behind.
+being written; with several calls in flight, the finished ones wait on ``submit()`` inside
+their in-flight slots, so the model stage's bound still counts them.
 """
 
 from __future__ import annotations
