@@ -9,6 +9,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 from inboxd.config import load_config
 from inboxd.files.durable import move
@@ -171,3 +172,99 @@ def test_a_crasher_that_failed_cannot_take_goes_back_instead_of_stopping_start_u
     monkeypatch.setattr(lifecycle, "finish_failure", read_only)
     assert lifecycle.recover() == (1, 0)
     assert (inbox / "killer.jpg").read_bytes() == b"boom"
+
+
+def embedding(key: str, data: bytes, vector: list[float]) -> ResultEntry:
+    sha = hashlib.sha256(data).hexdigest()
+    return ResultEntry(key, sha, lambda name: {"sha256": sha, "vector": f"{name}.npy"},
+                       np.array(vector, dtype=np.float32))
+
+
+def assert_filed_with_its_vector(results: Path, name: str, data: bytes,
+                                 vector: list[float]) -> None:
+    document = json.loads((results / f"{name}.json").read_text())
+    assert document["sha256"] == hashlib.sha256(data).hexdigest()
+    assert document["vector"] == f"{name}.npy"
+    np.testing.assert_array_equal(np.load(results / f"{name}.npy", allow_pickle=False),
+                                  np.array(vector, dtype=np.float32))
+
+
+def test_two_files_of_one_name_in_one_batch_keep_their_own_vectors(tmp_path: Path) -> None:
+    # photo.jpg dropped again while the first copy is claimed: one batch, one key, two files.
+    lifecycle = lifecycle_for(tmp_path)
+    filed = lifecycle.results.write([embedding("photo.jpg", b"one", [1.0, 2.0]),
+                                     embedding("photo.jpg", b"two", [3.0, 4.0])])
+    names = [name for name, _ in filed]
+    assert names[0] == "photo.jpg" and names[1] != names[0]
+    assert [known for _, known in filed] == [False, False]
+    results = tmp_path / "results"
+    assert_filed_with_its_vector(results, names[0], b"one", [1.0, 2.0])
+    assert_filed_with_its_vector(results, names[1], b"two", [3.0, 4.0])
+
+
+def test_a_killed_attempts_vector_pushes_the_result_to_a_variant(tmp_path: Path) -> None:
+    lifecycle = lifecycle_for(tmp_path)
+    results = tmp_path / "results"
+    stray = results / "photo.jpg.npy"  # vector placed, then killed before its JSON
+    np.save(stray, np.array([9.0, 9.0], dtype=np.float32), allow_pickle=False)
+    before = stray.read_bytes()
+    (name, known), = lifecycle.results.write([embedding("photo.jpg", b"one", [1.0, 2.0])])
+    assert name != "photo.jpg" and not known
+    assert_filed_with_its_vector(results, name, b"one", [1.0, 2.0])
+    assert stray.read_bytes() == before and not (results / "photo.jpg.json").exists()
+
+
+def test_the_same_file_twice_in_one_batch_shares_one_result(tmp_path: Path) -> None:
+    lifecycle = lifecycle_for(tmp_path)
+    filed = lifecycle.results.write([embedding("photo.jpg", b"one", [1.0, 2.0]),
+                                     embedding("photo.jpg", b"one", [1.0, 2.0])])
+    assert filed == [("photo.jpg", False), ("photo.jpg", False)]
+    assert sorted(p.name for p in (tmp_path / "results").glob("photo*")) == ["photo.jpg.json",
+                                                                             "photo.jpg.npy"]
+
+
+def test_keep_files_each_vector_with_its_own_json(tmp_path: Path) -> None:
+    lifecycle = lifecycle_for(tmp_path, inbox={"after_success": "keep"})
+    results = tmp_path / "results"
+    # Rerun of the same bytes: the plain name's result stays theirs, vector and all.
+    for _ in range(2):
+        (name, _known), = lifecycle.results.write([embedding("photo.jpg", b"one", [1.0, 2.0])])
+        assert name == "photo.jpg"
+        assert_filed_with_its_vector(results, name, b"one", [1.0, 2.0])
+    # New bytes under the name: the old result moves aside, the new one has the plain name.
+    (name, _known), = lifecycle.results.write([embedding("photo.jpg", b"two", [3.0, 4.0])])
+    assert name == "photo.jpg"
+    assert_filed_with_its_vector(results, name, b"two", [3.0, 4.0])
+    old = f"photo.jpg.{hashlib.sha256(b'one').hexdigest()[:12]}"
+    assert json.loads((results / f"{old}.json").read_text())["sha256"] == hashlib.sha256(
+        b"one").hexdigest()
+    np.testing.assert_array_equal(np.load(results / f"{old}.npy"), [1.0, 2.0])
+    # Two files of one name in one batch: each beside its own vector.
+    filed = lifecycle.results.write([embedding("scan.jpg", b"a", [5.0, 6.0]),
+                                     embedding("scan.jpg", b"b", [7.0, 8.0])])
+    assert filed[0][0] == "scan.jpg" and filed[1][0] != "scan.jpg"
+    assert_filed_with_its_vector(results, filed[0][0], b"a", [5.0, 6.0])
+    assert_filed_with_its_vector(results, filed[1][0], b"b", [7.0, 8.0])
+
+
+def test_another_instance_filing_the_name_meanwhile_keeps_its_vector(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two instances share results/: the other files photo.jpg after this one chose the name
+    # and before its vector is in place.
+    import inboxd.files.results as results_module
+    ours, other = lifecycle_for(tmp_path), lifecycle_for(tmp_path)
+    real_write_tmp = results_module.write_tmp
+    raced: list[list[tuple[str, bool]]] = []
+
+    def write_tmp_after_the_other(*args: object, **kwargs: object) -> Path:
+        if not raced:
+            monkeypatch.setattr(results_module, "write_tmp", real_write_tmp)
+            raced.append(other.results.write([embedding("photo.jpg", b"two", [3.0, 4.0])]))
+        return real_write_tmp(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(results_module, "write_tmp", write_tmp_after_the_other)
+    (name, _), = ours.results.write([embedding("photo.jpg", b"one", [1.0, 2.0])])
+    assert raced == [[("photo.jpg", False)]] and name != "photo.jpg"
+    results = tmp_path / "results"
+    assert_filed_with_its_vector(results, "photo.jpg", b"two", [3.0, 4.0])
+    assert_filed_with_its_vector(results, name, b"one", [1.0, 2.0])

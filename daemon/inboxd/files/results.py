@@ -12,7 +12,9 @@ them are made durable together (``durable.write_tmps``), then each is renamed in
 replacing anything, and each results folder is fsynced once; only after that does the caller
 move the batch's sources. A
 batch's vectors are made durable *before* its JSON: a rerun treats an existing JSON with the
-same sha256 as done, so a JSON must never exist without its vector.
+same sha256 as done, so a JSON must never exist without its vector. Vectors, too, are placed
+without replacing: a name whose vector is there (another writer's, or a killed attempt's) is
+taken, and the result goes to the next name.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import io
 import json
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence, Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,9 +90,13 @@ class ResultFiles:
                 return name
         return None  # pragma: no cover - key_variants never ends
 
-    def _free_names(self, key: str, sha256: str) -> Iterator[str]:
+    def _free_names(self, key: str, sha256: str, taken: Set[str]) -> Iterator[str]:
+        """Names free for these bytes' result: not given out by this ``write`` (``taken``),
+        no JSON there, and no vector either (another writer's, placed before its JSON)."""
         for name in key_variants(key, sha_token(sha256)):
-            if os.path.lexists(self.json_path(name)):
+            if name in taken:
+                continue
+            if os.path.lexists(self.json_path(name)) or os.path.lexists(self.vector_path(name)):
                 continue
             if self.done_dir is not None and os.path.lexists(output_path(self.done_dir, name)):
                 continue
@@ -101,13 +107,25 @@ class ResultFiles:
         and whether that result was already there (the same bytes, filed earlier)."""
         outcome: list[tuple[str, bool] | None] = []
         todo: list[tuple[int, ResultEntry, str]] = []
+        # The names this call gave out: none goes to two entries, though no JSON is there yet.
+        given: dict[tuple[str, str], str] = {}
+        taken: set[str] = set()
+        vector_folders: set[Path] = set()
         for index, entry in enumerate(entries):
             known = None if self.replace_kept else self.find(entry.key, entry.sha256)
             outcome.append(None if known is None else (known, True))
-            if known is None:
-                todo.append((index, entry, self._claim_name(entry)))
-        vector_folders = {self._write_vector(name, entry.vector)
-                          for _, entry, name in todo if entry.vector is not None}
+            if known is not None:
+                continue
+            name = given.get((entry.key, entry.sha256))
+            if name is None:  # (the same bytes twice in one batch share one result)
+                name = self._claim_name(entry, taken)
+                if entry.vector is not None:
+                    name = self._write_vector(entry, name, taken)
+                    vector_folders.add(self.vector_path(name).parent)
+                given[(entry.key, entry.sha256)] = name
+                taken.add(name)
+            todo.append((index, entry, name))
+        # Every vector durable before any JSON naming it is placed.
         for folder in vector_folders:
             fsync_dir(folder)
         # All durable together, or (a full disk part-way) none left behind.
@@ -118,7 +136,7 @@ class ResultFiles:
         placed = 0
         try:
             for (index, entry, name), tmp in zip(todo, temps, strict=True):
-                filed = self._place_json(tmp, entry, name)
+                filed = self._place_json(tmp, entry, name, taken)
                 outcome[index] = (filed, False)
                 folders.add(self.json_path(filed).parent)
                 placed += 1
@@ -132,11 +150,11 @@ class ResultFiles:
         commit_pause()
         return [filed for filed in outcome if filed is not None]
 
-    def _claim_name(self, entry: ResultEntry) -> str:
-        if self.replace_kept:
+    def _claim_name(self, entry: ResultEntry, taken: Set[str]) -> str:
+        if self.replace_kept and entry.key not in taken:
             self._move_aside(entry.key, entry.sha256)
             return entry.key
-        return next(self._free_names(entry.key, entry.sha256))
+        return next(self._free_names(entry.key, entry.sha256, taken))
 
     def _move_aside(self, key: str, sha256: str) -> None:
         """keep: an older result of different bytes under the plain name moves to its own
@@ -150,19 +168,33 @@ class ResultFiles:
             if os.path.lexists(current):
                 place(current, output_path(self.results_dir, key + "." + token, suffix), token)
 
-    def _write_vector(self, name: str, vector: npt.NDArray[np.float32]) -> Path:
+    def _write_vector(self, entry: ResultEntry, name: str, taken: Set[str]) -> str:
+        """Place ``entry``'s vector as ``name``'s, or — that vector already there — the next
+        free name's; returns the name it got (not yet durable: its folder wants an fsync).
+        Never replaces: a vector there may be another writer's, whose JSON is still to come.
+        A leftover of a killed earlier attempt just pushes this result to a variant name —
+        one spare file, never a JSON beside the wrong vector."""
+        assert entry.vector is not None
         data = io.BytesIO()
         # allow_pickle=False: a float32 array never needs it, and readers can refuse it.
-        np.save(data, vector, allow_pickle=False)
+        np.save(data, entry.vector, allow_pickle=False)
         tmp = write_tmp(self.tmp_dir, data.getvalue(), VECTOR_SUFFIX)
-        final = self.vector_path(name)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        # No JSON names this file yet (its name was free of a JSON), so replacing a leftover
-        # of a killed earlier attempt loses nothing.
-        os.replace(tmp, final)
-        return final.parent
+        try:
+            while True:
+                try:
+                    rename_into(tmp, self.vector_path(name))
+                    return name
+                except FileExistsError:
+                    if self.recorded_sha256(name) == entry.sha256:
+                        # keep: the same bytes' result is there, and that vector is theirs.
+                        tmp.unlink(missing_ok=True)
+                        return name
+                name = next(self._free_names(entry.key, entry.sha256, taken))
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
 
-    def _place_json(self, tmp: Path, entry: ResultEntry, name: str) -> str:
+    def _place_json(self, tmp: Path, entry: ResultEntry, name: str, taken: set[str]) -> str:
         """Rename ``tmp`` to ``name``'s JSON; if another writer took that name meanwhile, the
         next free one (rewriting the JSON, and the vector, for it)."""
         while True:
@@ -175,7 +207,9 @@ class ResultFiles:
                     tmp.unlink(missing_ok=True)  # the same bytes' result is already there
                     return name
             tmp.unlink(missing_ok=True)
-            name = next(self._free_names(entry.key, entry.sha256))
+            name = next(self._free_names(entry.key, entry.sha256, taken))
             if entry.vector is not None:
-                fsync_dir(self._write_vector(name, entry.vector))
+                name = self._write_vector(entry, name, taken)
+                fsync_dir(self.vector_path(name).parent)  # durable before the JSON naming it
+            taken.add(name)
             tmp = write_tmp(self.tmp_dir, json_bytes(entry.document(name)), JSON_SUFFIX)
