@@ -152,7 +152,8 @@ def test_with_a_live_daemon_a_fixed_file_gets_its_result_in_its_own_inbox(
         result = tmp_path / "results" / "scans" / "a.jpg.json"
         wait_until(result.exists, 60, "the retried file's result")
         assert json.loads(result.read_text())["top_k"]
-        assert (tmp_path / "done" / "scans" / "a.jpg").exists()
+        # The source moves after its result is durable: a moment after the JSON appears.
+        wait_until((tmp_path / "done" / "scans" / "a.jpg").exists, 30, "the source in done/")
         assert not (failed / "scans" / "a.jpg.error.json").exists()
         assert (failed / "photos" / "a.jpg").read_bytes() == b"not a jpeg photos"
         assert (failed / "photos" / "a.jpg.error.json").exists()
