@@ -35,8 +35,6 @@ RESOURCE = "fakegpu"
 BRIDGE_GCS_TIMEOUT_S = "4"
 
 
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
