@@ -25,22 +25,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.overhead import NullModel  # the overhead bench's model: the same tiny commits
 from tests.byo_models import export
 from tests.conftest import DaemonProcess, make_image, wait_until, write_config
 from tests.guarantees.test_crash_soak import check_outcomes
 
 PAUSE_MS = 25
 COMMIT_STEPS = 4  # pauses per commit: after the writes, the barrier, the renames, the fsyncs
-
-
-class NullModel(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = torch.nn.Linear(3, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.fc(x.mean(dim=(2, 3)))
-        return out
 
 
 def commit_soak(tmp_path: Path, files: int, kills: int, seed: int) -> dict[str, int]:
