@@ -34,8 +34,8 @@ from bench import profiled, report
 from bench.measure import ResultWatcher, drop_many
 from bench.offline import emit
 from bench.photos import Photo
-from bench.procs import DEFAULT_CONFIG, Daemon, RssSampler
-from bench.scenarios import Running, flood
+from bench.procs import DEFAULT_CONFIG, Daemon
+from bench.scenarios import Running, flood, watch
 
 BENCH_DIR = Path(__file__).resolve().parent
 WORK_DIR = BENCH_DIR / "out" / "overhead"
@@ -161,16 +161,7 @@ def reference(root: Path, config_path: Path, photos: list[Photo], count: int) ->
 def start(root: Path, config: Path, command: list[str] | None = None) -> Running:
     # The daemon runs in its folder: the profiled runner must still find this package.
     path = os.pathsep.join(filter(None, [str(BENCH_DIR.parent), os.environ.get("PYTHONPATH")]))
-    daemon = Daemon(config, env={"PYTHONPATH": path}, command=command)
-    rss = RssSampler(daemon.pid)
-    results = ResultWatcher(root / "results", 0.01)
-    try:
-        daemon.wait_ready()
-        daemon.next_stats()
-    except BaseException:
-        daemon.kill()
-        raise
-    return Running(root, daemon, rss, results, rss.now())
+    return watch(root, Daemon(config, env={"PYTHONPATH": path}, command=command))
 
 
 def fresh(root: Path) -> Path:

@@ -60,7 +60,12 @@ def start(root: Path, overrides: dict[str, dict[str, Any]] | None = None) -> Run
     if root.exists():
         shutil.rmtree(root)
     root.mkdir(parents=True)
-    daemon = Daemon(write_config(root, overrides))
+    return watch(root, Daemon(write_config(root, overrides)))
+
+
+def watch(root: Path, daemon: Daemon) -> Running:
+    """``daemon`` (just started in ``root``) with its memory sampler and result watcher, once
+    it is READY and has been idle for one stats tick."""
     rss = RssSampler(daemon.pid)
     results = ResultWatcher(root / "results", FLOOD_POLL_S)
     try:

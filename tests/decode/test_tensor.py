@@ -21,21 +21,13 @@ from inboxd.models.model import Model
 from PIL import Image
 
 from tests.decode.test_fidelity import MAX_SCORE_DIFF, photo_jpeg
+from tests.decode.test_fidelity import SIZES as FIDELITY_SIZES
 from tests.photos import photo_paths
 
 MAX_PIXELS = 89_478_485
 CPU = torch.device("cpu")
-# Different photos, sizes and shapes (landscape, portrait, a square), 0.3 to 12 MP.
-SIZES = {
-    "chelsea": (640, 480),
-    "coffee": (864, 1152),
-    "motorcycle": (1600, 1200),
-    "china": (2048, 1536),
-    "flower": (3000, 2250),
-    "rocket": (3000, 4000),
-    "grace_hopper": (512, 600),
-    "astronaut": (1024, 1024),
-}
+# The fidelity photos (0.3 to 12 MP, 4:3 and 3:4), a portrait of another shape and a square.
+SIZES = {**FIDELITY_SIZES, "grace_hopper": (512, 600), "astronaut": (1024, 1024)}
 
 
 @pytest.fixture(scope="module")
