@@ -5,8 +5,9 @@ Not ``concurrent.futures.ProcessPoolExecutor``: one dead worker breaks that whol
 ``python -m inboxd.decode.worker`` with a request and a reply pipe; a request that is not
 answered within ``decode_timeout_s`` gets the worker SIGKILLed, a worker that dies (a C decoder's
 segfault, an abort, the OOM killer) is reaped, and either way a new one takes its place and that
-one file gets the reason. One round trip per file: the request names the file (the worker opens,
-checks and hashes it itself), the reply carries the crop (``crop``×``crop``×3 bytes).
+one file gets the reason. One request names several files (the worker opens, checks and hashes
+each itself) and is acknowledged once; then one reply per file, in order, carries its crop
+(``crop``×``crop``×3 bytes), so a death or a hang is the doing of the first file not answered.
 
 Blocking and thread-safe: each call holds one worker; callers run it in their own threads.
 Workers are started from one dedicated thread, because ``PR_SET_PDEATHSIG`` fires when the
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -73,7 +75,8 @@ class _Process:
             env=env,
         )
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.requests, self.replies = self.proc.stdin.fileno(), self.proc.stdout.fileno()
+        self.requests = self.proc.stdin.fileno()
+        self.reader = wire.Reader(self.proc.stdout.fileno())
         self.ready: dict[str, Any] | None = None
         init = {**asdict(settings), "parent_pid": os.getpid()}
         init["spec"] = asdict(settings.spec)
@@ -160,30 +163,58 @@ class DecodePool:
 
     def decode(self, path: os.PathLike[str] | str, expected_sha256: str | None = None
                ) -> DecodeResult:
-        """Read, hash and decode one file in a worker. Every outcome of that one file is a
-        returned ``DecodeResult``; only a pool that is closed or cannot start workers raises."""
+        """Read, hash and decode one file in a worker (see ``decode_many``)."""
+        return self.decode_many([(path, expected_sha256)])[0]
+
+    def decode_many(self, files: Sequence[tuple[os.PathLike[str] | str, str | None]]
+                    ) -> list[DecodeResult]:
+        """Read, hash and decode each (path, expected sha256) in one worker, in order: one
+        request for them all, one reply per file as soon as it is done. Every outcome of a
+        file is its returned ``DecodeResult``; a worker that dies, hangs or is recycled costs
+        only the file it was on, and the rest go to its replacement. Only a pool that is closed
+        or cannot start workers raises (then every file of the call is tried again later)."""
         if self.closed:
             raise TransientError("inboxd is shutting down")
         self.start()
         process = self._idle.get()
-        request = {"path_hex": os.fsencode(path).hex(), "expected_sha256": expected_sha256}
+        results: list[DecodeResult] = []
         try:
             if process is None:
                 process = self._start()
-            for attempt in range(2):
-                process = self._ensure_ready(process)
-                if self._deliver(process, request):
-                    result, process = self._answer(process)
-                    return result
-                # It died before it took the file (killed while idle, the OOM killer, say):
-                # not this file's doing, so the file goes to a fresh worker, once.
-                process = self._replace(process, "died while idle")
-                if attempt:
-                    raise TransientError("decode workers die before they can take a file; "
-                                         "see the journal")
-            raise AssertionError("unreachable")
+            while len(results) < len(files):
+                rest = files[len(results):]
+                process = self._hand_over(process, rest)
+                process = self._answers(process, len(rest), results)
+            return results
         finally:
             self._idle.put(self._keep(process))
+
+    def _hand_over(self, process: _Process,
+                   files: Sequence[tuple[os.PathLike[str] | str, str | None]]) -> _Process:
+        """The worker that has taken ``files`` (acknowledged the request)."""
+        request = {"files": [{"path_hex": os.fsencode(path).hex(), "expected_sha256": expected}
+                             for path, expected in files]}
+        for attempt in range(2):
+            process = self._ensure_ready(process)
+            if self._deliver(process, request):
+                return process
+            # It died before it took the files (killed while idle, the OOM killer, say):
+            # not their doing, so they go to a fresh worker, once.
+            process = self._replace(process, "died while idle")
+            if attempt:
+                raise TransientError("decode workers die before they can take a file; "
+                                     "see the journal")
+        raise AssertionError("unreachable")
+
+    def _answers(self, process: _Process, count: int, results: list[DecodeResult]) -> _Process:
+        """Up to ``count`` replies into ``results``; returns early with the replacement when
+        the worker had to be replaced (the files after that one were never started)."""
+        for _ in range(count):
+            result, answered_by = self._answer(process)
+            results.append(result)
+            if answered_by is not process:
+                return answered_by
+        return process
 
     def _keep(self, process: _Process | None) -> _Process | None:
         """The slot's worker if it is still alive (a replacement that failed to start leaves
@@ -199,7 +230,7 @@ class DecodePool:
         """Send the request and wait for the worker's receipt. False: it was already dead."""
         try:
             wire.send(process.requests, request)
-            header, _ = wire.recv(process.replies, time.monotonic() + STARTUP_TIMEOUT_S)
+            header, _ = process.reader.recv(time.monotonic() + STARTUP_TIMEOUT_S)
         except (OSError, EOFError, TimeoutError, wire.WireError):
             return False
         return header.get("ack") is True
@@ -211,7 +242,7 @@ class DecodePool:
             if process.ready is not None:  # was ready, has died since
                 process = self._replace(process, "died while idle")
             try:
-                header, _ = wire.recv(process.replies, time.monotonic() + STARTUP_TIMEOUT_S)
+                header, _ = process.reader.recv(time.monotonic() + STARTUP_TIMEOUT_S)
             except (OSError, EOFError, TimeoutError, wire.WireError) as exc:
                 process = self._replace(process, f"did not start ({type(exc).__name__})")
                 continue
@@ -225,7 +256,7 @@ class DecodePool:
     def _answer(self, process: _Process) -> tuple[DecodeResult, _Process]:
         deadline_s = time.monotonic() + self.settings.decode_timeout_s
         try:
-            header, payload = wire.recv(process.replies, deadline_s, self.max_payload_bytes)
+            header, payload = process.reader.recv(deadline_s, self.max_payload_bytes)
         except TimeoutError:
             timeout_s = self.settings.decode_timeout_s
             return DecodeResult(None, None, error=PermanentError(

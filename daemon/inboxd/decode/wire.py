@@ -16,6 +16,8 @@ from typing import Any
 
 PREFIX = struct.Struct(">II")
 MAX_HEADER_BYTES = 1 << 16
+# A read takes what is there up to this (a pipe holds 64 KiB): several small replies at once.
+READ_BYTES = 1 << 16
 
 
 class WireError(Exception):
@@ -37,35 +39,47 @@ def send(fd: int, header: dict[str, Any], payload: bytes | memoryview = b"") -> 
             views[0] = views[0][written:]
 
 
-def recv(fd: int, deadline_s: float | None = None,
-         max_payload_bytes: int = 1 << 30) -> tuple[dict[str, Any], bytearray]:
-    """One frame. ``EOFError`` when the other side has gone, ``TimeoutError`` when nothing
-    complete arrived by ``deadline_s`` (``time.monotonic()``), ``WireError`` for garbage."""
-    header_bytes, payload_bytes = PREFIX.unpack(_read_exactly(fd, PREFIX.size, deadline_s))
-    if header_bytes > MAX_HEADER_BYTES or payload_bytes > max_payload_bytes:
-        raise WireError(f"frame too large: header {header_bytes}, payload {payload_bytes} bytes")
-    try:
-        header = json.loads(_read_exactly(fd, header_bytes, deadline_s))
-    except ValueError as exc:
-        raise WireError(f"header is not JSON: {exc}") from exc
-    if not isinstance(header, dict):
-        raise WireError("header is not a JSON object")
-    return header, _read_exactly(fd, payload_bytes, deadline_s)
+class Reader:
+    """Frames from one descriptor, read in large pieces: a reply of a few KB costs one
+    ``readv``, and the frames a busy worker wrote meanwhile come in with it. Keep one per
+    descriptor (what it read ahead belongs to the next frame)."""
 
+    def __init__(self, fd: int, max_header_bytes: int = MAX_HEADER_BYTES) -> None:
+        self.fd = fd
+        self.max_header_bytes = max_header_bytes
+        self.buffer = bytearray()
+        self.poller = select.poll()  # not select(): it fails on descriptors past 1024
+        self.poller.register(fd, select.POLLIN)
 
-def _read_exactly(fd: int, size: int, deadline_s: float | None) -> bytearray:
-    buffer = bytearray(size)
-    view = memoryview(buffer)
-    got = 0
-    poller = select.poll()  # not select(): it fails on descriptors past 1024
-    poller.register(fd, select.POLLIN)
-    while got < size:
-        if deadline_s is not None:
-            wait_ms = (deadline_s - time.monotonic()) * 1000
-            if wait_ms <= 0 or not poller.poll(wait_ms):
-                raise TimeoutError
-        n = os.readv(fd, [view[got:]])
-        if n == 0:
-            raise EOFError
-        got += n
-    return buffer
+    def recv(self, deadline_s: float | None = None,
+             max_payload_bytes: int = 1 << 30) -> tuple[dict[str, Any], bytearray]:
+        """One frame. ``EOFError`` when the other side has gone, ``TimeoutError`` when nothing
+        complete arrived by ``deadline_s`` (``time.monotonic()``), ``WireError`` for garbage."""
+        self._fill(PREFIX.size, deadline_s)
+        header_bytes, payload_bytes = PREFIX.unpack_from(self.buffer)
+        if header_bytes > self.max_header_bytes or payload_bytes > max_payload_bytes:
+            raise WireError(f"frame too large: header {header_bytes}, payload {payload_bytes} "
+                            "bytes")
+        end = PREFIX.size + header_bytes + payload_bytes
+        self._fill(end, deadline_s)
+        try:
+            header = json.loads(self.buffer[PREFIX.size:PREFIX.size + header_bytes])
+        except ValueError as exc:
+            raise WireError(f"header is not JSON: {exc}") from exc
+        if not isinstance(header, dict):
+            raise WireError("header is not a JSON object")
+        payload = self.buffer[PREFIX.size + header_bytes:end]
+        del self.buffer[:end]
+        return header, payload
+
+    def _fill(self, size: int, deadline_s: float | None) -> None:
+        """At least ``size`` bytes in the buffer."""
+        while len(self.buffer) < size:
+            if deadline_s is not None:
+                wait_ms = (deadline_s - time.monotonic()) * 1000
+                if wait_ms <= 0 or not self.poller.poll(wait_ms):
+                    raise TimeoutError
+            chunk = os.read(self.fd, max(READ_BYTES, size - len(self.buffer)))
+            if not chunk:
+                raise EOFError
+            self.buffer += chunk

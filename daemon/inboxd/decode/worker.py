@@ -40,6 +40,8 @@ PR_SET_PDEATHSIG = 1
 # Test-only fault injection, read only here: "abort=crash,hang=slow,raise:RuntimeError=rt"
 # makes a file whose name contains "crash" abort this process, and so on. Unset in production.
 FAULTS_ENV = "INBOXD_DECODE_FAULTS"
+# A request names up to preprocess.files_per_request paths (each up to PATH_MAX, hex-encoded).
+REQUEST_HEADER_BYTES = 1 << 20
 FAULT_KINDS = {"abort", "segv", "hang", "alloc", "exit", "raise"}
 RAISABLE: dict[str, type[BaseException]] = {
     e.__name__: e for e in (RuntimeError, NotImplementedError, AttributeError, MemoryError,
@@ -184,13 +186,16 @@ PEAK_SLACK_BYTES = 1 << 20
 
 
 def rss_and_peak_bytes() -> tuple[int, int]:
-    """(VmRSS, VmHWM) in one read of /proc/self/status."""
-    found = {}
+    """(VmRSS, VmHWM) in one read of /proc/self/status (after every file: found, not parsed
+    line by line)."""
     with open("/proc/self/status", "rb") as status:
-        for line in status:
-            if line.startswith((b"VmRSS:", b"VmHWM:")):
-                found[line[:5]] = int(line.split()[1]) * 1024
-    return found[b"VmRSS"], found[b"VmHWM"]
+        text = status.read()
+    return _kb_field(text, b"VmRSS:") * 1024, _kb_field(text, b"VmHWM:") * 1024
+
+
+def _kb_field(text: bytes, name: bytes) -> int:
+    start = text.index(name) + len(name)
+    return int(text[start:text.index(b"kB", start)])
 
 
 def reset_peak_rss() -> None:
@@ -221,7 +226,8 @@ def main() -> None:
     faulthandler.enable()  # a C crash leaves a Python traceback in the journal
     # Pillow warns about every oddity of hostile metadata; the outcome says what matters.
     warnings.simplefilter("ignore")
-    init, _ = wire.recv(requests)
+    reader = wire.Reader(requests, REQUEST_HEADER_BYTES)
+    init, _ = reader.recv()
     die_with_parent(init["parent_pid"])
     worker = Worker(init)
     worker.warm_up()
@@ -233,20 +239,21 @@ def main() -> None:
     reset_peak_rss()  # the first file's peak is its own, not the warm-up's
     while True:
         try:
-            request, _ = wire.recv(requests)
+            request, _ = reader.recv()
         except EOFError:
             return
-        wire.send(replies, {"ack": True})  # from here on, a death is this file's doing
-        header, payload, recycle = worker.handle(request)
-        rss, peak = rss_and_peak_bytes()
-        header["peak_rss_bytes"] = peak
-        header["recycle"] = recycle
-        wire.send(replies, header, payload)
-        if recycle:
-            return
-        if peak > rss + PEAK_SLACK_BYTES:  # after the reply: off this file's latency
-            reset_peak_rss()
-
+        # From here on, a death is the doing of the first file not yet answered.
+        wire.send(replies, {"ack": True})
+        for entry in request["files"]:
+            header, payload, recycle = worker.handle(entry)
+            rss, peak = rss_and_peak_bytes()
+            header["peak_rss_bytes"] = peak
+            header["recycle"] = recycle
+            wire.send(replies, header, payload)
+            if recycle:
+                return  # the daemon gives the request's other files to a fresh worker
+            if peak > rss + PEAK_SLACK_BYTES:  # after the reply: off this file's latency
+                reset_peak_rss()
 
 if __name__ == "__main__":
     main()

@@ -120,7 +120,12 @@ def write_tmps(tmp_dir: Path, blobs: Sequence[bytes], suffix: str) -> list[Path]
 
 
 def json_bytes(document: dict[str, Any]) -> bytes:
-    return json.dumps(document, indent=2, ensure_ascii=True).encode() + b"\n"
+    """One top-level key per line, each value on its line (as the README shows a result):
+    readable, and every value goes through the C encoder (``indent`` would force json's
+    pure-Python one, a tenth of a millisecond per result)."""
+    lines = ",\n".join(f"  {json.dumps(key)}: {json.dumps(value)}"
+                       for key, value in document.items())
+    return f"{{\n{lines}\n}}\n".encode() if document else b"{}\n"
 
 
 def move(source: Path, target: Path, token: str, tmp_dir: Path) -> Path:

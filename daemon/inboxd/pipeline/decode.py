@@ -3,9 +3,12 @@
 The untrusted bytes are never parsed in the daemon: ``decode/pool.py`` runs ``preprocess.workers``
 worker processes, each under a memory and a time limit, and every outcome of one file — whatever
 a decoder raised, a hang, a crash — comes back as that file's ``PermanentError`` or
-``TransientError``. ``workers`` threads here wait on them, so the event loop stays free. Each
-worker holds at most one file, so the memory in this stage is bounded by ``workers`` ×
-``decode_memory_mb``, and what comes back per file is one crop.
+``TransientError``. ``workers`` threads here wait on them, so the event loop stays free; each
+takes up to ``files_per_request`` files from the queue and hands them to its worker in one
+request (one hop to a thread and one round trip per request, not per file). Each worker decodes
+one file at a time, so the memory in this stage is bounded by ``workers`` ×
+``decode_memory_mb``, plus at most ``workers`` × ``files_per_request`` crops waiting for room
+in the cache.
 
 With the model on a GPU, baseline JPEGs are decoded there instead (``decode/device_route.py``:
 the header is checked on the CPU first, everything else still goes to the workers).
@@ -22,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from inboxd import logs
 from inboxd.decode.device_route import DeviceRoute
 from inboxd.decode.pool import DecodePool
+from inboxd.decode.replies import DecodeResult
 from inboxd.item import PermanentError, TransientError, WorkItem
 from inboxd.pipeline.preprocess_cache import PreprocessCache
 from inboxd.pipeline.queue import PipelineQueue
@@ -38,6 +42,7 @@ class Preprocessor:
         cache: PreprocessCache,
         pool: DecodePool,
         workers: int,
+        files_per_request: int,
         on_error: Outcome,
         existing_sha256: Callable[[str], str | None],
         on_duplicate: Callable[[WorkItem], Awaitable[None]],
@@ -48,6 +53,7 @@ class Preprocessor:
         self.cache = cache
         self.pool = pool
         self.workers = workers
+        self.files_per_request = files_per_request
         self.on_error = on_error
         self.existing_sha256 = existing_sha256
         self.on_duplicate = on_duplicate
@@ -59,36 +65,62 @@ class Preprocessor:
     async def run_worker(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            item = await self.queue.get()
-            self.in_progress += 1
+            items = await self._take()
+            self.in_progress += len(items)
+            handed_on = 0
             try:
-                item.dequeued_s = self.clock()
+                now_s = self.clock()
+                for item in items:
+                    item.dequeued_s = now_s
                 try:
-                    duplicate = await loop.run_in_executor(self.executor, self._prepare, item)
-                except (PermanentError, TransientError) as exc:
-                    await self.on_error(item, exc)
-                    continue
-                if duplicate:
-                    await self.on_duplicate(item)
-                    continue
-                item.preprocessed_s = self.clock()
-                await self.cache.put(item)
+                    outcomes = await loop.run_in_executor(self.executor, self._prepare_all, items)
+                except TransientError as exc:  # the pool is closed or cannot start workers
+                    outcomes = [exc] * len(items)
+                for item, outcome in zip(items, outcomes, strict=True):
+                    if isinstance(outcome, Exception):
+                        await self.on_error(item, outcome)
+                    elif outcome:
+                        await self.on_duplicate(item)
+                    else:
+                        item.preprocessed_s = self.clock()
+                        await self.cache.put(item)
+                    handed_on += 1
+                    self.in_progress -= 1
+                    self.queue.task_done()
             finally:
-                self.in_progress -= 1
-                self.queue.task_done()
+                for _ in range(len(items) - handed_on):  # cancelled: they stay claimed on disk
+                    self.in_progress -= 1
+                    self.queue.task_done()
 
-    def _prepare(self, item: WorkItem) -> bool:
-        """Read, hash and decode one file; True when its result already exists (a rerun after
-        a crash between the result and the move, or the same file dropped twice)."""
-        expected = self.existing_sha256(item.key)
-        result = None
-        if self.device_route is not None:
-            result = self.device_route.decode(item.claimed_path, expected)
-        if result is None:
-            result = self.pool.decode(item.claimed_path, expected)
+    async def _take(self) -> list[WorkItem]:
+        """The next file, and as many more as a fair share of what waits allows (every decoder
+        gets some of a short queue), up to ``files_per_request``: one request for them all."""
+        items = [await self.queue.get()]
+        share = min(self.files_per_request, -(-(self.queue.qsize() + 1) // self.workers))
+        while len(items) < share and not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        return items
+
+    def _prepare_all(self, items: list[WorkItem]) -> list[bool | PermanentError | TransientError]:
+        """Read, hash and decode each file: True when its result already exists (a rerun after
+        a crash between the result and the move, or the same file dropped twice), False when
+        its crop is on the item, or why it failed."""
+        expected = [self.existing_sha256(item.key) for item in items]
+        route = self.device_route
+        routed = [None if route is None else route.decode(item.claimed_path, sha256)
+                  for item, sha256 in zip(items, expected, strict=True)]
+        on_cpu = [(item.claimed_path, sha256)
+                  for item, sha256, result in zip(items, expected, routed, strict=True)
+                  if result is None]
+        decoded = iter(self.pool.decode_many(on_cpu) if on_cpu else [])
+        return [self._outcome(item, next(decoded) if result is None else result)
+                for item, result in zip(items, routed, strict=True)]
+
+    def _outcome(self, item: WorkItem, result: DecodeResult
+                 ) -> bool | PermanentError | TransientError:
         item.sha256, item.size_bytes = result.sha256, result.size_bytes
         if result.error is not None:
-            raise result.error
+            return result.error
         if result.duplicate:
             return True
         image = item.image = result.image

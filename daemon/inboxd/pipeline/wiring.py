@@ -92,7 +92,8 @@ class Pipeline:
             model.spec, pre.max_image_pixels, pre.max_file_mb << 20, pre.decode_memory_mb << 20,
             pre.decode_timeout_s))
         self.preprocessor = Preprocessor(
-            self.queue, self.cache, self.decode_pool, pre.workers, on_error=self.outcomes.error,
+            self.queue, self.cache, self.decode_pool, pre.workers, pre.files_per_request,
+            on_error=self.outcomes.error,
             existing_sha256=self.lifecycle.results.recorded_sha256,
             on_duplicate=lambda item: self.outcomes.duplicate(item, item.key), clock=clock,
             device_route=device_route.build(pre.gpu_decode, model.device, model.spec,
