@@ -257,3 +257,41 @@ def test_workers_that_cannot_start_leave_their_slots_to_try_again(
         assert len(pool.worker_pids()) == 2
     finally:
         pool.close()
+
+
+def test_one_request_of_many_files_costs_only_the_bad_ones(pool: DecodePool,
+                                                           tmp_path: Path) -> None:
+    """A crash, an exit and a memory recycle in the middle of one request: each costs only the
+    file it was on, and the files after it are decoded by the replacement."""
+    names = ["a.png", "segv.png", "b.png", "exits.png", "c.png", "balloon.png", "d.png"]
+    files = [make_image(tmp_path / name, size=(120 + i, 90)) for i, name in enumerate(names)]
+    replaced = pool.replaced
+    results = pool.decode_many([(path, None) for path in files])
+    assert len(results) == len(files)
+    for name, result in zip(names, results, strict=True):
+        bad = name in ("segv.png", "exits.png", "balloon.png")
+        assert (result.error is not None) == bad, (name, result)
+        if not bad:
+            assert result.image is not None and result.image.width == 120 + names.index(name)
+    assert "SIGSEGV" in str(results[1].error) and "exit status 3" in str(results[3].error)
+    assert "more memory than" in str(results[5].error)
+    assert pool.replaced == replaced + 3
+    still_works(pool, tmp_path)
+
+
+def test_a_hang_inside_a_request_is_cut_and_the_rest_decoded(pool: DecodePool,
+                                                             tmp_path: Path) -> None:
+    files = [make_image(tmp_path / name) for name in ("first.png", "hang.png", "last.png")]
+    results = pool.decode_many([(path, None) for path in files])
+    assert results[0].error is None and results[2].error is None
+    assert "longer than preprocess.decode_timeout_s = 3 s" in str(results[1].error)
+
+
+def test_a_request_to_workers_killed_while_idle_costs_no_file(pool: DecodePool,
+                                                              tmp_path: Path) -> None:
+    files = [make_image(tmp_path / f"idle{i}.png") for i in range(5)]
+    pool.decode(files[0])
+    for pid in pool.worker_pids():
+        os.kill(pid, signal.SIGKILL)
+    results = pool.decode_many([(path, None) for path in files])
+    assert all(result.error is None for result in results), results

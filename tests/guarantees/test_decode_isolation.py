@@ -32,8 +32,12 @@ FAULTS = ("abort=abort,segv=segv,alloc=balloon,raise:RuntimeError=runtime,"
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("isolation")
+    # A queue deep enough that each worker gets several files per request: every hostile file
+    # below shares its request with others, which must not pay for it.
     config = write_config(root, inbox={"include": ["*"], "settle_ms": 0},
-                          preprocess={"decode_timeout_s": 8, "decode_memory_mb": 512})
+                          capacity={"queue": 16},
+                          preprocess={"decode_timeout_s": 8, "decode_memory_mb": 512,
+                                      "files_per_request": 8})
     inbox = root / "inbox"
     photos = sorted(photo_paths().values())[:2]
     shutil.copy(photos[0], inbox / "before.jpg")
