@@ -8,8 +8,10 @@ from pathlib import Path
 
 import numpy as np
 from inboxd.config import RetryConfig
-from inboxd.item import DecodedImage, WorkItem
+from inboxd.decode.replies import DecodeResult
+from inboxd.item import DecodedImage, PermanentError, WorkItem
 from inboxd.pipeline.batcher import Batcher
+from inboxd.pipeline.decode import Preprocessor
 from inboxd.pipeline.event_buffer import Candidate, EventBuffer
 from inboxd.pipeline.preprocess_cache import MB, PreprocessCache
 from inboxd.pipeline.queue import PipelineQueue
@@ -81,6 +83,55 @@ def test_preprocess_cache_is_bounded_by_items_and_by_bytes() -> None:
         await asyncio.wait_for(over_items, 1)
         assert cache.high_water == 3
         assert cache.high_water_bytes <= MB
+
+    asyncio.run(scenario())
+
+
+class RecordingPool:
+    """The decode pool's boundary: answers every file at once, remembering each request."""
+
+    def __init__(self) -> None:
+        self.requests: list[list[str]] = []
+
+    def decode_many(self, files: list[tuple[Path, str | None]]) -> list[DecodeResult]:
+        self.requests.append([Path(path).name for path, _ in files])
+        return [DecodeResult("0" * 64, 1, error=PermanentError("bad")) if "bad" in str(path)
+                else DecodeResult("0" * 64, 1, image=DecodedImage(
+                    np.zeros((2, 2, 3), np.uint8), 2, 2, "PNG", "RGB"))
+                for path, _ in files]
+
+    def close(self) -> None:
+        pass
+
+
+def test_decoders_take_a_fair_share_of_the_queue_up_to_files_per_request() -> None:
+    """Ten queued files, two decoders, at most four per request: no request is larger than
+    four, the second decoder is left its share, and a bad file fails alone."""
+    async def scenario() -> None:
+        queue, cache = PipelineQueue(16), PreprocessCache(capacity=16, capacity_mb=16)
+        pool, failed = RecordingPool(), []
+
+        async def on_error(work: WorkItem, exc: BaseException) -> None:
+            failed.append(work.key)
+
+        async def on_duplicate(work: WorkItem) -> None:
+            raise AssertionError("no file here has a result yet")
+
+        pre = Preprocessor(queue, cache, pool, 2, 4, on_error=on_error,  # type: ignore[arg-type]
+                           existing_sha256=lambda key: None, on_duplicate=on_duplicate)
+        names = [f"f{i}.png" for i in range(9)] + ["bad.png"]
+        for name in names:
+            queue.put_nowait(item(name))
+        decoders = [asyncio.create_task(pre.run_worker()) for _ in range(2)]
+        await asyncio.wait_for(queue.join(), 5)
+        for task in decoders:
+            task.cancel()
+        pre.close()
+        assert sorted(n for request in pool.requests for n in request) == sorted(names)
+        assert max(len(request) for request in pool.requests) == 4
+        # 4 of 10, then a fair share of the 6 left (3): never above workers × files_per_request
+        assert (pre.high_water, pre.capacity, pre.size) == (7, 8, 0)
+        assert failed == ["bad.png"] and cache.size == 9
 
     asyncio.run(scenario())
 

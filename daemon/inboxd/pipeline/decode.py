@@ -34,7 +34,7 @@ Outcome = Callable[[WorkItem, BaseException], Awaitable[None]]
 
 
 class Preprocessor:
-    name = "preprocess"
+    name = "decoding"  # the layer: files taken from the queue, not yet in the cache
 
     def __init__(
         self,
@@ -61,12 +61,14 @@ class Preprocessor:
         self.device_route = device_route
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix="inboxd-preprocess")
         self.in_progress = 0
+        self.high_water = 0
 
     async def run_worker(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             items = await self._take()
             self.in_progress += len(items)
+            self.high_water = max(self.high_water, self.in_progress)
             handed_on = 0
             try:
                 now_s = self.clock()
@@ -91,6 +93,14 @@ class Preprocessor:
                 for _ in range(len(items) - handed_on):  # cancelled: they stay claimed on disk
                     self.in_progress -= 1
                     self.queue.task_done()
+
+    @property
+    def size(self) -> int:
+        return self.in_progress
+
+    @property
+    def capacity(self) -> int:
+        return self.workers * self.files_per_request
 
     async def _take(self) -> list[WorkItem]:
         """The next file, and as many more as a fair share of what waits allows (every decoder

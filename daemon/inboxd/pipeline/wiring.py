@@ -112,8 +112,8 @@ class Pipeline:
                                   on_device_fault=self._device_fault,
                                   on_inferred=lambda s: self.stats.inference_ms.add(s * 1000),
                                   in_flight=capacity.in_flight_batches)
-        self.stats.register(self.buffer, self.queue, self.cache, self.batcher, self.worker,
-                            self.writer, self.retry_list)
+        self.stats.register(self.buffer, self.queue, self.preprocessor, self.cache, self.batcher,
+                            self.worker, self.writer, self.retry_list)
         self._intake_tasks: list[asyncio.Task[None]] = []
         self._processing_tasks: list[asyncio.Task[None]] = []
         self.crashed: BaseException | None = None
