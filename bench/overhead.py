@@ -98,20 +98,25 @@ def write_config(root: Path, program: Path, labels: Path, instance: str = "defau
     return path
 
 
-def cpu_s(pid: int) -> tuple[float, float]:
-    """(own, descendants'): user + system CPU seconds of ``pid`` and of its live descendants
-    (the decode workers)."""
-    own = children_s = 0.0
+def cpu_by_thread_s(pid: int) -> dict[str, float]:
+    """User + system CPU seconds of ``pid``'s threads by their kernel name without the index
+    (``io``, ``preprocess``, ``model``, ``sync``, ...: inboxd names them, ``os_threads``; the
+    main thread is the event loop), and of its live descendants (the decode workers)."""
+    found: dict[str, float] = {}
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-        own = (int(fields[11]) + int(fields[12])) / CLK_TCK
         for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as children:
-                children_s += sum(sum(cpu_s(int(child))) for child in children.read().split())
+            base = f"/proc/{pid}/task/{task}"
+            with open(f"{base}/comm") as comm, open(f"{base}/stat") as stat:
+                name, fields = comm.read().strip(), stat.read().rsplit(")", 1)[1].split()
+            name = "event loop" if task == str(pid) else name.rstrip("0123456789").rstrip("_")
+            found[name] = found.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / CLK_TCK
+            with open(f"{base}/children") as children:
+                for child in children.read().split():
+                    workers = sum(cpu_by_thread_s(int(child)).values())
+                    found["decode workers"] = found.get("decode workers", 0.0) + workers
     except (OSError, ValueError, IndexError):
-        pass
-    return own, children_s
+        pass  # a thread or worker that ended meanwhile
+    return found
 
 
 def reference(root: Path, config_path: Path, photos: list[Photo], count: int) -> dict[str, Any]:
@@ -181,12 +186,16 @@ def one_instance(root: Path, program: Path, labels: Path, photos: list[Photo], c
             os.kill(pid, signal.SIGUSR1)
             while not base.exists():
                 time.sleep(0.01)
-        own_before, workers_before = cpu_s(pid)
+        before = cpu_by_thread_s(pid)
         figures = flood(run, photos, count, timeout_s=count / 20 + 120, prefix="ov")
-        own_after, workers_after = cpu_s(pid)
-        figures["cpu_ms_per_file"] = {
-            "daemon": round((own_after - own_before) * 1000 / count, 3),
-            "decode_workers": round((workers_after - workers_before) * 1000 / count, 3)}
+        after = cpu_by_thread_s(pid)
+        by_thread = {name: round((after[name] - before.get(name, 0.0)) * 1000 / count, 3)
+                     for name in after}
+        workers = by_thread.pop("decode workers", 0.0)
+        figures["cpu_ms_per_file"] = {"daemon": round(sum(by_thread.values()), 3),
+                                      "decode_workers": workers}
+        figures["cpu_ms_per_file_by_thread"] = dict(sorted(by_thread.items(),
+                                                           key=lambda kv: -kv[1]))
         figures.pop("rss_series", None)
     finally:
         figures_stop = run.stop()

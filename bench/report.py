@@ -107,6 +107,10 @@ def overhead_lines(r: dict[str, Any]) -> list[str]:
            f"{r['reference_after'].get('cpu_ms_per_file', float('nan')):.2f} ms; loop CPU / "
            f"inboxd CPU {r.get('cpu_ratio', float('nan')):.2f} (x 2 cores = the ratio a quiet "
            "machine allows)"]
+    if "cpu_ms_per_file_by_thread" in one:
+        out.append("  daemon CPU per file by thread (ms, not profiled): " + ", ".join(
+            f"{name} {ms:.3f}" for name, ms in one["cpu_ms_per_file_by_thread"].items()
+            if ms >= 0.005))
     if "memory" in r:
         mem = r["memory"]
         small, big = (mem[k]["peak_rss_above_idle"] for k in sorted(mem, key=int)[:2])

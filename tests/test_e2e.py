@@ -44,6 +44,10 @@ def test_dropped_photo_gets_a_result_and_moves_to_done(tmp_path: Path, daemon_fa
     assert set(result["top_k"][0]) == {"label", "index", "score"}
     assert set(result["timings_ms"]) >= {"queue_wait", "preprocess", "inference", "total"}
     assert not (tmp_path / "inbox" / "pets" / "cat.png").exists()
+    # Every stage's thread has its name in the kernel, for top -H and ps -L.
+    task = Path(f"/proc/{daemon.proc.pid}/task")
+    names = {(thread / "comm").read_text().strip() for thread in task.iterdir()}
+    assert {"io_0", "preprocess_0", "model_0", "decode-spawn_0"} <= names, names
     assert daemon.stop() == 0
 
 

@@ -38,6 +38,7 @@ from inboxd.decode.replies import DecodeResult, death_error, describe_exit, resu
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.decode.worker import FAULTS_ENV
 from inboxd.item import PermanentError, TransientError
+from inboxd.os_threads import name_this_thread
 
 STARTUP_TIMEOUT_S = 60.0  # a cold interpreter importing numpy and Pillow on a busy machine
 EXIT_WAIT_S = 5.0  # from the EOF on a worker's replies to its exit status
@@ -107,7 +108,8 @@ class DecodePool:
         self.settings = settings
         self.env = worker_env()  # taken once: a replacement runs exactly as the first did
         self.max_payload_bytes = settings.spec.crop ** 2 * 3
-        self._spawner = ThreadPoolExecutor(1, thread_name_prefix="inboxd-decode-spawn")
+        self._spawner = ThreadPoolExecutor(1, thread_name_prefix="inboxd-decode-spawn",
+                                           initializer=name_this_thread)
         # One slot per worker thread: a live worker, or None where starting one failed (the
         # next file in that slot tries again), so the slot count never changes.
         self._idle: queue.SimpleQueue[_Process | None] = queue.SimpleQueue()

@@ -49,6 +49,7 @@ from inboxd import logs
 from inboxd.decode.jpeg_header import JpegHeader
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.item import DecodedImage
+from inboxd.os_threads import name_this_thread
 
 MODES = {"bicubic": F.InterpolationMode.BICUBIC, "bilinear": F.InterpolationMode.BILINEAR,
          # PIL's NEAREST samples pixel centres: torch's "nearest-exact", not "nearest".
@@ -239,6 +240,7 @@ class TensorDecoder:
         return job if job is not None else self._jobs.get()
 
     def _run(self) -> None:
+        name_this_thread()
         while (first := self._next()) is not None:
             jobs = self._gather(first)
             try:

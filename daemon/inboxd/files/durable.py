@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from inboxd.files.renames import place
+from inboxd.os_threads import name_this_thread
 
 TMP_DIRNAME = ".tmp"
 SYNC_THREADS = 16  # parallel fdatasync calls of one group commit (8-16: 5-10x a loop here)
@@ -70,7 +71,8 @@ def _pool() -> ThreadPoolExecutor:
     global _sync_pool
     with _sync_pool_lock:
         if _sync_pool is None:
-            _sync_pool = ThreadPoolExecutor(SYNC_THREADS, thread_name_prefix="inboxd-sync")
+            _sync_pool = ThreadPoolExecutor(SYNC_THREADS, thread_name_prefix="inboxd-sync",
+                                            initializer=name_this_thread)
         return _sync_pool
 
 

@@ -32,6 +32,7 @@ from inboxd.item import PermanentError, TransientError, WorkItem
 from inboxd.models.engine import DeviceFault, Outcome, is_device_error
 from inboxd.models.model import Model
 from inboxd.models.overlap import Overlap
+from inboxd.os_threads import name_this_thread
 
 # The CLI looks for a live thread of this name at exit: a hung model call must not keep the
 # interpreter waiting for it.
@@ -42,12 +43,14 @@ class LocalEngine:
     def __init__(self, model: Model, overlap: bool | None = None) -> None:
         """``overlap``: launch/collect split (default: on CUDA only; a test forces it)."""
         self.model = model
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix=THREAD_NAME_PREFIX)
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=THREAD_NAME_PREFIX,
+                                           initializer=name_this_thread)
         self.warmed_sizes: set[int] = set()
         self.overlap = Overlap(model) if (model.on_gpu if overlap is None else overlap) else None
         # Results wait here, so the model thread can launch the next batch meanwhile; a model
         # stage may send a second call while one is out only when that helps (CUDA).
-        self.collector = (ThreadPoolExecutor(1, thread_name_prefix=f"{THREAD_NAME_PREFIX}-results")
+        self.collector = (ThreadPoolExecutor(1, thread_name_prefix=f"{THREAD_NAME_PREFIX}-results",
+                                              initializer=name_this_thread)
                           if self.overlap is not None else None)
         self.parallel_calls = self.overlap is not None
 

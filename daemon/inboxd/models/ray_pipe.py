@@ -16,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
+from inboxd.os_threads import name_this_thread
+
 # What the child runs (after the interpreter); a test puts a scripted bridge of its own here.
 BRIDGE_COMMAND: tuple[str, ...] = ("-m", "inboxd.models.ray_bridge")
 
@@ -35,7 +37,8 @@ class BridgeProcess:
              str(os.getpid())], pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
         theirs.close()
         self.conn = Connection(ours.detach())
-        self.sender = ThreadPoolExecutor(1, thread_name_prefix="inboxd-ray-send")
+        self.sender = ThreadPoolExecutor(1, thread_name_prefix="inboxd-ray-send",
+                                         initializer=name_this_thread)
         self.first: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._on_message = on_message
         self._on_closed = on_closed
@@ -45,6 +48,7 @@ class BridgeProcess:
         loop = asyncio.get_running_loop()
 
         def read() -> None:
+            name_this_thread()
             while True:
                 try:
                     message = self.conn.recv()

@@ -27,6 +27,7 @@ from inboxd.decode.device_route import DeviceRoute
 from inboxd.decode.pool import DecodePool
 from inboxd.decode.replies import DecodeResult
 from inboxd.item import PermanentError, TransientError, WorkItem
+from inboxd.os_threads import name_this_thread
 from inboxd.pipeline.preprocess_cache import PreprocessCache
 from inboxd.pipeline.queue import PipelineQueue
 
@@ -59,7 +60,8 @@ class Preprocessor:
         self.on_duplicate = on_duplicate
         self.clock = clock
         self.device_route = device_route
-        self.executor = ThreadPoolExecutor(workers, thread_name_prefix="inboxd-preprocess")
+        self.executor = ThreadPoolExecutor(workers, thread_name_prefix="inboxd-preprocess",
+                                           initializer=name_this_thread)
         self.in_progress = 0
         self.high_water = 0
 

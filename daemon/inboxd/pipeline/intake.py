@@ -34,6 +34,7 @@ from inboxd.files.names import relative_inside
 from inboxd.files.safe_paths import LinkedFolder
 from inboxd.files.settling import identity
 from inboxd.item import WorkItem
+from inboxd.os_threads import name_this_thread
 from inboxd.pipeline.event_buffer import Candidate, EventBuffer
 from inboxd.pipeline.queue import PipelineQueue
 from inboxd.pipeline.skipped import SkippedPaths
@@ -120,7 +121,8 @@ class Intake:
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._claimer is None:
-            self._claimer = ThreadPoolExecutor(1, thread_name_prefix="inboxd-claim")
+            self._claimer = ThreadPoolExecutor(1, thread_name_prefix="inboxd-claim",
+                                               initializer=name_this_thread)
         return self._claimer
 
     def close(self) -> None:

@@ -31,6 +31,7 @@ from inboxd.item import WorkItem
 from inboxd.models.engine import DeviceFault, ModelEngine
 from inboxd.models.local_engine import LocalEngine
 from inboxd.models.model import Model
+from inboxd.os_threads import name_this_thread
 from inboxd.pipeline.awatch import WatchFn, real_awatch
 from inboxd.pipeline.batcher import Batcher
 from inboxd.pipeline.decode import Preprocessor
@@ -67,7 +68,8 @@ class Pipeline:
         self.stats = Stats(clock)
         self.stats.memory_probe = model.memory_fields
         self.lifecycle = lifecycle or Lifecycle(config)
-        self.io_executor = ThreadPoolExecutor(1, thread_name_prefix="inboxd-io")
+        self.io_executor = ThreadPoolExecutor(1, thread_name_prefix="inboxd-io",
+                                              initializer=name_this_thread)
 
         self.buffer = EventBuffer(capacity.event_buffer)
         self.queue = PipelineQueue(capacity.queue)
