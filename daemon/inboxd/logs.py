@@ -56,11 +56,15 @@ def record_event(record: logging.LogRecord) -> str | None:
     return getattr(record, "inboxd_event", None)
 
 
+# \s is str.isspace()'s whitespace: a value with any of these is quoted.
+_NEEDS_QUOTES = re.compile(r"[\s\"'=]")
+
+
 def format_value(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.6g}"
     text = str(value)
-    if not text or any(c.isspace() or c in "\"'=" for c in text):
+    if not text or _NEEDS_QUOTES.search(text):
         return repr(text)
     return text
 
