@@ -295,3 +295,33 @@ def test_a_request_to_workers_killed_while_idle_costs_no_file(pool: DecodePool,
         os.kill(pid, signal.SIGKILL)
     results = pool.decode_many([(path, None) for path in files])
     assert all(result.error is None for result in results), results
+
+
+def test_a_replacement_that_cannot_start_mid_request_keeps_the_outcomes_already_known(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crash, then no worker can replace the dead one: the files answered before it keep
+    their outcomes (a decoded crop, a bad file's reason), only those not answered yet are tried
+    again later. The whole request used to raise, so a good file was decoded again and a bad
+    one went back to the retry list instead of failing with its reason."""
+    os.environ["INBOXD_DECODE_FAULTS"] = "exit=exits,raise:RuntimeError=runtime"
+    try:
+        pool = DecodePool(1, settings())
+        pool.decode(make_image(tmp_path / "warm.png"))
+    finally:
+        del os.environ["INBOXD_DECODE_FAULTS"]
+    try:
+        def refuse(*args: object, **kwargs: object) -> None:
+            raise BlockingIOError(11, "Resource temporarily unavailable")  # fork: EAGAIN
+        monkeypatch.setattr(subprocess, "Popen", refuse)
+        names = ["good.png", "runtime.png", "exits.png", "after.png"]
+        results = pool.decode_many([(make_image(tmp_path / n), None) for n in names])
+        assert results[0].error is None and results[0].image is not None, results[0]
+        assert isinstance(results[1].error, PermanentError)
+        assert "RuntimeError" in str(results[1].error)
+        for result in results[2:]:
+            assert isinstance(result.error, TransientError), result
+            assert "cannot start a decode worker" in str(result.error)
+        monkeypatch.undo()
+        still_works(pool, tmp_path)
+    finally:
+        pool.close()
