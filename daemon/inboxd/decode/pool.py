@@ -180,7 +180,9 @@ class DecodePool:
         request for them all, one reply per file as soon as it is done. Every outcome of a
         file is its returned ``DecodeResult``; a worker that dies, hangs or is recycled costs
         only the file it was on, and the rest go to its replacement. Only a pool that is closed
-        or cannot start workers raises (then every file of the call is tried again later)."""
+        or cannot start workers raises, before any file was answered (then every file of the
+        call is tried again later); after, the files not yet answered get that TransientError
+        and those answered keep their outcome."""
         if self.closed:
             raise TransientError("inboxd is shutting down")
         self.start()
@@ -194,6 +196,14 @@ class DecodePool:
                 process = self._hand_over(process, rest)
                 process = self._answers(process, len(rest), results)
             return results
+        except TransientError as exc:
+            if not results:
+                raise
+            # A file decoded (or failed with its own reason) before the replacement failed
+            # keeps that outcome: raising would send a good file to be decoded again and a
+            # bad one to the retry list instead of failed/, each an attempt it did not earn.
+            return results + [DecodeResult(None, None, error=exc)
+                              for _ in range(len(files) - len(results))]
         finally:
             self._idle.put(self._keep(process))
 
