@@ -7,6 +7,7 @@ test can tell which file a result was really meant for.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -23,6 +24,10 @@ def reply(entry: dict[str, Any], request: dict[str, Any], index: int) -> dict[st
     # Echo whatever the daemon numbered the request with, as the real worker does.
     header.update({key: request[key] for key in ("request",) if key in request}, file=index)
     return header
+
+
+def frame(header: str) -> bytes:
+    return wire.PREFIX.pack(len(header), 0) + header.encode()
 
 
 def main() -> None:
@@ -55,7 +60,17 @@ def main() -> None:
                 break  # never answers the last: the daemon's deadline must end it
             if mode == "slow":
                 time.sleep(float(arg))  # each file legitimately slow, none over the limit
-            wire.send(replies, reply(entry, request, index))
+            header = reply(entry, request, index)
+            marked = bytes.fromhex(entry["path_hex"]).endswith(b"/f1.png")
+            if mode == "infinity" and marked:  # JSON that json.loads takes: a float inf
+                os.write(replies, frame(json.dumps(header).replace('"peak_rss_bytes": 0',
+                                                                   '"peak_rss_bytes": Infinity')))
+                continue
+            if mode == "small_crop" and marked:  # a decoded image, not crop x crop x 3
+                header.update(duplicate=False, shape=[2, 2, 3], width=2, height=2)
+                wire.send(replies, header, bytes(12))
+                continue
+            wire.send(replies, header)
         if mode == "extra_reply" and served == 1:  # one reply more than there were files
             wire.send(replies, reply({"path_hex": "stale"}, request, len(files)))
         if mode == "extra_ack" and served == 1:  # a receipt nobody asked for
