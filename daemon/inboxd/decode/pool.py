@@ -114,6 +114,7 @@ class DecodePool:
         self.settings = settings
         self.env = worker_env()  # taken once: a replacement runs exactly as the first did
         self.max_payload_bytes = settings.spec.crop ** 2 * 3
+        self.crop_shape = (settings.spec.crop, settings.spec.crop, 3)
         self._spawner = ThreadPoolExecutor(1, thread_name_prefix="inboxd-decode-spawn",
                                            initializer=name_this_thread)
         # One slot per worker thread: a live worker, or None where starting one failed (the
@@ -303,7 +304,11 @@ class DecodePool:
                 f"the decoder sent a malformed reply: {why}")), self._replace(process, why)
         try:
             result = result_from(header, payload)
-        except (KeyError, TypeError, ValueError) as exc:  # a worker that lost its mind
+            # The model stacks crops into one batch: one of another shape would fail them all.
+            if result.image is not None and result.image.pixels.shape != self.crop_shape:
+                raise ValueError(f"a crop of shape {result.image.pixels.shape}")
+        # A worker that lost its mind; OverflowError: JSON's Infinity where an int goes.
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             return DecodeResult(None, None, error=PermanentError(
                 f"the decoder sent a malformed reply: {exc!r}")), self._replace(process, repr(exc))
         if header.get("recycle"):
