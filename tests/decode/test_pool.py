@@ -295,3 +295,62 @@ def test_a_request_to_workers_killed_while_idle_costs_no_file(pool: DecodePool,
         os.kill(pid, signal.SIGKILL)
     results = pool.decode_many([(path, None) for path in files])
     assert all(result.error is None for result in results), results
+
+
+def test_a_replacement_that_cannot_start_mid_request_keeps_the_outcomes_already_known(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crash, then no worker can replace the dead one: the files answered before it keep
+    their outcomes (a decoded crop, a bad file's reason), only those not answered yet are tried
+    again later. The whole request used to raise, so a good file was decoded again and a bad
+    one went back to the retry list instead of failing with its reason."""
+    os.environ["INBOXD_DECODE_FAULTS"] = "exit=exits,raise:RuntimeError=runtime"
+    try:
+        pool = DecodePool(1, settings())
+        pool.decode(make_image(tmp_path / "warm.png"))
+    finally:
+        del os.environ["INBOXD_DECODE_FAULTS"]
+    try:
+        def refuse(*args: object, **kwargs: object) -> None:
+            raise BlockingIOError(11, "Resource temporarily unavailable")  # fork: EAGAIN
+        monkeypatch.setattr(subprocess, "Popen", refuse)
+        names = ["good.png", "runtime.png", "exits.png", "after.png"]
+        results = pool.decode_many([(make_image(tmp_path / n), None) for n in names])
+        assert results[0].error is None and results[0].image is not None, results[0]
+        assert isinstance(results[1].error, PermanentError)
+        assert "RuntimeError" in str(results[1].error)
+        for result in results[2:]:
+            assert isinstance(result.error, TransientError), result
+            assert "cannot start a decode worker" in str(result.error)
+        monkeypatch.undo()
+        still_works(pool, tmp_path)
+    finally:
+        pool.close()
+
+
+def test_a_request_of_64_paths_near_path_max_fits_the_worker_s_header_limit(
+        pool: DecodePool, tmp_path: Path) -> None:
+    """files_per_request's maximum (64) of paths as long as the kernel takes (4095 bytes):
+    the request's JSON (hex-encoded paths) must stay under the worker's header limit, or the
+    worker would die on every such request and its files be retried for ever."""
+    deep = tmp_path  # folders of up to 250 bytes, then names of 250-251 (NAME_MAX is 255)
+    while (room := 4095 - 1 - 250 - len(os.fsencode(deep))) > 1:
+        deep = deep / ("d" * min(250, room - 1))
+    deep.mkdir(parents=True)
+    files = []
+    for n in range(64):
+        name = f"{n:02d}-".ljust(4095 - len(os.fsencode(deep)) - 1 - 4, "n") + ".png"
+        files.append(make_image(deep / name, size=(40 + n, 30)))
+    assert min(len(os.fsencode(f)) for f in files) == 4095
+    results = pool.decode_many([(f, None) for f in files])
+    assert [r.image.width if r.image else r.error for r in results] == [40 + n for n in range(64)]
+
+
+def test_a_recycle_on_the_last_file_of_a_request_leaves_a_working_slot(
+        pool: DecodePool, tmp_path: Path) -> None:
+    files = [make_image(tmp_path / n) for n in ("one.png", "two.png", "balloon.png")]
+    replaced = pool.replaced
+    results = pool.decode_many([(f, None) for f in files])
+    assert results[0].image is not None and results[1].image is not None
+    assert "more memory than" in str(results[2].error)
+    assert pool.replaced == replaced + 1
+    still_works(pool, tmp_path)

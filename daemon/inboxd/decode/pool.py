@@ -79,6 +79,12 @@ class _Process:
         self.requests = self.proc.stdin.fileno()
         self.reader = wire.Reader(self.proc.stdout.fileno())
         self.ready: dict[str, Any] | None = None
+        # Numbers this worker's requests; its receipt and every reply echo it (and a reply its
+        # file's place in the request). Replies carry no file name, so order alone would put a
+        # stray frame (a buggy or hijacked worker's receipt too many, left in the reader's
+        # buffer) in front of the next request's replies and give each file the one before
+        # it; with the numbers such a frame is a malformed reply and costs one file at most.
+        self.request_id = 0
         init = {**asdict(settings), "parent_pid": os.getpid()}
         init["spec"] = asdict(settings.spec)
         try:
@@ -108,6 +114,7 @@ class DecodePool:
         self.settings = settings
         self.env = worker_env()  # taken once: a replacement runs exactly as the first did
         self.max_payload_bytes = settings.spec.crop ** 2 * 3
+        self.crop_shape = (settings.spec.crop, settings.spec.crop, 3)
         self._spawner = ThreadPoolExecutor(1, thread_name_prefix="inboxd-decode-spawn",
                                            initializer=name_this_thread)
         # One slot per worker thread: a live worker, or None where starting one failed (the
@@ -174,7 +181,9 @@ class DecodePool:
         request for them all, one reply per file as soon as it is done. Every outcome of a
         file is its returned ``DecodeResult``; a worker that dies, hangs or is recycled costs
         only the file it was on, and the rest go to its replacement. Only a pool that is closed
-        or cannot start workers raises (then every file of the call is tried again later)."""
+        or cannot start workers raises, before any file was answered (then every file of the
+        call is tried again later); after, the files not yet answered get that TransientError
+        and those answered keep their outcome."""
         if self.closed:
             raise TransientError("inboxd is shutting down")
         self.start()
@@ -188,6 +197,14 @@ class DecodePool:
                 process = self._hand_over(process, rest)
                 process = self._answers(process, len(rest), results)
             return results
+        except TransientError as exc:
+            if not results:
+                raise
+            # A file decoded (or failed with its own reason) before the replacement failed
+            # keeps that outcome: raising would send a good file to be decoded again and a
+            # bad one to the retry list instead of failed/, each an attempt it did not earn.
+            return results + [DecodeResult(None, None, error=exc)
+                              for _ in range(len(files) - len(results))]
         finally:
             self._idle.put(self._keep(process))
 
@@ -211,8 +228,8 @@ class DecodePool:
     def _answers(self, process: _Process, count: int, results: list[DecodeResult]) -> _Process:
         """Up to ``count`` replies into ``results``; returns early with the replacement when
         the worker had to be replaced (the files after that one were never started)."""
-        for _ in range(count):
-            result, answered_by = self._answer(process)
+        for index in range(count):
+            result, answered_by = self._answer(process, index)
             results.append(result)
             if answered_by is not process:
                 return answered_by
@@ -230,12 +247,14 @@ class DecodePool:
 
     def _deliver(self, process: _Process, request: dict[str, Any]) -> bool:
         """Send the request and wait for the worker's receipt. False: it was already dead."""
+        process.request_id += 1
+        request["request"] = process.request_id
         try:
             wire.send(process.requests, request)
             header, _ = process.reader.recv(time.monotonic() + STARTUP_TIMEOUT_S)
         except (OSError, EOFError, TimeoutError, wire.WireError):
             return False
-        return header.get("ack") is True
+        return header.get("ack") is True and header.get("request") == process.request_id
 
     def _ensure_ready(self, process: _Process) -> _Process:
         if process.ready is not None and process.proc.poll() is None:
@@ -255,7 +274,8 @@ class DecodePool:
             return process
         raise TransientError("decode workers fail to start; see the journal")
 
-    def _answer(self, process: _Process) -> tuple[DecodeResult, _Process]:
+    def _answer(self, process: _Process, index: int) -> tuple[DecodeResult, _Process]:
+        """The reply for file ``index`` of the worker's current request."""
         deadline_s = time.monotonic() + self.settings.decode_timeout_s
         try:
             header, payload = process.reader.recv(deadline_s, self.max_payload_bytes)
@@ -277,9 +297,18 @@ class DecodePool:
         except wire.WireError as exc:
             return DecodeResult(None, None, error=PermanentError(
                 f"the decoder sent a malformed reply: {exc}")), self._replace(process, str(exc))
+        if (header.get("request"), header.get("file")) != (process.request_id, index):
+            why = (f"a reply for request {header.get('request')!r} file {header.get('file')!r}, "
+                   f"expected request {process.request_id} file {index}")
+            return DecodeResult(None, None, error=PermanentError(
+                f"the decoder sent a malformed reply: {why}")), self._replace(process, why)
         try:
             result = result_from(header, payload)
-        except (KeyError, TypeError, ValueError) as exc:  # a worker that lost its mind
+            # The model stacks crops into one batch: one of another shape would fail them all.
+            if result.image is not None and result.image.pixels.shape != self.crop_shape:
+                raise ValueError(f"a crop of shape {result.image.pixels.shape}")
+        # A worker that lost its mind; OverflowError: JSON's Infinity where an int goes.
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             return DecodeResult(None, None, error=PermanentError(
                 f"the decoder sent a malformed reply: {exc!r}")), self._replace(process, repr(exc))
         if header.get("recycle"):

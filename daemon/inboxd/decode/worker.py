@@ -243,12 +243,16 @@ def main() -> None:
         except EOFError:
             return
         # From here on, a death is the doing of the first file not yet answered.
-        wire.send(replies, {"ack": True})
-        for entry in request["files"]:
+        # The request's number on the receipt and on each reply, with the file's place: the
+        # daemon reads a frame that is not the one it waits for as a malformed reply.
+        number = request.get("request")
+        wire.send(replies, {"ack": True, "request": number})
+        for index, entry in enumerate(request["files"]):
             header, payload, recycle = worker.handle(entry)
             rss, peak = rss_and_peak_bytes()
             header["peak_rss_bytes"] = peak
             header["recycle"] = recycle
+            header["request"], header["file"] = number, index
             wire.send(replies, header, payload)
             if recycle:
                 return  # the daemon gives the request's other files to a fresh worker

@@ -124,7 +124,11 @@ class Preprocessor:
         on_cpu = [(item.claimed_path, sha256)
                   for item, sha256, result in zip(items, expected, routed, strict=True)
                   if result is None]
-        decoded = iter(self.pool.decode_many(on_cpu) if on_cpu else [])
+        try:
+            decoded = iter(self.pool.decode_many(on_cpu) if on_cpu else [])
+        except TransientError as exc:  # the pool is closed or cannot start workers
+            # Only the CPU files' outcome: a file decoded on the device has its crop already.
+            decoded = iter([DecodeResult(None, None, error=exc) for _ in on_cpu])
         return [self._outcome(item, next(decoded) if result is None else result)
                 for item, result in zip(items, routed, strict=True)]
 
