@@ -219,8 +219,12 @@ def test_a_worker_that_cannot_be_replaced_is_a_transient_error(
         def refuse(*args: object, **kwargs: object) -> None:
             raise BlockingIOError(11, "Resource temporarily unavailable")  # fork: EAGAIN
         monkeypatch.setattr(subprocess, "Popen", refuse)
+        # The worker dies on this file, and none can replace it: the file keeps its own
+        # reason (the crash is its doing), the next one finds no worker.
+        crashed = pool.decode(make_image(tmp_path / "exits.png"))
+        assert "the decoder crashed on this file" in str(crashed.error)
         with pytest.raises(TransientError, match="cannot start a decode worker"):
-            pool.decode(make_image(tmp_path / "exits.png"))  # the worker dies, none replaces it
+            pool.decode(make_image(tmp_path / "next.png"))
         monkeypatch.undo()
         still_works(pool, tmp_path)  # the next file starts a worker again
     finally:
@@ -318,9 +322,11 @@ def test_a_replacement_that_cannot_start_mid_request_keeps_the_outcomes_already_
         assert results[0].error is None and results[0].image is not None, results[0]
         assert isinstance(results[1].error, PermanentError)
         assert "RuntimeError" in str(results[1].error)
-        for result in results[2:]:
-            assert isinstance(result.error, TransientError), result
-            assert "cannot start a decode worker" in str(result.error)
+        # The crash is that file's own doing: its reason stands though nothing replaces the
+        # worker; only the file after it, never started, is tried again later.
+        assert "the decoder crashed on this file" in str(results[2].error)
+        assert isinstance(results[3].error, TransientError), results[3]
+        assert "cannot start a decode worker" in str(results[3].error)
         monkeypatch.undo()
         still_works(pool, tmp_path)
     finally:
@@ -354,3 +360,36 @@ def test_a_recycle_on_the_last_file_of_a_request_leaves_a_working_slot(
     assert "more memory than" in str(results[2].error)
     assert pool.replaced == replaced + 1
     still_works(pool, tmp_path)
+
+
+def test_a_close_between_the_check_and_the_wait_for_a_worker_ends_the_call() -> None:
+    """decode() checks that the pool is open, then waits for a free worker; a close() in
+    between took every idle worker away, and the call waited for ever (holding up the
+    interpreter's exit). The close is forced into that window."""
+    import queue
+    import threading
+    pool = DecodePool(1, settings())
+    pool.start()
+
+    class CloseFirst(queue.SimpleQueue):  # type: ignore[type-arg]
+        def get(self, block: bool = True, timeout: float | None = None) -> object:
+            pool.close()
+            return super().get(block, timeout)
+
+    slots = CloseFirst()
+    while not pool._idle.empty():
+        slots.put(pool._idle.get())
+    pool._idle = slots
+    raised: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            pool.decode(__file__)
+        except TransientError as exc:
+            raised.append(exc)
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    caller.join(20)
+    assert not caller.is_alive(), "the call still waits for a worker"
+    assert "shutting down" in str(raised[0])

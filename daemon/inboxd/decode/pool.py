@@ -190,6 +190,8 @@ class DecodePool:
         process = self._idle.get()
         results: list[DecodeResult] = []
         try:
+            if self.closed:  # closed while this waited for a slot
+                raise TransientError("inboxd is shutting down")
             if process is None:
                 process = self._start()
             while len(results) < len(files):
@@ -229,10 +231,10 @@ class DecodePool:
         """Up to ``count`` replies into ``results``; returns early with the replacement when
         the worker had to be replaced (the files after that one were never started)."""
         for index in range(count):
-            result, answered_by = self._answer(process, index)
+            result, replace_why = self._answer(process, index)
             results.append(result)
-            if answered_by is not process:
-                return answered_by
+            if replace_why is not None:
+                return self._replace(process, replace_why)
         return process
 
     def _keep(self, process: _Process | None) -> _Process | None:
@@ -274,8 +276,10 @@ class DecodePool:
             return process
         raise TransientError("decode workers fail to start; see the journal")
 
-    def _answer(self, process: _Process, index: int) -> tuple[DecodeResult, _Process]:
-        """The reply for file ``index`` of the worker's current request."""
+    def _answer(self, process: _Process, index: int) -> tuple[DecodeResult, str | None]:
+        """The outcome of file ``index`` of the worker's current request, and why the worker
+        must be replaced now (None: it carries on). The caller replaces it after keeping the
+        outcome, so a replacement that cannot start does not cost the answer."""
         deadline_s = time.monotonic() + self.settings.decode_timeout_s
         try:
             header, payload = process.reader.recv(deadline_s, self.max_payload_bytes)
@@ -284,24 +288,21 @@ class DecodePool:
             return DecodeResult(None, None, error=PermanentError(
                 f"decoding took longer than preprocess.decode_timeout_s = {timeout_s:g} s; "
                 "the decoder was stopped (raise decode_timeout_s if such files are real images)"
-            )), self._replace(process, "decode timeout")
+            )), "decode timeout"
         except EOFError:
             try:
                 code = process.proc.wait(EXIT_WAIT_S)
             except subprocess.TimeoutExpired:  # alive, yet its reply pipe is closed: broken
                 return DecodeResult(None, None, error=PermanentError(
-                    "the decoder closed its reply pipe on this file")), self._replace(
-                    process, "closed its reply pipe")
-            return DecodeResult(None, None, error=death_error(code)), self._replace(
-                process, f"exited with {describe_exit(code)}")
+                    "the decoder closed its reply pipe on this file")), "closed its reply pipe"
+            return DecodeResult(None, None, error=death_error(code)), (
+                f"exited with {describe_exit(code)}")
         except wire.WireError as exc:
-            return DecodeResult(None, None, error=PermanentError(
-                f"the decoder sent a malformed reply: {exc}")), self._replace(process, str(exc))
+            return _malformed(str(exc))
         if (header.get("request"), header.get("file")) != (process.request_id, index):
-            why = (f"a reply for request {header.get('request')!r} file {header.get('file')!r}, "
-                   f"expected request {process.request_id} file {index}")
-            return DecodeResult(None, None, error=PermanentError(
-                f"the decoder sent a malformed reply: {why}")), self._replace(process, why)
+            return _malformed(f"a reply for request {header.get('request')!r} file "
+                              f"{header.get('file')!r}, expected request {process.request_id} "
+                              f"file {index}")
         try:
             result = result_from(header, payload)
             # The model stacks crops into one batch: one of another shape would fail them all.
@@ -309,11 +310,8 @@ class DecodePool:
                 raise ValueError(f"a crop of shape {result.image.pixels.shape}")
         # A worker that lost its mind; OverflowError: JSON's Infinity where an int goes.
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
-            return DecodeResult(None, None, error=PermanentError(
-                f"the decoder sent a malformed reply: {exc!r}")), self._replace(process, repr(exc))
-        if header.get("recycle"):
-            process = self._replace(process, "recycled after running out of memory")
-        return result, process
+            return _malformed(repr(exc))
+        return result, "recycled after running out of memory" if header.get("recycle") else None
 
     def close(self) -> None:
         """End every worker: EOF on its pipe, then SIGKILL for one still busy. Idempotent."""
@@ -332,5 +330,13 @@ class DecodePool:
                 idle = self._idle.get_nowait()
                 if idle is not None:
                     idle.reap()
+        # A caller that found the pool open just before, and now waits for a slot, would wait
+        # for ever (and hold up the interpreter's exit): an empty slot each wakes it.
+        for _ in range(self.workers):
+            self._idle.put(None)
         self._spawner.shutdown(wait=True)
 
+
+def _malformed(why: str) -> tuple[DecodeResult, str]:
+    return DecodeResult(None, None, error=PermanentError(
+        f"the decoder sent a malformed reply: {why}")), why

@@ -76,10 +76,7 @@ class Preprocessor:
                 now_s = self.clock()
                 for item in items:
                     item.dequeued_s = now_s
-                try:
-                    outcomes = await loop.run_in_executor(self.executor, self._prepare_all, items)
-                except TransientError as exc:  # the pool is closed or cannot start workers
-                    outcomes = [exc] * len(items)
+                outcomes = await loop.run_in_executor(self.executor, self._prepare_all, items)
                 for item, outcome in zip(items, outcomes, strict=True):
                     if isinstance(outcome, Exception):
                         await self.on_error(item, outcome)
