@@ -169,15 +169,34 @@ def start(root: Path, config: Path, command: list[str] | None = None) -> Running
     return watch(root, Daemon(config, env={"PYTHONPATH": path}, command=command))
 
 
-def fresh(root: Path) -> Path:
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-    return root
+# ext4 without a journal (this machine's) does not reuse an inode for 30 s after its file was
+# deleted (vm.dirty_expire_centisecs), and every file created meanwhile scans past them: 35 ->
+# 486 us of kernel CPU per create after 2,560 deletes, 1.3 ms after more. A scenario started in
+# that window (the loop's second run in the folder its first run had just emptied, the 20,000
+# flood after the 2,000, any run just after a bench's clean-up) measured a slower disk.
+RECENT_DELETE_S = 35
+
+
+class Scratch:
+    """A new folder per scenario, none deleted before the whole run is over (see
+    ``RECENT_DELETE_S``)."""
+
+    def __init__(self) -> None:
+        self.root = WORK_DIR / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+
+    def __call__(self, name: str) -> Path:
+        folder = self.root / name
+        folder.mkdir(parents=True)
+        return folder
+
+    def clean(self) -> None:
+        """Every run's folders, this one's and any a killed run left, once all is measured."""
+        shutil.rmtree(WORK_DIR / "runs", ignore_errors=True)
 
 
 def one_instance(root: Path, program: Path, labels: Path, photos: list[Photo], count: int,
                  command: list[str] | None = None) -> dict[str, Any]:
-    run = start(root, write_config(fresh(root), program, labels), command)
+    run = start(root, write_config(root, program, labels), command)
     try:
         pid = run.daemon.pid
         if command is not None:  # profiled: the profile counts from here
@@ -205,7 +224,6 @@ def one_instance(root: Path, program: Path, labels: Path, photos: list[Photo], c
 
 def two_instances(root: Path, program: Path, labels: Path, photos: list[Photo],
                   count: int) -> dict[str, Any]:
-    fresh(root)
     daemons = [Daemon(write_config(root, program, labels, name)) for name in ("a", "b")]
     watcher = ResultWatcher(root / "results", 0.01)
     try:
@@ -223,12 +241,13 @@ def two_instances(root: Path, program: Path, labels: Path, photos: list[Photo],
     return {"count": count, "files_per_s": round(count / elapsed, 1), "exit_codes": codes}
 
 
-def memory(root: Path, program: Path, labels: Path, photos: list[Photo],
+def memory(scratch: Scratch, program: Path, labels: Path, photos: list[Photo],
            counts: list[int]) -> dict[str, Any]:
     """A fresh daemon per flood size: peak RSS above its own idle figure."""
     found = {}
     for count in counts:
-        run = start(root, write_config(fresh(root), program, labels))
+        root = scratch(f"memory-{count}")
+        run = start(root, write_config(root, program, labels))
         try:
             figures = flood(run, photos, count, timeout_s=count / 20 + 120, prefix="mem")
         finally:
@@ -236,22 +255,36 @@ def memory(root: Path, program: Path, labels: Path, photos: list[Photo],
         found[str(count)] = {"files_per_s": figures["files_per_s"],
                              "peak_rss_above_idle": figures["peak_rss_above_idle"],
                              "idle_rss": figures["idle_rss"]}
-    shutil.rmtree(root, ignore_errors=True)
     return found
 
 
 def run(count: int, memory_counts: list[int], profile: bool) -> dict[str, Any]:
     program, labels, photos = make_inputs(WORK_DIR)
-    ref_root = fresh(WORK_DIR / "reference")
+    scratch = Scratch()
+    # Whatever deleted files just before (an earlier run's clean-up, make bench's own stages):
+    # past RECENT_DELETE_S, every scenario meets the same disk.
+    print(f"[overhead] waiting {RECENT_DELETE_S} s for recently deleted inodes to age",
+          file=sys.stderr, flush=True)
+    time.sleep(RECENT_DELETE_S)
     result: dict[str, Any] = {"setup": {"files": count, "jpeg": "64x48", "distinct": len(photos),
                                         "model": "torch.export null program, 32x32 input",
                                         "batch": BATCH}}
-    result["reference"] = reference(ref_root, write_config(ref_root, program, labels), photos,
-                                    count)
-    result["one"] = one_instance(WORK_DIR / "one", program, labels, photos, count)
-    result["two"] = two_instances(WORK_DIR / "two", program, labels, photos, count)
-    result["reference_after"] = reference(fresh(ref_root), write_config(ref_root, program,
-                                                                        labels), photos, count)
+    try:
+        return measure(result, scratch, program, labels, photos, count, memory_counts, profile)
+    finally:
+        scratch.clean()
+
+
+def measure(result: dict[str, Any], scratch: Scratch, program: Path, labels: Path,
+            photos: list[Photo], count: int, memory_counts: list[int],
+            profile: bool) -> dict[str, Any]:
+    root = scratch("reference-before")
+    result["reference"] = reference(root, write_config(root, program, labels), photos, count)
+    result["one"] = one_instance(scratch("one"), program, labels, photos, count)
+    result["two"] = two_instances(scratch("two"), program, labels, photos, count)
+    root = scratch("reference-after")
+    result["reference_after"] = reference(root, write_config(root, program, labels), photos,
+                                          count)
     ref = max(result["reference"]["files_per_s"], result["reference_after"]["files_per_s"])
     result["ratio_one"] = round(result["one"]["files_per_s"] / ref, 2)
     result["ratio_two"] = round(result["two"]["files_per_s"] / ref, 2)
@@ -263,14 +296,11 @@ def run(count: int, memory_counts: list[int], profile: bool) -> dict[str, Any]:
     result["cpu_ratio"] = round(ref_cpu / daemon_cpu, 2)
     if profile:
         out = WORK_DIR / "daemon.prof"
-        root = WORK_DIR / "profiled"
-        result["profiled"] = one_instance(root, program, labels, photos, count,
+        result["profiled"] = one_instance(scratch("profiled"), program, labels, photos, count,
                                           ["-m", "bench.profiled", str(out)])
         result["profile"] = profiled.summary(str(out), count)
     if memory_counts:
-        result["memory"] = memory(WORK_DIR / "memory", program, labels, photos, memory_counts)
-    for name in ("reference", "one", "two", "profiled"):
-        shutil.rmtree(WORK_DIR / name, ignore_errors=True)
+        result["memory"] = memory(scratch, program, labels, photos, memory_counts)
     return result
 
 
