@@ -17,6 +17,7 @@ results-folder fsync per 64, then the 64 sources renamed to ``done/``):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -98,25 +99,48 @@ def write_config(root: Path, program: Path, labels: Path, instance: str = "defau
     return path
 
 
+def _stat_cpu_s(path: str) -> float:
+    """User + system CPU seconds from a /proc .../stat file."""
+    with open(path) as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def cpu_s(pid: int) -> tuple[float, float]:
+    """(the process, its live descendants: the decode workers), user + system CPU seconds. The
+    process's own figure counts threads that have ended too."""
+    own = workers = 0.0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        own = _stat_cpu_s(f"/proc/{pid}/stat")
+    for task in _tasks(pid):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as kids:
+            workers += sum(sum(cpu_s(int(child))) for child in kids.read().split())
+    return own, workers
+
+
 def cpu_by_thread_s(pid: int) -> dict[str, float]:
-    """User + system CPU seconds of ``pid``'s threads by their kernel name without the index
-    (``io``, ``preprocess``, ``model``, ``sync``, ...: inboxd names them, ``os_threads``; the
-    main thread is the event loop), and of its live descendants (the decode workers)."""
+    """CPU seconds of ``pid``'s live threads by kernel name without the index (``io``,
+    ``preprocess``, ``model``, ``sync``, ...: inboxd names them, ``os_threads``; the main thread
+    is the event loop): a breakdown, not a total (ended threads are missing)."""
     found: dict[str, float] = {}
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            base = f"/proc/{pid}/task/{task}"
-            with open(f"{base}/comm") as comm, open(f"{base}/stat") as stat:
-                name, fields = comm.read().strip(), stat.read().rsplit(")", 1)[1].split()
-            name = "event loop" if task == str(pid) else name.rstrip("0123456789").rstrip("_")
-            found[name] = found.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / CLK_TCK
-            with open(f"{base}/children") as children:
-                for child in children.read().split():
-                    workers = sum(cpu_by_thread_s(int(child)).values())
-                    found["decode workers"] = found.get("decode workers", 0.0) + workers
-    except (OSError, ValueError, IndexError):
-        pass  # a thread or worker that ended meanwhile
+    for task in _tasks(pid):
+        base = f"/proc/{pid}/task/{task}"
+        try:  # a thread that ends meanwhile is left out, the others still count
+            with open(f"{base}/comm") as comm:
+                name = comm.read().strip()
+            seconds = _stat_cpu_s(f"{base}/stat")
+        except (OSError, ValueError, IndexError):
+            continue
+        name = "event loop" if task == str(pid) else name.rstrip("0123456789").rstrip("_")
+        found[name] = found.get(name, 0.0) + seconds
     return found
+
+
+def _tasks(pid: int) -> list[str]:
+    try:
+        return os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
 
 
 def reference(root: Path, config_path: Path, photos: list[Photo], count: int) -> dict[str, Any]:
@@ -169,11 +193,12 @@ def start(root: Path, config: Path, command: list[str] | None = None) -> Running
     return watch(root, Daemon(config, env={"PYTHONPATH": path}, command=command))
 
 
-# ext4 without a journal (this machine's) does not reuse an inode for 30 s after its file was
-# deleted (vm.dirty_expire_centisecs), and every file created meanwhile scans past them: 35 ->
-# 486 us of kernel CPU per create after 2,560 deletes, 1.3 ms after more. A scenario started in
-# that window (the loop's second run in the folder its first run had just emptied, the 20,000
-# flood after the 2,000, any run just after a bench's clean-up) measured a slower disk.
+# On this machine's ext4 (no journal) a file created after thousands of others were deleted
+# costs far more kernel CPU for a while: 35 -> 486 us per create after 2,560 deletes, 1.3 ms
+# after more, still so 30 s later, not in a folder elsewhere. Suspected: ext4 does not reuse a
+# recently deleted inode on a filesystem without a journal, and scans past each of them. A
+# scenario started in that window (the loop's second run in the folder its first run had just
+# emptied, the 20,000 flood after the 2,000, a run just after a clean-up) met a slower disk.
 RECENT_DELETE_S = 35
 
 
@@ -205,14 +230,15 @@ def one_instance(root: Path, program: Path, labels: Path, photos: list[Photo], c
             os.kill(pid, signal.SIGUSR1)
             while not base.exists():
                 time.sleep(0.01)
-        before = cpu_by_thread_s(pid)
+        (own_before, workers_before), before = cpu_s(pid), cpu_by_thread_s(pid)
         figures = flood(run, photos, count, timeout_s=count / 20 + 120, prefix="ov")
-        after = cpu_by_thread_s(pid)
+        (own_after, workers_after), after = cpu_s(pid), cpu_by_thread_s(pid)
+        # A thread that started during the flood counts from 0; its whole life was the flood.
         by_thread = {name: round((after[name] - before.get(name, 0.0)) * 1000 / count, 3)
                      for name in after}
-        workers = by_thread.pop("decode workers", 0.0)
-        figures["cpu_ms_per_file"] = {"daemon": round(sum(by_thread.values()), 3),
-                                      "decode_workers": workers}
+        figures["cpu_ms_per_file"] = {
+            "daemon": round((own_after - own_before) * 1000 / count, 3),
+            "decode_workers": round((workers_after - workers_before) * 1000 / count, 3)}
         figures["cpu_ms_per_file_by_thread"] = dict(sorted(by_thread.items(),
                                                            key=lambda kv: -kv[1]))
         figures.pop("rss_series", None)

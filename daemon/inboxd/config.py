@@ -83,10 +83,11 @@ class PreprocessConfig(Section):
     """Decoding untrusted bytes, in ``workers`` processes, each file bounded before any work."""
 
     workers: Positive = 2  # decode worker processes, one file each at a time
-    # Files named in one request to a worker (each still decoded alone and answered as soon as
-    # it is done): a round trip per file cost a flood of small images more than their decode.
-    # A decoder takes a fair share of what the queue holds, up to this many, and holds their
-    # crops until the preprocess cache has room for them.
+    # Files named in one request to a worker (each still decoded alone, one after another): a
+    # round trip per file cost a flood of small images more than their decode. A decoder takes
+    # a fair share of what the queue holds, up to this many, and passes their crops on when the
+    # whole request is done, so a file that hangs its worker holds the others of its request
+    # back by up to decode_timeout_s; 1 gives every file its own request.
     files_per_request: Annotated[int, Field(ge=1, le=64)] = 16
     # Pillow's own default: larger images are refused as decompression bombs.
     max_image_pixels: Positive = 89_478_485

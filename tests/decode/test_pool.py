@@ -18,8 +18,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from inboxd.decode.pool import DecodePool, WorkerSettings
+from inboxd.decode.pool import DecodePool
 from inboxd.decode.spec import PreprocessSpec
+from inboxd.decode.worker_process import WorkerSettings
 from inboxd.item import PermanentError, TransientError
 
 from tests.conftest import make_image, wait_until
@@ -51,6 +52,23 @@ def pool() -> Iterator[DecodePool]:
         del os.environ["INBOXD_DECODE_FAULTS"]
     yield decode_pool
     decode_pool.close()
+
+
+def faulty_pool(tmp_path: Path, faults: str, **overrides: float) -> DecodePool:
+    """A one-worker pool, started, whose workers have ``faults`` armed (read at their start)."""
+    os.environ["INBOXD_DECODE_FAULTS"] = faults
+    try:
+        pool = DecodePool(1, settings(**overrides))
+        pool.decode(make_image(tmp_path / "warm.png"))
+    finally:
+        del os.environ["INBOXD_DECODE_FAULTS"]
+    return pool
+
+
+def refuse_fork(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise BlockingIOError(11, "Resource temporarily unavailable")  # fork: EAGAIN
+    monkeypatch.setattr(subprocess, "Popen", refuse)
 
 
 def still_works(pool: DecodePool, tmp_path: Path) -> None:
@@ -142,12 +160,7 @@ def test_a_worker_killed_while_idle_costs_no_file(pool: DecodePool, tmp_path: Pa
 
 
 def test_a_worker_killed_from_outside_mid_file_is_a_transient_error(tmp_path: Path) -> None:
-    os.environ["INBOXD_DECODE_FAULTS"] = "hang=hang"
-    try:
-        pool = DecodePool(1, settings(decode_timeout_s=30))
-        pool.decode(make_image(tmp_path / "warm.png"))
-    finally:
-        del os.environ["INBOXD_DECODE_FAULTS"]
+    pool = faulty_pool(tmp_path, "hang=hang", decode_timeout_s=30)
     try:
         pid = pool.worker_pids()[0]
         killer = subprocess.Popen([sys.executable, "-c", f"import os, time; time.sleep(1); "
@@ -209,16 +222,9 @@ def test_no_worker_outlives_a_killed_parent(tmp_path: Path) -> None:
 
 def test_a_worker_that_cannot_be_replaced_is_a_transient_error(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    os.environ["INBOXD_DECODE_FAULTS"] = "exit=exits"
+    pool = faulty_pool(tmp_path, "exit=exits")
     try:
-        pool = DecodePool(1, settings())
-        pool.decode(make_image(tmp_path / "warm.png"))
-    finally:
-        del os.environ["INBOXD_DECODE_FAULTS"]
-    try:
-        def refuse(*args: object, **kwargs: object) -> None:
-            raise BlockingIOError(11, "Resource temporarily unavailable")  # fork: EAGAIN
-        monkeypatch.setattr(subprocess, "Popen", refuse)
+        refuse_fork(monkeypatch)
         # The worker dies on this file, and none can replace it: the file keeps its own
         # reason (the crash is its doing), the next one finds no worker.
         crashed = pool.decode(make_image(tmp_path / "exits.png"))
@@ -247,12 +253,8 @@ def test_workers_that_cannot_start_leave_their_slots_to_try_again(
     """A start that fails (fork refused) used to leave the pool with fewer workers than
     threads waiting on them — a silent stall — or put a dead worker's pipes back in use."""
     pool = DecodePool(2, settings())
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise BlockingIOError(11, "Resource temporarily unavailable")  # fork: EAGAIN
-
     try:
-        monkeypatch.setattr(subprocess, "Popen", refuse)
+        refuse_fork(monkeypatch)
         pool.start()  # no worker at all: both slots wait to try again
         with pytest.raises(TransientError, match="cannot start a decode worker"):
             pool.decode(make_image(tmp_path / "first.png"))
@@ -307,16 +309,9 @@ def test_a_replacement_that_cannot_start_mid_request_keeps_the_outcomes_already_
     their outcomes (a decoded crop, a bad file's reason), only those not answered yet are tried
     again later. The whole request used to raise, so a good file was decoded again and a bad
     one went back to the retry list instead of failing with its reason."""
-    os.environ["INBOXD_DECODE_FAULTS"] = "exit=exits,raise:RuntimeError=runtime"
+    pool = faulty_pool(tmp_path, "exit=exits,raise:RuntimeError=runtime")
     try:
-        pool = DecodePool(1, settings())
-        pool.decode(make_image(tmp_path / "warm.png"))
-    finally:
-        del os.environ["INBOXD_DECODE_FAULTS"]
-    try:
-        def refuse(*args: object, **kwargs: object) -> None:
-            raise BlockingIOError(11, "Resource temporarily unavailable")  # fork: EAGAIN
-        monkeypatch.setattr(subprocess, "Popen", refuse)
+        refuse_fork(monkeypatch)
         names = ["good.png", "runtime.png", "exits.png", "after.png"]
         results = pool.decode_many([(make_image(tmp_path / n), None) for n in names])
         assert results[0].error is None and results[0].image is not None, results[0]

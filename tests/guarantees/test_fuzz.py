@@ -19,8 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from inboxd.config import PreprocessConfig
-from inboxd.decode.pool import DecodePool, WorkerSettings
+from inboxd.decode.pool import DecodePool
 from inboxd.decode.replies import DecodeResult
+from inboxd.decode.worker_process import WorkerSettings
 from inboxd.item import PermanentError
 
 from tests.conftest import make_image, read_json, write_config

@@ -67,7 +67,8 @@ def _called_name(call: ast.Call) -> str:
 # whose replies are unpickled by multiprocessing's Connection: it is our own child, and Ray
 # itself unpickles whatever the cluster sends, so trusting the cluster is the premise of that
 # engine (README, "Running on a Ray cluster").
-FIXED_COMMANDS = {Path("decode/pool.py"): ["sys.executable", "'-m'", "'inboxd.decode.worker'"],
+FIXED_COMMANDS = {Path("decode/worker_process.py"): ["sys.executable", "'-m'",
+                                                    "'inboxd.decode.worker'"],
                   Path("models/ray_pipe.py"): ["sys.executable", "*BRIDGE_COMMAND"]}
 
 

@@ -20,93 +20,21 @@ import contextlib
 import logging
 import os
 import queue
-import signal
-import site
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
 from typing import Any
 
-import inboxd
 from inboxd import logs
 from inboxd.decode import wire
 from inboxd.decode.replies import DecodeResult, death_error, describe_exit, result_from
-from inboxd.decode.spec import PreprocessSpec
 from inboxd.decode.worker import FAULTS_ENV
+from inboxd.decode.worker_process import WorkerProcess, WorkerSettings, worker_env
 from inboxd.item import PermanentError, TransientError
 from inboxd.os_threads import name_this_thread
 
 STARTUP_TIMEOUT_S = 60.0  # a cold interpreter importing numpy and Pillow on a busy machine
-EXIT_WAIT_S = 5.0  # from the EOF on a worker's replies to its exit status
-# One allocator arena and one BLAS thread: a worker decodes one file with one thread, and each
-# extra arena or thread would reserve address space under RLIMIT_AS for nothing.
-WORKER_ENV = {"MALLOC_ARENA_MAX": "2", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-# The workers import the very inboxd the daemon runs, wherever it was imported from (a source
-# tree, PYTHONPATH); an installed one is found through site-packages, which must not be put
-# ahead of the standard library.
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(inboxd.__file__)))
-
-
-def worker_env() -> dict[str, str]:
-    env = {**os.environ, **WORKER_ENV}
-    if PACKAGE_ROOT not in {*site.getsitepackages(), site.getusersitepackages()}:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_ROOT,
-                                                          os.environ.get("PYTHONPATH")]))
-    return env
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerSettings:
-    spec: PreprocessSpec
-    max_image_pixels: int
-    max_file_bytes: int
-    decode_memory_bytes: int
-    decode_timeout_s: float
-
-
-class _Process:
-    def __init__(self, settings: WorkerSettings, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "inboxd.decode.worker"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
-            env=env,
-        )
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.requests = self.proc.stdin.fileno()
-        self.reader = wire.Reader(self.proc.stdout.fileno())
-        self.ready: dict[str, Any] | None = None
-        # Numbers this worker's requests; its receipt and every reply echo it (and a reply its
-        # file's place in the request). Replies carry no file name, so order alone would put a
-        # stray frame (a buggy or hijacked worker's receipt too many, left in the reader's
-        # buffer) in front of the next request's replies and give each file the one before
-        # it; with the numbers such a frame is a malformed reply and costs one file at most.
-        self.request_id = 0
-        init = {**asdict(settings), "parent_pid": os.getpid()}
-        init["spec"] = asdict(settings.spec)
-        try:
-            wire.send(self.requests, init)  # small: fits the pipe, never blocks
-        except BaseException:
-            self.kill()  # exited at once: do not leak its pipes and a zombie
-            raise
-
-    def signal_kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-
-    def kill(self) -> None:
-        self.signal_kill()
-        self.reap()
-
-    def reap(self) -> int:
-        code = self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
-            if stream is not None:
-                stream.close()
-        return code
 
 
 class DecodePool:
@@ -119,9 +47,9 @@ class DecodePool:
                                            initializer=name_this_thread)
         # One slot per worker thread: a live worker, or None where starting one failed (the
         # next file in that slot tries again), so the slot count never changes.
-        self._idle: queue.SimpleQueue[_Process | None] = queue.SimpleQueue()
+        self._idle: queue.SimpleQueue[WorkerProcess | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._all: set[_Process] = set()
+        self._all: set[WorkerProcess] = set()
         self.workers = workers
         self.started = False
         self.closed = False
@@ -143,9 +71,9 @@ class DecodePool:
             except TransientError:
                 self._idle.put(None)
 
-    def _start(self) -> _Process:
+    def _start(self) -> WorkerProcess:
         try:
-            process = self._spawner.submit(_Process, self.settings, self.env).result()
+            process = self._spawner.submit(WorkerProcess, self.settings, self.env).result()
         except (OSError, RuntimeError) as exc:  # fork refused, no descriptors, shut down
             raise TransientError(f"cannot start a decode worker: {exc}") from exc
         with self._lock:
@@ -155,20 +83,20 @@ class DecodePool:
         process.kill()  # closed while it started: close() would never see it
         raise TransientError("inboxd is shutting down")
 
-    def _replace(self, process: _Process, why: str) -> _Process:
+    def _replace(self, process: WorkerProcess, why: str) -> WorkerProcess:
         process.kill()
         with self._lock:
             self._all.discard(process)
         if self.closed:
             raise TransientError("inboxd is shutting down")
         self.replaced += 1
-        logs.emit(logging.WARNING, "decode_worker", f"decode worker {process.proc.pid} "
-                  f"replaced: {why}", pid=process.proc.pid, reason=why)
+        logs.emit(logging.WARNING, "decode_worker", f"decode worker {process.pid} "
+                  f"replaced: {why}", pid=process.pid, reason=why)
         return self._start()
 
     def worker_pids(self) -> list[int]:
         with self._lock:
-            return sorted(p.proc.pid for p in self._all)
+            return sorted(p.pid for p in self._all)
 
     def decode(self, path: os.PathLike[str] | str, expected_sha256: str | None = None
                ) -> DecodeResult:
@@ -210,24 +138,26 @@ class DecodePool:
         finally:
             self._idle.put(self._keep(process))
 
-    def _hand_over(self, process: _Process,
-                   files: Sequence[tuple[os.PathLike[str] | str, str | None]]) -> _Process:
+    def _hand_over(self, process: WorkerProcess,
+                   files: Sequence[tuple[os.PathLike[str] | str, str | None]]) -> WorkerProcess:
         """The worker that has taken ``files`` (acknowledged the request)."""
         request = {"files": [{"path_hex": os.fsencode(path).hex(), "expected_sha256": expected}
                              for path, expected in files]}
         for attempt in range(2):
             process = self._ensure_ready(process)
-            if self._deliver(process, request):
+            why = self._deliver(process, request)
+            if why is None:
                 return process
-            # It died before it took the files (killed while idle, the OOM killer, say):
-            # not their doing, so they go to a fresh worker, once.
-            process = self._replace(process, "died while idle")
+            # It died before it took the files (killed while idle, the OOM killer, say), or
+            # answered nonsense: not their doing, so they go to a fresh worker, once.
+            process = self._replace(process, why)
             if attempt:
                 raise TransientError("decode workers die before they can take a file; "
                                      "see the journal")
         raise AssertionError("unreachable")
 
-    def _answers(self, process: _Process, count: int, results: list[DecodeResult]) -> _Process:
+    def _answers(self, process: WorkerProcess, count: int,
+                 results: list[DecodeResult]) -> WorkerProcess:
         """Up to ``count`` replies into ``results``; returns early with the replacement when
         the worker had to be replaced (the files after that one were never started)."""
         for index in range(count):
@@ -237,29 +167,32 @@ class DecodePool:
                 return self._replace(process, replace_why)
         return process
 
-    def _keep(self, process: _Process | None) -> _Process | None:
+    def _keep(self, process: WorkerProcess | None) -> WorkerProcess | None:
         """The slot's worker if it is still alive (a replacement that failed to start leaves
         the killed one here), else None after cleaning it up."""
-        if process is None or (process.proc.poll() is None and not self.closed):
+        if process is None or (process.alive() and not self.closed):
             return process
         process.kill()
         with self._lock:
             self._all.discard(process)
         return None
 
-    def _deliver(self, process: _Process, request: dict[str, Any]) -> bool:
-        """Send the request and wait for the worker's receipt. False: it was already dead."""
+    def _deliver(self, process: WorkerProcess, request: dict[str, Any]) -> str | None:
+        """Send the request and wait for the worker's receipt: None once it has the files,
+        else why it must be replaced."""
         process.request_id += 1
         request["request"] = process.request_id
         try:
             wire.send(process.requests, request)
             header, _ = process.reader.recv(time.monotonic() + STARTUP_TIMEOUT_S)
-        except (OSError, EOFError, TimeoutError, wire.WireError):
-            return False
-        return header.get("ack") is True and header.get("request") == process.request_id
+        except (OSError, EOFError, TimeoutError, wire.WireError) as exc:
+            return f"died while idle ({type(exc).__name__})"
+        if header.get("ack") is True and header.get("request") == process.request_id:
+            return None
+        return f"a receipt that is not one for request {process.request_id}: {header!r:.200}"
 
-    def _ensure_ready(self, process: _Process) -> _Process:
-        if process.ready is not None and process.proc.poll() is None:
+    def _ensure_ready(self, process: WorkerProcess) -> WorkerProcess:
+        if process.ready is not None and process.alive():
             return process
         for _attempt in range(2):
             if process.ready is not None:  # was ready, has died since
@@ -276,7 +209,7 @@ class DecodePool:
             return process
         raise TransientError("decode workers fail to start; see the journal")
 
-    def _answer(self, process: _Process, index: int) -> tuple[DecodeResult, str | None]:
+    def _answer(self, process: WorkerProcess, index: int) -> tuple[DecodeResult, str | None]:
         """The outcome of file ``index`` of the worker's current request, and why the worker
         must be replaced now (None: it carries on). The caller replaces it after keeping the
         outcome, so a replacement that cannot start does not cost the answer."""
@@ -290,9 +223,10 @@ class DecodePool:
                 "the decoder was stopped (raise decode_timeout_s if such files are real images)"
             )), "decode timeout"
         except EOFError:
-            try:
-                code = process.proc.wait(EXIT_WAIT_S)
-            except subprocess.TimeoutExpired:  # alive, yet its reply pipe is closed: broken
+            if self.closed:  # close() killed it: not this file's doing, nor the OOM killer's
+                raise TransientError("inboxd is shutting down") from None
+            code = process.exit_status()
+            if code is None:  # alive, yet its reply pipe is closed: broken
                 return DecodeResult(None, None, error=PermanentError(
                     "the decoder closed its reply pipe on this file")), "closed its reply pipe"
             return DecodeResult(None, None, error=death_error(code)), (
@@ -320,7 +254,8 @@ class DecodePool:
             processes = list(self._all)
             self._all.clear()
         # SIGKILL only: a thread still waiting on a busy worker sees EOF, finds the pool closed
-        # and gives up (its file goes back to the inbox); it closes that worker's pipes itself.
+        # and gives up (decode_many: the files it had not answered get "shutting down", and go
+        # back to the inbox); _keep closes that worker's pipes.
         for process in processes:
             process.signal_kill()
         for process in processes:

@@ -41,7 +41,7 @@ def send(fd: int, header: dict[str, Any], payload: bytes | memoryview = b"") -> 
 
 class Reader:
     """Frames from one descriptor, read in large pieces: a reply of a few KB costs one
-    ``readv``, and the frames a busy worker wrote meanwhile come in with it. Keep one per
+    ``read``, and the frames a busy worker wrote meanwhile come in with it. Keep one per
     descriptor (what it read ahead belongs to the next frame)."""
 
     def __init__(self, fd: int, max_header_bytes: int = MAX_HEADER_BYTES) -> None:

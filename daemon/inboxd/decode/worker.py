@@ -1,10 +1,11 @@
 """One decode worker process: reads, hashes and decodes one untrusted file at a time.
 
-Started by ``decode/pool.py`` as ``python -m inboxd.decode.worker``: a fresh interpreter, never a
-fork of the daemon (which has threads and torch), importing only Pillow, numpy and the small
-modules below. Whatever a file does to it — any exception, a runaway allocation (it runs under
-``RLIMIT_AS``), a hang (the daemon kills it), a crash in a C decoder — costs that file and, at
-worst, this process; the daemon answers the file and starts a new worker.
+Started by ``decode/worker_process.py`` as ``python -m inboxd.decode.worker``: a fresh
+interpreter, never a fork of the daemon (which has threads and torch), importing only Pillow,
+numpy and the small modules below. Whatever a file does to it — any exception, a runaway
+allocation (it runs under ``RLIMIT_AS``), a hang (the daemon kills it), a crash in a C decoder —
+costs that file and, at worst, this process; the daemon answers the file and starts a new
+worker.
 
 Lifetime: it exits when its request pipe reaches EOF and is killed by the kernel
 (``PR_SET_PDEATHSIG``) when the daemon dies, even by SIGKILL, even mid-decode. SIGINT, SIGTERM
@@ -114,13 +115,13 @@ class Worker:
             return str(exc)
         return None
 
-    def handle(self, request: dict[str, Any]) -> tuple[dict[str, Any], bytes | memoryview,
-                                                     bool]:
-        """(reply header, pixel bytes, whether this process should exit after replying)."""
-        path = os.fsdecode(bytes.fromhex(request["path_hex"]))
+    def handle(self, entry: dict[str, Any]) -> tuple[dict[str, Any], bytes | memoryview, bool]:
+        """One file of a request: (reply header, pixel bytes, whether this process should exit
+        after replying)."""
+        path = os.fsdecode(bytes.fromhex(entry["path_hex"]))
         state: dict[str, Any] = {"sha256": None, "size_bytes": None}
         try:
-            header, pixels = self._decode(path, request.get("expected_sha256"), state)
+            header, pixels = self._decode(path, entry.get("expected_sha256"), state)
             return header, pixels, False
         except (PermanentError, TransientError) as exc:
             return _error(exc, state), b"", False

@@ -11,7 +11,9 @@ one file at a time, so the memory in this stage is bounded by ``workers`` ×
 in the cache.
 
 With the model on a GPU, baseline JPEGs are decoded there instead (``decode/device_route.py``:
-the header is checked on the CPU first, everything else still goes to the workers).
+the header is checked on the CPU first, everything else still goes to the workers). A request's
+JPEGs go to the device one after another, each batched with those of the other decoders
+(``TensorDecoder``), before its other files go to the worker.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ Outcome = Callable[[WorkItem, BaseException], Awaitable[None]]
 
 
 class Preprocessor:
+    """The decode stage: its tasks and threads are called ``preprocess`` (as its time in each
+    result's ``timings_ms``), the layer it holds in the stats ``decoding``."""
+
     name = "decoding"  # the layer: files taken from the queue, not yet in the cache
 
     def __init__(
@@ -77,13 +82,16 @@ class Preprocessor:
                 for item in items:
                     item.dequeued_s = now_s
                 outcomes = await loop.run_in_executor(self.executor, self._prepare_all, items)
+                # When the request was done, for all of them: a wait for room in the cache is
+                # the batch's wait, not this stage's.
+                done_s = self.clock()
                 for item, outcome in zip(items, outcomes, strict=True):
                     if isinstance(outcome, Exception):
                         await self.on_error(item, outcome)
                     elif outcome:
                         await self.on_duplicate(item)
                     else:
-                        item.preprocessed_s = self.clock()
+                        item.preprocessed_s = done_s
                         await self.cache.put(item)
                     handed_on += 1
                     self.in_progress -= 1
@@ -115,19 +123,34 @@ class Preprocessor:
         a crash between the result and the move, or the same file dropped twice), False when
         its crop is on the item, or why it failed."""
         expected = [self.existing_sha256(item.key) for item in items]
-        route = self.device_route
-        routed = [None if route is None else route.decode(item.claimed_path, sha256)
-                  for item, sha256 in zip(items, expected, strict=True)]
+        routed = [self._on_device(item, sha256) for item, sha256 in zip(items, expected,
+                                                                        strict=True)]
         on_cpu = [(item.claimed_path, sha256)
                   for item, sha256, result in zip(items, expected, routed, strict=True)
                   if result is None]
         try:
-            decoded = iter(self.pool.decode_many(on_cpu) if on_cpu else [])
+            decoded = self.pool.decode_many(on_cpu) if on_cpu else []
         except TransientError as exc:  # the pool is closed or cannot start workers
             # Only the CPU files' outcome: a file decoded on the device has its crop already.
-            decoded = iter([DecodeResult(None, None, error=exc) for _ in on_cpu])
-        return [self._outcome(item, next(decoded) if result is None else result)
+            decoded = [DecodeResult(None, None, error=exc) for _ in on_cpu]
+        assert len(decoded) == len(on_cpu), "one outcome per file sent to the pool"
+        from_pool = iter(decoded)
+        return [self._outcome(item, next(from_pool) if result is None else result)
                 for item, result in zip(items, routed, strict=True)]
+
+    def _on_device(self, item: WorkItem, expected_sha256: str | None) -> DecodeResult | None:
+        """The file's outcome from the device path, or None (the CPU path takes it). A surprise
+        there costs this file an attempt, not the stage: a crash would leave every file of the
+        request with a strike in the crash ledger."""
+        if self.device_route is None:
+            return None
+        try:
+            return self.device_route.decode(item.claimed_path, expected_sha256)
+        except Exception as exc:
+            logs.emit(logging.ERROR, "device_decode", f"the device path failed on {item.key}: "
+                      f"{exc!r}", path=item.key, error=repr(exc))
+            return DecodeResult(None, None, error=TransientError(
+                f"the device decode path failed: {exc!r}"))
 
     def _outcome(self, item: WorkItem, result: DecodeResult
                  ) -> bool | PermanentError | TransientError:

@@ -24,7 +24,8 @@ from typing import Any, TypeVar
 from inboxd import logs
 from inboxd.config import Config
 from inboxd.decode import device_route
-from inboxd.decode.pool import DecodePool, WorkerSettings
+from inboxd.decode.pool import DecodePool
+from inboxd.decode.worker_process import WorkerSettings
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.names import NameFilter
 from inboxd.item import WorkItem

@@ -1,0 +1,102 @@
+"""One decode worker process, as the pool sees it: started by a fixed command line with the
+daemon's own inboxd on its path, killed, reaped. What it does is ``decode/worker.py``; what the
+pool asks of it, ``decode/pool.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import site
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import inboxd
+from inboxd.decode import wire
+from inboxd.decode.spec import PreprocessSpec
+
+EXIT_WAIT_S = 5.0  # from the EOF on a worker's replies to its exit status
+# One allocator arena and one BLAS thread: a worker decodes one file with one thread, and each
+# extra arena or thread would reserve address space under RLIMIT_AS for nothing.
+WORKER_ENV = {"MALLOC_ARENA_MAX": "2", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+# The workers import the very inboxd the daemon runs, wherever it was imported from (a source
+# tree, PYTHONPATH); an installed one is found through site-packages, which must not be put
+# ahead of the standard library.
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(inboxd.__file__)))
+
+
+def worker_env() -> dict[str, str]:
+    env = {**os.environ, **WORKER_ENV}
+    if PACKAGE_ROOT not in {*site.getsitepackages(), site.getusersitepackages()}:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_ROOT,
+                                                          os.environ.get("PYTHONPATH")]))
+    return env
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    spec: PreprocessSpec
+    max_image_pixels: int
+    max_file_bytes: int
+    decode_memory_bytes: int
+    decode_timeout_s: float
+
+
+class WorkerProcess:
+    """One ``python -m inboxd.decode.worker``: its pipes, its reader, its request numbers."""
+
+    def __init__(self, settings: WorkerSettings, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "inboxd.decode.worker"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
+            env=env,
+        )
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.requests = self.proc.stdin.fileno()
+        self.reader = wire.Reader(self.proc.stdout.fileno())
+        self.ready: dict[str, Any] | None = None
+        # Numbers this worker's requests; its receipt and every reply echo it (and a reply its
+        # file's place in the request). Replies carry no file name, so order alone would put a
+        # stray frame (a buggy or hijacked worker's receipt too many, left in the reader's
+        # buffer) in front of the next request's replies and give each file the one before
+        # it; with the numbers such a frame is a malformed reply and costs one file at most.
+        self.request_id = 0
+        init = {**asdict(settings), "parent_pid": os.getpid()}
+        init["spec"] = asdict(settings.spec)
+        try:
+            wire.send(self.requests, init)  # small: fits the pipe, never blocks
+        except BaseException:
+            self.kill()  # exited at once: do not leak its pipes and a zombie
+            raise
+
+    def signal_kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+
+    def kill(self) -> None:
+        self.signal_kill()
+        self.reap()
+
+    def reap(self) -> int:
+        code = self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
+        return code
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def exit_status(self) -> int | None:
+        """Its exit status once it has gone, waiting up to ``EXIT_WAIT_S``; None: still alive
+        (its reply pipe closed, yet running: broken)."""
+        try:
+            return self.proc.wait(EXIT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            return None
