@@ -206,8 +206,10 @@ def test_a_node_dying_mid_flood_costs_a_retry_not_a_file(
     config = ray_config(tmp_path, program, cluster.address, "inboxd",
                         inbox={"rescan_interval_s": 3600})
     # Slower than the tiny model (a real one takes longer): the pool is the bottleneck, so each
-    # replica has a batch running (and one waiting on it) whenever the node goes.
-    proc = daemon(config, INBOXD_RAY_REPLICA_DELAY_S="0.3")
+    # replica has a batch running (and one waiting on it) whenever the node goes. At 0.3 s, once
+    # decoding had become faster, the victim was at times between two batches when it went (no
+    # batch lost, nothing to retry: 2 runs of 4); at 1.0 s, 3 of 3 lost 2 batches.
+    proc = daemon(config, INBOXD_RAY_REPLICA_DELAY_S="1.0")
     started_s = time.monotonic()
     try:
         proc.wait_for("ready", 180)
