@@ -52,18 +52,22 @@ class Batcher:
     async def next_batch(self) -> list[WorkItem]:
         batch = [await self.cache.get()]
         deadline_s = self.clock() + self.max_delay_s
-        self.forming = 1
+        self._forming(1)
         while len(batch) < self.max_size:
             item = self.cache.take_nowait()
             if item is not None:
                 batch.append(item)
-                self.forming = len(batch)
+                self._forming(len(batch))
                 continue
             remaining_s = deadline_s - self.clock()
             if remaining_s <= 0 or not self.more_coming():
                 break
             await self.cache.wait_arrival(remaining_s)
-        self.high_water = max(self.high_water, len(batch))
         self.sizes.add(len(batch))
         self.forming = 0
         return batch
+
+    def _forming(self, size: int) -> None:
+        # The mark moves with the size: a scrape mid-batch must never see the size above it.
+        self.forming = size
+        self.high_water = max(self.high_water, size)
