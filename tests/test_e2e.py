@@ -6,9 +6,11 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from inboxd.pipeline.watcher import STARTUP_RESCAN_S
 
 from tests.conftest import (
     drop,
@@ -144,14 +146,22 @@ def test_flood_with_tiny_capacities_keeps_every_bound(tmp_path: Path, daemon_fac
 
     results = tmp_path / "results"
     wait_until(lambda: len(os.listdir(results)) >= total + 1, 900, "every result")  # + .tmp/
+    # The watcher paused while the backlog waited on disk and watches again now: a file
+    # dropped after its early rescan can only be found by it (no timer rescans).
+    assert daemon.records("deferred") and "watcher pauses" in daemon.records("deferred")[0]
+    daemon.wait_for("watching", 60)
+    time.sleep(STARTUP_RESCAN_S + 1)
+    os.rename(make_image(tmp_path / "late.png", size=(32, 32), color=(9, 9, 9)),
+              inbox / "late.png")
+    wait_until(lambda: (results / "late.png.json").exists(), 30, "the watcher to see late.png")
     assert daemon.stop() == 0
-    names = {f"f{n:05}.png" for n in range(total)}
+    names = {f"f{n:05}.png" for n in range(total)} | {"late.png"}
     assert {p.name.removesuffix(".json") for p in results.glob("*.json")} == names
     assert {p.name for p in (tmp_path / "done").iterdir()} == names
     assert not [p for p in (tmp_path / "failed").rglob("*") if p.is_file()]
 
     stats = last_stats(daemon.records("stats"))
-    assert int(stats["COMPLETED"]) == total
+    assert int(stats["COMPLETED"]) == total + 1
     assert int(stats["DEFERRED"]) > 0, "the event buffer overflowed to disk"
     for layer, bound in capacity.items():
         assert int(stats[f"{layer.upper()}_HIGH_WATER"]) <= bound, (layer, stats)

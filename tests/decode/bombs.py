@@ -53,9 +53,15 @@ def write(path: Path, data: bytes) -> Path:
     return path
 
 
+# A real TIFF (fuzzed) on which Pillow raises TypeError: one of the types the worker must catch.
+TYPE_ERROR_TIFF = Path(__file__).parents[1] / "guarantees" / "crashers" / (
+    "TypeError-seed3-004757-tiff-exif1-bit_flips.tif")
+
+
 def dds_unknown_fourcc() -> bytes:
-    """A DDS header with a pixel format Pillow does not implement: ``NotImplementedError``
-    from ``Image.open``, whatever the file is named."""
+    """A DDS header with a pixel format Pillow does not implement: Pillow's DDS plugin raised
+    ``NotImplementedError`` from ``Image.open`` whatever the file was named, until only the
+    formats inboxd takes were opened; now it is refused unparsed."""
     header = struct.pack("<7I", 124, 0x1007, 8, 8, 0, 0, 0) + b"\0" * 44
     pixel_format = struct.pack("<2I4s5I", 32, 0x4, b"ABCD", 0, 0, 0, 0, 0)
     return b"DDS " + header + pixel_format + b"\0" * 276

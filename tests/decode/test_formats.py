@@ -11,6 +11,7 @@ import pytest
 from inboxd.decode import formats
 from inboxd.decode.pillow import decode_image
 from inboxd.decode.spec import PreprocessSpec
+from inboxd.item import PermanentError
 from PIL import Image
 
 from tests.conftest import write_config
@@ -41,3 +42,19 @@ def test_a_phone_photo_taken_sideways_is_upright_once_in_every_format(fmt: str) 
     image.save(data, format=fmt, exif=exif.tobytes())
     decoded = decode_image(data.getvalue(), SPEC, 1_000_000)
     assert (decoded.width, decoded.height) == (32, 64), fmt
+
+
+@pytest.mark.parametrize("fmt", ["PCX", "SGI", "IM", "TGA", "PPM"])
+def test_a_format_inboxd_does_not_take_is_refused_whatever_its_name(fmt: str) -> None:
+    """Pillow alone would open any of its dozens of formats, whatever the name says (and
+    hand an EPS to Ghostscript): only the listed ones are parsed."""
+    data = io.BytesIO()
+    Image.new("RGB", (8, 8), (1, 2, 3)).save(data, fmt)
+    with pytest.raises(PermanentError, match="in a format inboxd takes"):
+        decode_image(data.getvalue(), SPEC, 10**6)
+
+
+def test_a_listed_format_under_another_listed_name_still_decodes() -> None:
+    data = io.BytesIO()
+    Image.new("RGB", (8, 8), (1, 2, 3)).save(data, "PNG")  # as if named photo.jpg
+    assert decode_image(data.getvalue(), SPEC, 10**6).format == "PNG"

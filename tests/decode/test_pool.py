@@ -114,10 +114,12 @@ def test_any_exception_from_a_decoder_fails_only_that_file(
 
 def test_real_files_that_raise_unexpected_types_fail_alone(pool: DecodePool,
                                                            tmp_path: Path) -> None:
-    path = bombs.write(tmp_path / "texture.jpg", bombs.dds_unknown_fourcc())
+    path = bombs.write(tmp_path / "texture.jpg", bombs.TYPE_ERROR_TIFF.read_bytes())
     result = pool.decode(path)
     assert isinstance(result.error, PermanentError)
-    assert "NotImplementedError" in str(result.error)
+    assert "the decoder failed on this file: TypeError" in str(result.error)
+    dds = pool.decode(bombs.write(tmp_path / "dds.jpg", bombs.dds_unknown_fourcc()))
+    assert "in a format inboxd takes" in str(dds.error)  # never parsed
     still_works(pool, tmp_path)
 
 

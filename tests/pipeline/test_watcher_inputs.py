@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -124,3 +124,44 @@ def test_a_file_event_for_a_name_not_taken_is_said_once(tmp_path: Path) -> None:
     watcher._take(changes)
     watcher._take(changes)
     assert watcher.stats.counters.ignored_names == 1
+
+
+def test_the_watcher_pauses_while_a_backlog_waits_on_disk(tmp_path: Path) -> None:
+    """watchfiles keeps every change until it is next asked: during a flood that outlasts the
+    buffer the scans find the files, so the watcher stops, and starts again only once a scan
+    has taken everything (then rescans soon, for its start gap)."""
+    inbox = tmp_path / "inbox"
+    files = [make_image(inbox / f"f{n}.png") for n in range(5)]
+    watch = ScriptedWatch()
+    buffer = EventBuffer(2)
+    watcher = watcher_for(inbox, watch, buffer=buffer)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(watcher.run_watch())
+        await watch.started.wait()
+        watch.push(*files)  # 2 admitted, 3 deferred
+        await asyncio.sleep(0.1)
+        assert watcher.paused and watcher.backlog_on_disk
+        await asyncio.sleep(1.5)  # past WATCHER_RESTART_DELAY_S: still not restarted
+        assert len(watch.polling) == 1, "a paused watcher must not be restarted"
+        for _ in range(2):  # intake takes the two; a scan still defers, so still paused
+            buffer.pop_due(0.0)
+        await watcher.scan()
+        assert watcher.paused and len(watch.polling) == 1
+        while buffer.pop_due(0.0) is not None:  # all taken and done: the next scan completes
+            pass
+        for path in files:
+            path.unlink()
+        await watcher.scan()
+        assert not watcher.paused and watcher._rescan_soon
+        await asyncio.wait_for(_until(lambda: len(watch.polling) == 2), 5)
+        watcher.stop()
+        await asyncio.wait_for(task, 10)
+
+    asyncio.run(scenario())
+    assert watcher.stats.counters.deferred >= 3
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)

@@ -4,7 +4,10 @@ Watch first, then scan what is already there (a file dropped in between is seen 
 both; the event buffer de-duplicates). Rescans run every ``inbox.rescan_interval_s``, after any
 watcher error (watchfiles silently drops inotify queue overflows), and as soon as the event
 buffer has room again after it had to defer paths, so a flood drains at full speed without
-waiting for the timer. A folder moved or copied in is walked when its own event arrives
+waiting for the timer. While such a backlog waits on disk the scans find every file, so the
+watcher is stopped (watchfiles gathers changes without a bound until it is next asked: memory
+that grew with the flood) and started again, with a rescan of its start gap, once a scan has
+taken everything. A folder moved or copied in is walked when its own event arrives
 (inotify reports the folder, not what it holds). Inboxes on network filesystems are polled
 (``files/filesystems.py``, per ``inbox.poll``), and so is everything once inotify runs out of
 watches (said once, with the sysctl). Names not taken are said once (``pipeline/walk.py``).
@@ -30,8 +33,7 @@ from inboxd.pipeline.event_buffer import EventBuffer
 from inboxd.pipeline.walk import Walker
 from inboxd.stats import Stats
 
-# Yield to the event loop while walking a huge inbox.
-SCAN_YIELD_EVERY = 512
+SCAN_YIELD_EVERY = 512  # paths between yields to the event loop while walking a huge inbox
 WATCHER_RESTART_DELAY_S = 1.0
 # awatch starts watching inside its first iteration, a moment after the start-up scan may have
 # run: one early rescan covers a file dropped in that gap.
@@ -67,6 +69,9 @@ class Watcher:
         self.backlog_on_disk = False  # a path was deferred since the last complete scan
         self._stop = asyncio.Event()
         self._watch_stop = asyncio.Event()
+        self._watching = asyncio.Event()  # cleared while a backlog waits on disk
+        self._watching.set()
+        self._rescan_soon = False  # the watcher was just started again: rescan its start gap
         self._watched_ids: dict[Path, tuple[int, int]] = {}
         self._prefixes = [f"{inbox}/" for inbox in inboxes]
         self.plans: list[WatchPlan] = [plan_watch(inbox, poll, statfs) for inbox in inboxes]
@@ -78,6 +83,22 @@ class Watcher:
     def stop(self) -> None:
         self._stop.set()
         self._watch_stop.set()
+        self._watching.set()  # a paused run_watch wakes, to see the stop
+
+    @property
+    def paused(self) -> bool:
+        return not self._watching.is_set()
+
+    def _pause_watching(self) -> None:
+        self._watching.clear()
+        self._watch_stop.set()
+
+    def _resume_watching(self) -> None:
+        if self.paused:
+            self._watching.set()
+            self._rescan_soon = True
+            logs.emit(logging.INFO, "watching", "the backlog on disk is taken: watching the "
+                      "inboxes again", deferred=self.stats.counters.deferred)
 
     # -- noticing one path -------------------------------------------------------------------
 
@@ -93,10 +114,11 @@ class Watcher:
             if not self.backlog_on_disk:  # once per episode, not once per file
                 logs.emit(logging.INFO, "deferred",
                           f"event buffer full ({self.buffer.capacity} paths): new files wait on "
-                          "disk and are picked up as it drains", path=str(path),
-                          deferred=self.stats.counters.deferred)
+                          "disk and are picked up by scans as it drains; the watcher pauses "
+                          "until then", path=str(path), deferred=self.stats.counters.deferred)
                 self._wake.set()  # the scan loop must now watch the buffer drain
             self.backlog_on_disk = True
+            self._pause_watching()
         return admitted
 
     # -- scanning ----------------------------------------------------------------------------
@@ -117,6 +139,8 @@ class Watcher:
             seen += count
             if not complete:
                 return seen  # deferred: the rest waits on disk for the next scan
+        if not self.backlog_on_disk:  # nor did the watcher defer anything meanwhile
+            self._resume_watching()
         self._check_inbox_identity()
         return seen
 
@@ -146,9 +170,10 @@ class Watcher:
         while not self._stop.is_set():
             self._rescan_requested = False
             await self.scan()
-            interval_s = min(self.rescan_interval_s, STARTUP_RESCAN_S) if first else (
+            soon = first or self._rescan_soon
+            interval_s = min(self.rescan_interval_s, STARTUP_RESCAN_S) if soon else (
                 self.rescan_interval_s)
-            first = False
+            first = self._rescan_soon = False
             deadline = self.clock() + interval_s
             while not self._stop.is_set() and not self._rescan_requested:
                 if self.backlog_on_disk and self.buffer.size <= self.buffer.capacity // 2:
@@ -172,8 +197,11 @@ class Watcher:
         return groups
 
     async def run_watch(self) -> None:
-        """Feed watcher events into the buffer; restart the watcher after any error."""
+        """Feed watcher events into the buffer; restart the watcher after any error or pause."""
         while not self._stop.is_set():
+            await self._watching.wait()
+            if self._stop.is_set():
+                return
             self._watch_stop = asyncio.Event()
             try:
                 for inbox in self.inboxes:
@@ -197,6 +225,8 @@ class Watcher:
                               error=str(exc))
             if self._stop.is_set():
                 return
+            if self.paused:
+                continue  # stopped on purpose: the scans cover the inbox meanwhile
             self.request_rescan()
             await asyncio.sleep(WATCHER_RESTART_DELAY_S)
 
