@@ -77,9 +77,6 @@ class ResultFiles:
     def json_path(self, name: str) -> Path:
         return output_path(self.results_dir, name, JSON_SUFFIX)
 
-    def vector_path(self, name: str) -> Path:
-        return output_path(self.results_dir, name, VECTOR_SUFFIX)
-
     def json_file(self, name: str) -> str:
         """:meth:`json_path` as a ``str``, for the per-file path."""
         return output_str(self._results, name, JSON_SUFFIX)
