@@ -50,6 +50,17 @@ def tmp_name(tmp_dir: str | Path, suffix: str) -> str:
     return os.path.join(tmp_dir, f"{uuid.uuid4().hex}{suffix}.tmp")
 
 
+def ensure_dir(folder: str | Path) -> None:
+    """``mkdir -p``, one syscall when the folder is there (each write_tmp of a batch asks)."""
+    try:
+        os.mkdir(folder)
+    except FileExistsError:
+        if not os.path.isdir(folder):
+            raise
+    except FileNotFoundError:
+        os.makedirs(folder, exist_ok=True)
+
+
 def unlink_quietly(path: str | Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
@@ -57,7 +68,7 @@ def unlink_quietly(path: str | Path) -> None:
 
 def write_tmp(tmp_dir: str | Path, data: bytes, suffix: str) -> str:
     """``data`` in a new temp file under ``tmp_dir``, fsynced; removed again if writing fails."""
-    os.makedirs(tmp_dir, exist_ok=True)
+    ensure_dir(tmp_dir)
     tmp = tmp_name(tmp_dir, suffix)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
@@ -111,7 +122,7 @@ def _sync_each(fds: Sequence[int]) -> None:
 def write_tmps(tmp_dir: str | Path, blobs: Sequence[bytes], suffix: str) -> list[str]:
     """Each of ``blobs`` in a new temp file under ``tmp_dir``, all durable together when this
     returns (group commit); if anything fails, none of them is left."""
-    os.makedirs(tmp_dir, exist_ok=True)
+    ensure_dir(tmp_dir)
     written: list[tuple[str, int]] = []
     try:
         for data in blobs:
@@ -151,7 +162,7 @@ def move(source: str | Path, target: str | Path, token: str, tmp_dir: str | Path
     except OSError as exc:
         if exc.errno != errno.EXDEV:
             raise
-    os.makedirs(tmp_dir, exist_ok=True)
+    ensure_dir(tmp_dir)
     tmp = tmp_name(tmp_dir, ".copy")
     try:
         if os.path.islink(source):
@@ -168,7 +179,7 @@ def move(source: str | Path, target: str | Path, token: str, tmp_dir: str | Path
     except BaseException:
         unlink_quietly(tmp)
         raise
-    fsync_dir(os.path.dirname(final))
+    fsync_dir(os.path.dirname(final) or ".")
     os.unlink(source)
     return final
 

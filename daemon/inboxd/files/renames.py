@@ -70,7 +70,7 @@ def rename_into(source: Path | str, target: Path | str,
     try:
         rename_noreplace(source, target, source_dir_fd)
     except FileNotFoundError:
-        folder = os.path.dirname(target)
+        folder = os.path.dirname(target) or "."
         if os.path.isdir(folder):
             raise
         os.makedirs(folder, exist_ok=True)
