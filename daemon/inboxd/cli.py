@@ -179,7 +179,7 @@ def submit_file(source: Path, inbox: Path) -> Path:
     with open(tmp, "rb") as handle:
         os.fsync(handle.fileno())
     # Never over a file already waiting under that name: the next free variant instead.
-    return place(tmp, inbox / source.name, time_token())
+    return Path(place(tmp, inbox / source.name, time_token()))
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

@@ -53,7 +53,9 @@ class WorkItem:
     inbox: Path  # the inbox folder the file was found in
     rel: str  # path relative to that inbox, "/"-separated
     key: str  # the name under results/, done/ and failed/ (rel, or inbox-name/rel)
-    claimed_path: Path  # where the file lives while we own it: <inbox>/.processing/<instance>/rel
+    # Where the file lives while we own it: <inbox>/.processing/<instance>/rel. A str, as every
+    # per-file path is: pathlib would intern each file's name (files.names.relative_inside).
+    claimed_path: str
     noticed_s: float = field(default_factory=time.monotonic)
     # (inode, size, mtime_ns) when claimed: a file that changes after its claim was still
     # being written; with after_success: keep, the result records it to recognise the file.

@@ -24,7 +24,8 @@ def test_write_tmps_writes_every_blob_and_syncs_each(tmp_path: Path,
     monkeypatch.setattr(durable.os, "fdatasync", counting)
     blobs = [f"result {n}\n".encode() for n in range(40)]
     temps = durable.write_tmps(tmp_path / "tmp", blobs, ".json")
-    assert [t.read_bytes() for t in temps] == blobs
+    assert [Path(t).read_bytes() for t in temps] == blobs
+    assert all(Path(t).parent == tmp_path / "tmp" for t in temps)
     assert len(synced) == len(blobs)  # every file's own fdatasync: no shared barrier assumed
 
 

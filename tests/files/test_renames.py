@@ -62,7 +62,7 @@ def test_place_takes_the_first_free_variant_however_many_are_taken(tmp_path: Pat
     for name, _ in taken:
         (tmp_path / name).write_bytes(b"earlier")
     (tmp_path / "new").write_bytes(b"new")
-    where = place(tmp_path / "new", tmp_path / "scan.jpg", "tok")
+    where = Path(place(tmp_path / "new", tmp_path / "scan.jpg", "tok"))
     assert where.name == "scan.tok.1200.jpg"
     assert where.read_bytes() == b"new"
     assert all((tmp_path / n).read_bytes() == b"earlier" for n, _ in taken)

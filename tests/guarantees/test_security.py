@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 from inboxd.config import load_config
-from inboxd.files.names import NAME_MAX_BYTES, NameFilter, output_path, relative_inside
+from inboxd.files.names import (
+    NAME_MAX_BYTES,
+    NameFilter,
+    output_path,
+    output_str,
+    relative_inside,
+)
 from inboxd.pipeline.wiring import Pipeline
 
 from tests.conftest import make_image, write_config
@@ -24,6 +30,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "daemon" / "inboxd"
 def test_an_output_key_that_could_escape_is_refused(tmp_path: Path, key: str) -> None:
     with pytest.raises(ValueError):
         output_path(tmp_path, key, ".json")
+    with pytest.raises(ValueError):
+        output_str(str(tmp_path), key, ".json")
 
 
 def test_over_long_names_are_shortened_distinctly_within_name_max(tmp_path: Path) -> None:
@@ -32,12 +40,20 @@ def test_over_long_names_are_shortened_distinctly_within_name_max(tmp_path: Path
     assert a != b
     assert len(a.name.encode()) <= NAME_MAX_BYTES and a.name.endswith(".error.json")
     assert a.parent == tmp_path / "sub"
+    assert output_str(str(tmp_path), "sub/" + "a" * 250 + "1.png", ".error.json") == str(a)
 
 
 def test_only_paths_inside_the_inbox_have_a_relative_name(tmp_path: Path) -> None:
     assert relative_inside(tmp_path / "a" / "b.jpg", tmp_path) == "a/b.jpg"
     assert relative_inside(tmp_path.parent / "b.jpg", tmp_path) is None
     assert relative_inside(tmp_path, tmp_path) is None
+    # As strs, the way the watcher and the walk give them: the same answers, no ``..`` out.
+    root = str(tmp_path)
+    assert relative_inside(f"{root}/a//./b.jpg", root) == "a/b.jpg"
+    assert relative_inside(f"{root}/a/../../b.jpg", root) is None
+    assert relative_inside(f"{root}/../b.jpg", root) is None
+    assert relative_inside(f"{root}x/b.jpg", root) is None  # a sibling sharing the prefix
+    assert relative_inside(f"{root}/", root) is None
 
 
 @pytest.mark.parametrize(("name", "wanted"), [

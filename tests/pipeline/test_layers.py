@@ -29,23 +29,23 @@ def item(name: str = "a.jpg", nbytes: int = 0) -> WorkItem:
 def test_event_buffer_deduplicates_and_defers_when_full() -> None:
     buffer = EventBuffer(capacity=2)
     inbox = Path("/in")
-    assert buffer.offer(Path("/in/a"), inbox, 0.0) is True
-    assert buffer.offer(Path("/in/a"), inbox, 0.0) is None  # already there
-    assert buffer.offer(Path("/in/b"), inbox, 0.0) is True
-    assert buffer.offer(Path("/in/c"), inbox, 0.0) is False  # full: the caller defers it
+    assert buffer.offer("/in/a", inbox, 0.0) is True
+    assert buffer.offer("/in/a", inbox, 0.0) is None  # already there
+    assert buffer.offer("/in/b", inbox, 0.0) is True
+    assert buffer.offer("/in/c", inbox, 0.0) is False  # full: the caller defers it
     assert (buffer.size, buffer.high_water) == (2, 2)
 
 
 def test_event_buffer_does_not_let_an_unsettled_file_hold_up_others() -> None:
     buffer = EventBuffer(capacity=4)
     inbox = Path("/in")
-    buffer.offer(Path("/in/slow"), inbox, 0.0)
-    buffer.offer(Path("/in/fast"), inbox, 0.1)
+    buffer.offer("/in/slow", inbox, 0.0)
+    buffer.offer("/in/fast", inbox, 0.1)
     slow = buffer.pop_due(1.0)
-    assert isinstance(slow, Candidate) and slow.path.name == "slow"
+    assert isinstance(slow, Candidate) and slow.path == "/in/slow"
     buffer.retry_later(slow, check_at_s=5.0)  # still being written
     fast = buffer.pop_due(1.0)
-    assert isinstance(fast, Candidate) and fast.path.name == "fast"
+    assert isinstance(fast, Candidate) and fast.path == "/in/fast"
     assert buffer.pop_due(1.0) == 5.0  # nothing due: when to look next
     assert isinstance(buffer.pop_due(5.0), Candidate)
     assert buffer.pop_due(5.0) is None

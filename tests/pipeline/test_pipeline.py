@@ -227,7 +227,7 @@ def test_one_paths_surprise_in_a_claim_batch_costs_only_that_path(
     real_claim = pipeline.intake._claim_if_ready
 
     def claim(candidate: Any, effects: Any) -> Any:
-        if candidate.path.name == "f007.png":
+        if os.path.basename(candidate.path) == "f007.png":
             raise RuntimeError("a surprise")
         return real_claim(candidate, effects)
 

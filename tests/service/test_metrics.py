@@ -266,7 +266,7 @@ def test_reason_classes_of_the_real_errors(tmp_path: Path) -> None:
                    _raised(lambda: decode_image(b"\x89PNG\r\n\x1a\n" + bytes(99), spec, 10**8))],
         "too_large": [_raised(lambda: decode_image(big, spec, 1000))],
         "refused": [_raised(lambda: read_and_hash(tmp_path / "link.jpg")),
-                    PermanentError(describe_link(tmp_path / "link.jpg", tmp_path))],
+                    PermanentError(describe_link(str(tmp_path / "link.jpg"), tmp_path))],
         "io": [TransientError("cannot read the file: Input/output error"),
                OSError(28, "No space left on device")],
         "model": [PermanentError("the model failed on this input: RuntimeError('shape')")],
@@ -314,8 +314,8 @@ def test_paths_that_are_not_claimed_are_counted_as_ignored(tmp_path: Path) -> No
     pipeline = Pipeline(config, FakeModel())  # type: ignore[arg-type]
     make_image(inbox / "real.png")
     (inbox / "folder.png").mkdir()
-    pipeline.buffer.offer(inbox / "gone.png", inbox, 0.0)  # its writer removed it meanwhile
-    pipeline.buffer.offer(inbox / "folder.png", inbox, 0.0)
+    pipeline.buffer.offer(str(inbox / "gone.png"), inbox, 0.0)  # its writer removed it meanwhile
+    pipeline.buffer.offer(str(inbox / "folder.png"), inbox, 0.0)
     asyncio.run(pipeline.process_backlog())
     counters = pipeline.stats.counters
     assert (counters.completed, counters.ignored) == (1, 2)

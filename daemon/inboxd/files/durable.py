@@ -15,6 +15,7 @@ kill at any instant leaves no temp file behind for longer than one restart.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -43,10 +44,32 @@ def tmp_dir_for(root: Path, instance: str) -> Path:
     return root / TMP_DIRNAME / instance
 
 
-def write_tmp(tmp_dir: Path, data: bytes, suffix: str) -> Path:
+def tmp_name(tmp_dir: str | Path, suffix: str) -> str:
+    """A fresh temp file name under ``tmp_dir``, as a ``str``: one is made per result, and
+    pathlib would intern every one of these never-repeated names for the life of the process."""
+    return os.path.join(tmp_dir, f"{uuid.uuid4().hex}{suffix}.tmp")
+
+
+def ensure_dir(folder: str | Path) -> None:
+    """``mkdir -p``, one syscall when the folder is there (each write_tmp of a batch asks)."""
+    try:
+        os.mkdir(folder)
+    except FileExistsError:
+        if not os.path.isdir(folder):
+            raise
+    except FileNotFoundError:
+        os.makedirs(folder, exist_ok=True)
+
+
+def unlink_quietly(path: str | Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def write_tmp(tmp_dir: str | Path, data: bytes, suffix: str) -> str:
     """``data`` in a new temp file under ``tmp_dir``, fsynced; removed again if writing fails."""
-    tmp_dir.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_dir / f"{uuid.uuid4().hex}{suffix}.tmp"
+    ensure_dir(tmp_dir)
+    tmp = tmp_name(tmp_dir, suffix)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         view = memoryview(data)
@@ -55,7 +78,7 @@ def write_tmp(tmp_dir: Path, data: bytes, suffix: str) -> Path:
         os.fsync(fd)
     except OSError:
         os.close(fd)
-        tmp.unlink(missing_ok=True)
+        unlink_quietly(tmp)
         raise
     os.close(fd)
     return tmp
@@ -96,14 +119,14 @@ def _sync_each(fds: Sequence[int]) -> None:
         os.fdatasync(fd)
 
 
-def write_tmps(tmp_dir: Path, blobs: Sequence[bytes], suffix: str) -> list[Path]:
+def write_tmps(tmp_dir: str | Path, blobs: Sequence[bytes], suffix: str) -> list[str]:
     """Each of ``blobs`` in a new temp file under ``tmp_dir``, all durable together when this
     returns (group commit); if anything fails, none of them is left."""
-    tmp_dir.mkdir(parents=True, exist_ok=True)
-    written: list[tuple[Path, int]] = []
+    ensure_dir(tmp_dir)
+    written: list[tuple[str, int]] = []
     try:
         for data in blobs:
-            tmp = tmp_dir / f"{uuid.uuid4().hex}{suffix}.tmp"
+            tmp = tmp_name(tmp_dir, suffix)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             written.append((tmp, fd))
             view = memoryview(data)
@@ -114,7 +137,7 @@ def write_tmps(tmp_dir: Path, blobs: Sequence[bytes], suffix: str) -> list[Path]
     except BaseException:
         for tmp, fd in written:
             os.close(fd)
-            tmp.unlink(missing_ok=True)
+            unlink_quietly(tmp)
         raise
     for _, fd in written:
         os.close(fd)
@@ -130,7 +153,7 @@ def json_bytes(document: dict[str, Any]) -> bytes:
     return f"{{\n{lines}\n}}\n".encode() if document else b"{}\n"
 
 
-def move(source: Path, target: Path, token: str, tmp_dir: Path) -> Path:
+def move(source: str | Path, target: str | Path, token: str, tmp_dir: str | Path) -> str:
     """Move ``source`` to ``target`` or a free variant of its name (never replacing anything);
     across filesystems copy it to ``tmp_dir`` first (fsynced), so the destination only ever
     holds the whole file. Returns where it went."""
@@ -139,8 +162,8 @@ def move(source: Path, target: Path, token: str, tmp_dir: Path) -> Path:
     except OSError as exc:
         if exc.errno != errno.EXDEV:
             raise
-    tmp_dir.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_dir / f"{uuid.uuid4().hex}.copy.tmp"
+    ensure_dir(tmp_dir)
+    tmp = tmp_name(tmp_dir, ".copy")
     try:
         if os.path.islink(source):
             # A refused link travels as a link: copying would read (and file) what it points
@@ -154,14 +177,14 @@ def move(source: Path, target: Path, token: str, tmp_dir: Path) -> Path:
                 os.fsync(dst.fileno())
         final = place(tmp, target, token)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        unlink_quietly(tmp)
         raise
-    fsync_dir(final.parent)
-    source.unlink()
+    fsync_dir(os.path.dirname(final) or ".")
+    os.unlink(source)
     return final
 
 
-def fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: str | Path) -> None:
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)

@@ -23,11 +23,12 @@ from inboxd.files.durable import (
     json_bytes,
     move,
     tmp_dir_for,
+    unlink_quietly,
     walk_files,
     write_tmp,
 )
 from inboxd.files.instances import LEDGER_SUFFIX, LOCK_WAIT_S, flock_within
-from inboxd.files.names import output_path
+from inboxd.files.names import output_path, output_str, relative_inside
 from inboxd.files.renames import name_variants, rename_into, rename_noreplace, time_token
 from inboxd.files.results import ResultFiles, sha_token
 from inboxd.files.safe_paths import LinkedFolder, open_inside
@@ -52,6 +53,11 @@ class Lifecycle:
                                    replace_kept=policy == "keep")
         self._locks: list[int] = []
         self.max_file_bytes = config.preprocess.max_file_mb * 2**20
+        # Per-folder paths, made once: claims and moves join file names to these as strs.
+        self._processing = {inbox: os.fspath(config.processing_dir(inbox))
+                            for inbox in config.inbox.paths}
+        self._done = os.fspath(config.done_dir)
+        self._done_tmp = os.fspath(tmp_dir_for(config.done_dir, config.instance))
 
     def tmp_dirs(self) -> list[Path]:
         """Our temp folders, on the filesystem of each destination (emptied at start-up)."""
@@ -116,7 +122,7 @@ class Lifecycle:
 
     # -- claiming ----------------------------------------------------------------------------
 
-    def claim(self, inbox: Path, rel: str) -> Path | None:
+    def claim(self, inbox: Path, rel: str) -> str | None:
         """Take ``inbox/rel`` by renaming it into our processing folder, under its own name or,
         when an earlier file of that name is still in flight, a free variant of it. None: it
         was already gone (another instance claimed it, or its writer removed it).
@@ -125,31 +131,40 @@ class Lifecycle:
         inbox would otherwise let the rename take a file from outside it (``OSError`` ELOOP).
         """
         parts = rel.split("/")
-        processing = self.config.processing_dir(inbox)
+        processing = self._processing.get(inbox) or os.fspath(self.config.processing_dir(inbox))
         with open_inside(inbox, parts[:-1]) as source_dir:
-            target = output_path(processing, rel)
-            for name in name_variants(target.name, time_token()):
+            folder, leaf = os.path.split(output_str(processing, rel))
+            for name in name_variants(leaf, time_token()):
+                target = os.path.join(folder, name)
                 try:
-                    rename_into(parts[-1], target.with_name(name), source_dir)
+                    rename_into(parts[-1], target, source_dir)
                 except FileExistsError:
                     continue
                 except FileNotFoundError:
                     return None
-                return target.with_name(name)
+                return target
         return None  # pragma: no cover - name_variants never ends
 
-    def release(self, claimed: Path, inbox_path: Path) -> Path | None:
+    def release(self, claimed: str | Path, inbox_path: str | Path) -> str | None:
         """Hand a claimed file back to the inbox, where a later scan finds it again (under a
         free variant of its name if a new file took it meanwhile), never through a folder
-        swapped for a link since the claim: then it stays claimed (None, as if gone)."""
-        inbox = next((i for i in self.config.inbox.paths if inbox_path.is_relative_to(i)),
-                     inbox_path.parent)
-        rel = inbox_path.relative_to(inbox).as_posix()
+        swapped for a link since the claim: then it stays claimed (None, as if gone). On
+        strs: with after_success: keep, every success ends here."""
+        where = os.fspath(inbox_path)
+        inbox: str | Path
+        for inbox in self.config.inbox.paths:
+            rel = relative_inside(where, inbox)
+            if rel is not None:
+                break
+        else:
+            inbox, rel = os.path.split(where)
+        claimed_dir, claimed_name = os.path.split(claimed)
         try:
-            with open_inside(claimed.parent, []) as folder:
-                return inbox / renames.place_inside(claimed.name, folder, inbox, rel, time_token())
+            with open_inside(claimed_dir, []) as folder:
+                placed = renames.place_inside(claimed_name, folder, inbox, rel, time_token())
         except (FileNotFoundError, LinkedFolder):
             return None
+        return os.path.join(inbox, placed)
 
     def recover(self) -> tuple[int, int]:
         """Return every file this instance had claimed (after a crash) to its inbox — except
@@ -250,19 +265,20 @@ class Lifecycle:
 
     # -- outcomes ----------------------------------------------------------------------------
 
-    def finish_success(self, claimed: Path, name: str, inbox_path: Path, sha256: str) -> None:
+    def finish_success(self, claimed: str | Path, name: str, inbox_path: str | Path,
+                       sha256: str) -> None:
         """After the result is durable: move, delete or keep the source, per config."""
         policy = self.config.inbox.after_success
         if policy == "delete":
-            claimed.unlink(missing_ok=True)
+            unlink_quietly(claimed)
         elif policy == "move":
-            move(claimed, output_path(self.config.done_dir, name), sha_token(sha256),
-                 tmp_dir_for(self.config.done_dir, self.config.instance))
+            move(claimed, output_str(self._done, name), sha_token(sha256), self._done_tmp)
         else:
             # keep: back where the user put it; intake skips files whose result describes them.
             self.release(claimed, inbox_path)
 
-    def finish_failure(self, claimed: Path | None, key: str, report: dict[str, Any]) -> str:
+    def finish_failure(self, claimed: str | Path | None, key: str,
+                       report: dict[str, Any]) -> str:
         """``failed/<name>.error.json`` first, then the source under the same ``<name>``: never
         a failed file without why, never over an earlier failure. Returns ``<name>``."""
         failed_dir = self.config.failed_dir
@@ -288,10 +304,10 @@ class Lifecycle:
                     self._move_failed(claimed, target, report_path)
                 return variant
         finally:
-            tmp.unlink(missing_ok=True)
+            unlink_quietly(tmp)
         raise AssertionError("name_variants never ends")  # pragma: no cover
 
-    def _move_failed(self, claimed: Path, target: Path, report_path: Path) -> None:
+    def _move_failed(self, claimed: str | Path, target: Path, report_path: Path) -> None:
         try:
             rename_noreplace(claimed, target)
         except OSError as exc:

@@ -67,19 +67,20 @@ class NameFilter:
                 "inbox.include")
 
 
-def relative_inside(path: Path, inbox: Path) -> str | None:
+def relative_inside(path: str | os.PathLike[str], inbox: str | os.PathLike[str]) -> str | None:
     """``path`` relative to ``inbox`` as "a/b.jpg", or None when it is not inside the inbox.
 
     Purely lexical: paths come from our own walk or the watcher, both rooted at ``inbox``, and
-    links are never followed, so there is nothing to resolve.
+    links are never followed, so there is nothing to resolve. On strings, not ``Path``: this
+    runs for every file, and pathlib interns each name it parses.
     """
-    try:
-        rel = path.relative_to(inbox)
-    except ValueError:
+    path, root = os.fspath(path), os.fspath(inbox).rstrip("/") + "/"
+    if not path.startswith(root):
         return None
-    if not rel.parts or ".." in rel.parts:
+    parts = [part for part in path[len(root):].split("/") if part not in ("", ".")]
+    if not parts or ".." in parts:
         return None
-    return rel.as_posix()
+    return "/".join(parts)
 
 
 def output_path(root: Path, key: str, suffix: str = "") -> Path:
@@ -88,12 +89,21 @@ def output_path(root: Path, key: str, suffix: str = "") -> Path:
     ``key`` comes from real paths under an inbox, so it has no ``..``; the check is kept anyway
     because an outcome path escaping its folder would be a security hole, not a bug.
     """
+    return root.joinpath(*_output_parts(key, suffix))
+
+
+def output_str(root: str, key: str, suffix: str = "") -> str:
+    """:func:`output_path` as a ``str``, for the per-file path (no pathlib parsing)."""
+    return os.path.join(root, *_output_parts(key, suffix))
+
+
+def _output_parts(key: str, suffix: str) -> list[str]:
     parts = key.split("/")
     if any(part in ("", ".", "..") for part in parts):
         raise ValueError(f"refusing unsafe output key {key!r}")
     parts[-1] = fit_name(parts[-1], suffix)
     parts[:-1] = [fit_name(part, "") for part in parts[:-1]]
-    return root.joinpath(*parts)
+    return parts
 
 
 def fit_name(name: str, suffix: str) -> str:

@@ -62,16 +62,18 @@ def rename_noreplace(source: Path | str, target: Path | str,
     os.unlink(source, dir_fd=source_dir_fd)
 
 
-def rename_into(source: Path | str, target: Path, source_dir_fd: int | None = None) -> None:
+def rename_into(source: Path | str, target: Path | str,
+                source_dir_fd: int | None = None) -> None:
     """:func:`rename_noreplace`, creating ``target``'s folder only when the rename finds it
     missing: one syscall per move in the common case, where an up-front ``mkdir`` cost one
     more every time. ``FileNotFoundError`` with the folder there means the source is gone."""
     try:
         rename_noreplace(source, target, source_dir_fd)
     except FileNotFoundError:
-        if os.path.isdir(target.parent):
+        folder = os.path.dirname(target) or "."
+        if os.path.isdir(folder):
             raise
-        target.parent.mkdir(parents=True, exist_ok=True)
+        os.makedirs(folder, exist_ok=True)
         rename_noreplace(source, target, source_dir_fd)
 
 
@@ -113,11 +115,12 @@ def time_token() -> str:
     return f"t{time.time_ns():x}"
 
 
-def place(source: Path, target: Path, token: str) -> Path:
+def place(source: Path | str, target: Path | str, token: str) -> str:
     """Rename ``source`` to ``target``, or to the first free variant of its name; returns where
     it went. The folder is created when missing."""
-    for name in name_variants(target.name, token):
-        candidate = target.with_name(name)
+    folder, leaf = os.path.split(target)
+    for name in name_variants(leaf, token):
+        candidate = os.path.join(folder, name)
         try:
             rename_into(source, candidate)
         except FileExistsError:
@@ -126,7 +129,8 @@ def place(source: Path, target: Path, token: str) -> Path:
     raise AssertionError("name_variants never ends")  # pragma: no cover
 
 
-def place_inside(source: str, source_dir_fd: int, root: Path, rel: str, token: str) -> str:
+def place_inside(source: str, source_dir_fd: int, root: str | Path, rel: str, token: str
+                 ) -> str:
     """Rename ``source`` (in folder ``source_dir_fd``) to ``root/rel`` or the first free
     variant of its name; returns the ``rel`` it got. The folders on the way are made or opened
     without following links: one swapped for a link since the file left would carry it out

@@ -30,8 +30,15 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from inboxd.files.durable import commit_pause, fsync_dir, json_bytes, write_tmp, write_tmps
-from inboxd.files.names import output_path
+from inboxd.files.durable import (
+    commit_pause,
+    fsync_dir,
+    json_bytes,
+    unlink_quietly,
+    write_tmp,
+    write_tmps,
+)
+from inboxd.files.names import output_path, output_str
 from inboxd.files.renames import key_variants, place, rename_into
 
 JSON_SUFFIX = ".json"
@@ -59,6 +66,10 @@ class ResultFiles:
         # With after_success: move, a name is only free when done/ does not hold it either,
         # so the source can follow its result's name.
         self.done_dir = done_dir
+        # Every per-file path below is a str: pathlib would intern each file's name.
+        self._results = os.fspath(results_dir)
+        self._tmp = os.fspath(tmp_dir)
+        self._done = None if done_dir is None else os.fspath(done_dir)
         # after_success: keep — the source stays in the inbox under its own name, and the plain
         # name's result must describe what is there now; an earlier result moves aside.
         self.replace_kept = replace_kept
@@ -66,13 +77,17 @@ class ResultFiles:
     def json_path(self, name: str) -> Path:
         return output_path(self.results_dir, name, JSON_SUFFIX)
 
-    def vector_path(self, name: str) -> Path:
-        return output_path(self.results_dir, name, VECTOR_SUFFIX)
+    def json_file(self, name: str) -> str:
+        """:meth:`json_path` as a ``str``, for the per-file path."""
+        return output_str(self._results, name, JSON_SUFFIX)
+
+    def vector_file(self, name: str) -> str:
+        return output_str(self._results, name, VECTOR_SUFFIX)
 
     def recorded_sha256(self, name: str) -> str | None:
         """The sha256 in ``name``'s result; "" when the file exists but says none."""
         try:
-            with open(self.json_path(name), "rb") as existing:
+            with open(self.json_file(name), "rb") as existing:
                 sha = json.load(existing).get("sha256")
         except FileNotFoundError:
             return None
@@ -96,9 +111,9 @@ class ResultFiles:
         for name in key_variants(key, sha_token(sha256)):
             if name in taken:
                 continue
-            if os.path.lexists(self.json_path(name)) or os.path.lexists(self.vector_path(name)):
+            if os.path.lexists(self.json_file(name)) or os.path.lexists(self.vector_file(name)):
                 continue
-            if self.done_dir is not None and os.path.lexists(output_path(self.done_dir, name)):
+            if self._done is not None and os.path.lexists(output_str(self._done, name)):
                 continue
             yield name
 
@@ -110,7 +125,7 @@ class ResultFiles:
         # The names this call gave out: none goes to two entries, though no JSON is there yet.
         given: dict[tuple[str, str], str] = {}
         taken: set[str] = set()
-        vector_folders: set[Path] = set()
+        vector_folders: set[str] = set()
         for index, entry in enumerate(entries):
             known = None if self.replace_kept else self.find(entry.key, entry.sha256)
             outcome.append(None if known is None else (known, True))
@@ -121,7 +136,7 @@ class ResultFiles:
                 name = self._claim_name(entry, taken)
                 if entry.vector is not None:
                     name = self._write_vector(entry, name, taken)
-                    vector_folders.add(self.vector_path(name).parent)
+                    vector_folders.add(os.path.dirname(self.vector_file(name)))
                 given[(entry.key, entry.sha256)] = name
                 taken.add(name)
             todo.append((index, entry, name))
@@ -129,20 +144,20 @@ class ResultFiles:
         for folder in vector_folders:
             fsync_dir(folder)
         # All durable together, or (a full disk part-way) none left behind.
-        temps = write_tmps(self.tmp_dir, [json_bytes(entry.document(name))
+        temps = write_tmps(self._tmp, [json_bytes(entry.document(name))
                                           for _, entry, name in todo], JSON_SUFFIX)
         commit_pause()
-        folders: set[Path] = set()
+        folders: set[str] = set()
         placed = 0
         try:
             for (index, entry, name), tmp in zip(todo, temps, strict=True):
                 filed = self._place_json(tmp, entry, name, taken)
                 outcome[index] = (filed, False)
-                folders.add(self.json_path(filed).parent)
+                folders.add(os.path.dirname(self.json_file(filed)))
                 placed += 1
         except OSError:
             for tmp in temps[placed:]:  # not placed: give the space back now
-                tmp.unlink(missing_ok=True)
+                unlink_quietly(tmp)
             raise
         commit_pause()
         for folder in folders:
@@ -164,9 +179,9 @@ class ResultFiles:
             return
         token = sha_token(recorded) if recorded else "old"
         for suffix in (VECTOR_SUFFIX, JSON_SUFFIX):  # vector first: never a JSON without it
-            current = output_path(self.results_dir, key, suffix)
+            current = output_str(self._results, key, suffix)
             if os.path.lexists(current):
-                place(current, output_path(self.results_dir, key + "." + token, suffix), token)
+                place(current, output_str(self._results, key + "." + token, suffix), token)
 
     def _write_vector(self, entry: ResultEntry, name: str, taken: Set[str]) -> str:
         """Place ``entry``'s vector as ``name``'s, or — that vector already there — the next
@@ -178,38 +193,38 @@ class ResultFiles:
         data = io.BytesIO()
         # allow_pickle=False: a float32 array never needs it, and readers can refuse it.
         np.save(data, entry.vector, allow_pickle=False)
-        tmp = write_tmp(self.tmp_dir, data.getvalue(), VECTOR_SUFFIX)
+        tmp = write_tmp(self._tmp, data.getvalue(), VECTOR_SUFFIX)
         try:
             while True:
                 try:
-                    rename_into(tmp, self.vector_path(name))
+                    rename_into(tmp, self.vector_file(name))
                     return name
                 except FileExistsError:
                     if self.recorded_sha256(name) == entry.sha256:
                         # keep: the same bytes' result is there, and that vector is theirs.
-                        tmp.unlink(missing_ok=True)
+                        unlink_quietly(tmp)
                         return name
                 name = next(self._free_names(entry.key, entry.sha256, taken))
         except OSError:
-            tmp.unlink(missing_ok=True)
+            unlink_quietly(tmp)
             raise
 
-    def _place_json(self, tmp: Path, entry: ResultEntry, name: str, taken: set[str]) -> str:
+    def _place_json(self, tmp: str, entry: ResultEntry, name: str, taken: set[str]) -> str:
         """Rename ``tmp`` to ``name``'s JSON; if another writer took that name meanwhile, the
         next free one (rewriting the JSON, and the vector, for it)."""
         while True:
-            target = self.json_path(name)
+            target = self.json_file(name)
             try:
                 rename_into(tmp, target)
                 return name
             except FileExistsError:
                 if self.recorded_sha256(name) == entry.sha256:
-                    tmp.unlink(missing_ok=True)  # the same bytes' result is already there
+                    unlink_quietly(tmp)  # the same bytes' result is already there
                     return name
-            tmp.unlink(missing_ok=True)
+            unlink_quietly(tmp)
             name = next(self._free_names(entry.key, entry.sha256, taken))
             if entry.vector is not None:
                 name = self._write_vector(entry, name, taken)
-                fsync_dir(self.vector_path(name).parent)  # durable before the JSON naming it
+                fsync_dir(os.path.dirname(self.vector_file(name)))  # durable before its JSON
             taken.add(name)
-            tmp = write_tmp(self.tmp_dir, json_bytes(entry.document(name)), JSON_SUFFIX)
+            tmp = write_tmp(self._tmp, json_bytes(entry.document(name)), JSON_SUFFIX)

@@ -174,4 +174,4 @@ def retry(config: Config, failed: Failed) -> Path:
         raise
     aside.unlink(missing_ok=True)
     fsync_dir(failed.report_path.parent)
-    return target
+    return Path(target)

@@ -22,7 +22,8 @@ class LinkedFolder(OSError):
 
 
 @contextlib.contextmanager
-def open_inside(root: Path, parts: Sequence[str], create: bool = False) -> Iterator[int]:
+def open_inside(root: str | Path, parts: Sequence[str],
+                create: bool = False) -> Iterator[int]:
     """A file descriptor for ``root/parts…``, each part opened without following links;
     ``create``: a missing part is made (a link there is still refused, never followed)."""
     fd = os.open(root, DIR_FLAGS)

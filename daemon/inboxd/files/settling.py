@@ -20,7 +20,7 @@ def identity(st: os.stat_result) -> Identity:
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def still_being_written(path: Path, claimed_as: Identity | None) -> bool:
+def still_being_written(path: str | Path, claimed_as: Identity | None) -> bool:
     """True when ``path`` changed since it was claimed as ``claimed_as``, or is open for
     writing elsewhere (a read lease is refused then; only for files we may lease — our own,
     or with CAP_LEASE — so for others' files only the change is seen)."""

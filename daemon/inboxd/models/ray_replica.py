@@ -104,7 +104,7 @@ class Replica:
 
 def _item(n: int, crop: npt.NDArray[np.uint8]) -> WorkItem:
     """A stand-in for the ingest host's item: ``infer_splitting`` only reads the pixels."""
-    return WorkItem(Path(), str(n), str(n), Path(),
+    return WorkItem(Path(), str(n), str(n), "",
                     image=DecodedImage(crop, crop.shape[1], crop.shape[0], None, "RGB"))
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 @dataclass(slots=True)
 class Candidate:
-    path: Path
+    path: str  # a str, not a Path: one per file noticed (pathlib interns every name)
     inbox: Path
     noticed_s: float
     check_at_s: float  # monotonic time at which it may have settled
@@ -33,8 +33,8 @@ class EventBuffer:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._entries: dict[Path, Candidate] = {}
-        self._heap: list[tuple[float, int, Path]] = []
+        self._entries: dict[str, Candidate] = {}
+        self._heap: list[tuple[float, int, str]] = []
         self._order = itertools.count()
         self._changed = asyncio.Event()
         self.high_water = 0
@@ -43,13 +43,13 @@ class EventBuffer:
     def size(self) -> int:
         return len(self._entries)
 
-    def __contains__(self, path: Path) -> bool:
+    def __contains__(self, path: str) -> bool:
         return path in self._entries
 
     def full(self) -> bool:
         return len(self._entries) >= self.capacity
 
-    def offer(self, path: Path, inbox: Path, now_s: float) -> bool | None:
+    def offer(self, path: str, inbox: Path, now_s: float) -> bool | None:
         """Admit a path. True: new; None: already here; False: full (the caller defers it)."""
         if path in self._entries:
             return None

@@ -163,7 +163,7 @@ class Intake:
 
     def _release(self, taken: list[tuple[WorkItem, str | None]]) -> None:
         for item, _ in taken:
-            self.lifecycle.release(item.claimed_path, item.inbox / item.rel)
+            self.lifecycle.release(item.claimed_path, os.path.join(item.inbox, item.rel))
             self.stats.counters.released += 1
 
     def _claim_if_ready(self, candidate: Candidate, effects: Effects) -> Claim:
@@ -232,7 +232,7 @@ class Intake:
         """With ``after_success: keep`` sources stay in the inbox: skip those whose result
         describes this very file (same inode, size and mtime); anything else, also another
         photo moved over it with an older mtime, gets a fresh result."""
-        path = self.lifecycle.results.json_path(self.config.key_for(inbox, rel))
+        path = self.lifecycle.results.json_file(self.config.key_for(inbox, rel))
         try:
             with open(path, "rb") as handle:
                 recorded = json.load(handle).get("source_identity")
@@ -246,7 +246,7 @@ class Intake:
             await self.queue.put(item)
         except asyncio.CancelledError:
             # Shutdown while waiting for room: the file goes back to the inbox, untouched.
-            self.lifecycle.release(item.claimed_path, item.inbox / item.rel)
+            self.lifecycle.release(item.claimed_path, os.path.join(item.inbox, item.rel))
             self.stats.counters.released += 1
             raise
         waited_ms = (time.perf_counter() - started) * 1000
@@ -276,11 +276,11 @@ def claim_problem(exc: OSError) -> str:
     return f"cannot claim it: {exc.strerror or exc}"
 
 
-def describe_link(path: Path, inbox: Path) -> str:
+def describe_link(path: str, inbox: Path) -> str:
     """Why a symbolic link is refused. Links are never followed: one that leads outside the
     inbox would let anybody who can write the inbox make the daemon read any file it can."""
     try:
-        target = path.resolve(strict=True)
+        target = Path(path).resolve(strict=True)  # a link is rare: no Path per file
     except RuntimeError:
         return "refused: a symbolic link loop; links are never followed"
     except OSError:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -99,7 +100,8 @@ class Outcomes:
         try:
             if item.finishing == "success":
                 await self.run_io(lambda: self.lifecycle.finish_success(
-                    item.claimed_path, name, item.inbox / item.rel, item.sha256 or ""))
+                    item.claimed_path, name, os.path.join(item.inbox, item.rel),
+                    item.sha256 or ""))
             else:
                 report = item.failure_report or {}
                 await self.run_io(lambda: self.lifecycle.finish_failure(
@@ -162,7 +164,8 @@ class Outcomes:
         await self.release(item, "the retry list is full")
 
     async def release(self, item: WorkItem, why: str) -> None:
-        await self.run_io(lambda: self.lifecycle.release(item.claimed_path, item.inbox / item.rel))
+        await self.run_io(lambda: self.lifecycle.release(item.claimed_path,
+                                                         os.path.join(item.inbox, item.rel)))
         self.stats.counters.released += 1
         logs.emit(logging.INFO, "released", f"returned {item.key} to the inbox: {why}",
                   path=item.key, reason=why)

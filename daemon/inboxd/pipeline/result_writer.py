@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -117,7 +118,7 @@ class ResultWriter:
     def _finish_source(self, item: WorkItem) -> OSError | None:
         try:
             self.lifecycle.finish_success(item.claimed_path, item.name or item.key,
-                                          item.inbox / item.rel, item.sha256 or "")
+                                          os.path.join(item.inbox, item.rel), item.sha256 or "")
         except OSError as exc:
             return exc
         return None
@@ -145,7 +146,7 @@ class ResultWriter:
     def _output(self, result: Prediction, name: str) -> dict[str, Any]:
         if isinstance(result, Embedding):
             return {"embedding": {
-                "file": self.lifecycle.results.vector_path(name).name,
+                "file": os.path.basename(self.lifecycle.results.vector_file(name)),
                 "dim": result.dim,
                 "norm": round(result.norm, 6),
                 "dtype": str(result.vector.dtype),

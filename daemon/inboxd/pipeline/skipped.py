@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import logging
-from pathlib import Path
 
 from inboxd import logs
 
@@ -20,9 +19,9 @@ REMEMBERED_PATHS = 4096
 class SkippedPaths:
     def __init__(self, capacity: int = REMEMBERED_PATHS) -> None:
         self.capacity = capacity
-        self._said: collections.OrderedDict[Path, str] = collections.OrderedDict()
+        self._said: collections.OrderedDict[str, str] = collections.OrderedDict()
 
-    def note(self, path: Path, reason: str, level: int = logging.WARNING) -> bool:
+    def note(self, path: str, reason: str, level: int = logging.WARNING) -> bool:
         """Log ``reason`` for ``path`` unless just that was said; True when it was logged."""
         if self._said.get(path) == reason:
             self._said.move_to_end(path)

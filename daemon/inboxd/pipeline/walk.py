@@ -27,11 +27,11 @@ class Walker:
         self.stats = stats
         self.skipped = SkippedPaths()  # bounded: a name forgotten is at worst said again
 
-    def walk(self, folder: Path, report: bool = True) -> Iterator[Path]:
+    def walk(self, folder: str | Path, report: bool = True) -> Iterator[str]:
         """Wanted files under ``folder``, lazily: a scan that stops early reads no further.
         Names not taken are said once each (``report``); hidden and litter folders are not
-        entered."""
-        stack = [folder]
+        entered. Paths are strs: a Path per file would intern every name."""
+        stack = [os.fspath(folder)]
         while stack:
             current = stack.pop()
             try:
@@ -39,23 +39,23 @@ class Walker:
                     for entry in entries:
                         if entry.is_dir(follow_symlinks=False):
                             if self.recursive and not folder_skipped(entry.name):
-                                stack.append(Path(entry.path))
+                                stack.append(entry.path)
                         elif self.names.wanted(entry.name):
-                            yield Path(entry.path)
+                            yield entry.path
                         elif report:
-                            self.refuse(Path(entry.path))
+                            self.refuse(entry.path)
             except OSError as exc:  # gone, not a folder, no permission, a path too long
                 logs.emit(logging.WARNING, "scan_error", f"cannot scan {current}: {exc}",
                           path=str(current))
 
-    def refuse(self, path: Path) -> None:
+    def refuse(self, path: str) -> None:
         """A name the daemon will not take: said once with what to do, counted as ignored."""
-        reason = self.names.refusal(path.name)
+        reason = self.names.refusal(os.path.basename(path))
         if reason is not None and self.skipped.note(path, reason):
             self.stats.counters.ignored += 1
             self.stats.counters.ignored_names += 1
 
-    def folder_arrived(self, path: Path) -> bool:
+    def folder_arrived(self, path: str) -> bool:
         """An event for a name we do not take: True for a folder to walk now (inotify reports
         a folder moved or copied in, not the files it already holds); a file is refused."""
         try:
@@ -63,7 +63,7 @@ class Walker:
         except OSError:
             return False  # gone again
         if stat.S_ISDIR(st.st_mode):
-            return self.recursive and not folder_skipped(path.name)
+            return self.recursive and not folder_skipped(os.path.basename(path))
         if stat.S_ISREG(st.st_mode):
             self.refuse(path)
         return False

@@ -78,7 +78,7 @@ class Watcher:
         self.poll_interval_ms = poll_interval_ms
         self._out_of_watches = False  # inotify's limit was hit: every inbox is polled since
         self.walker = Walker(names, recursive, stats)
-        self._new_folders: list[tuple[Path, Path]] = []  # (folder, inbox) to walk at once
+        self._new_folders: list[tuple[str, Path]] = []  # (folder, inbox) to walk at once
 
     def stop(self) -> None:
         self._stop.set()
@@ -102,7 +102,7 @@ class Watcher:
 
     # -- noticing one path -------------------------------------------------------------------
 
-    def notice(self, path: Path, inbox: Path) -> bool | None:
+    def notice(self, path: str, inbox: Path) -> bool | None:
         """Offer one path to the event buffer: True admitted, None known, False deferred."""
         admitted = self.buffer.offer(path, inbox, self.clock())
         if admitted:
@@ -144,7 +144,7 @@ class Watcher:
         self._check_inbox_identity()
         return seen
 
-    async def _notice_under(self, folder: Path, inbox: Path) -> tuple[int, bool]:
+    async def _notice_under(self, folder: str | Path, inbox: Path) -> tuple[int, bool]:
         """Notice every wanted file under ``folder``; (paths seen, False if one was deferred)."""
         seen = 0
         for path in self.walker.walk(folder):
@@ -249,9 +249,9 @@ class Watcher:
                 continue
             inbox, rel = found
             if not self.names.wanted(os.path.basename(rel)):
-                if self.walker.folder_arrived(Path(raw)):
+                if self.walker.folder_arrived(raw):
                     if len(self._new_folders) < self.buffer.capacity:  # bounded: else a rescan
-                        self._new_folders.append((Path(raw), inbox))
+                        self._new_folders.append((raw, inbox))
                     else:
                         self.request_rescan()
                 continue
@@ -260,7 +260,7 @@ class Watcher:
                 # building objects for each of thousands of events.
                 self.stats.counters.deferred += 1
                 continue
-            self.notice(Path(raw), inbox)
+            self.notice(raw, inbox)
 
     def _inbox_of(self, raw: str) -> tuple[Path, str] | None:
         """(inbox, relative path) of an event's path if it may be ours: no hidden or litter

@@ -28,7 +28,7 @@ from prometheus_client.registry import Collector
 
 from inboxd import logs
 from inboxd.config import Config, ConfigError
-from inboxd.files.durable import write_tmp
+from inboxd.files.durable import unlink_quietly, write_tmp
 from inboxd.pipeline.wiring import Pipeline
 from inboxd.stats import REASON_CLASSES, rss_bytes
 
@@ -170,7 +170,7 @@ class Metrics:
                 os.chmod(tmp, 0o644)  # the unit's UMask=0027 would hide it from node_exporter
                 os.replace(tmp, path)
             except OSError:
-                tmp.unlink(missing_ok=True)
+                unlink_quietly(tmp)
                 raise
         except OSError as exc:
             if not self._textfile_failing:  # once per episode, not every interval
