@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +79,11 @@ class WorkItem:
     preprocessed_s: float = 0.0
     inferred_s: float = 0.0
     inference_ms: float = 0.0
+
+    @property
+    def inbox_path(self) -> str:
+        """Where the file was found (and goes back to when released), as a str."""
+        return os.path.join(self.inbox, self.rel)
 
     def timings_ms(self, now_s: float) -> dict[str, float]:
         def ms(start: float, end: float) -> float:

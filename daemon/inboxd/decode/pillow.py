@@ -47,6 +47,11 @@ def open_formats() -> tuple[str, ...]:
     return tuple(fmt.pillow for fmt in formats.decodable())
 
 
+@functools.cache
+def _taken_names() -> str:
+    return ", ".join(fmt.name for fmt in formats.decodable())
+
+
 def decode_image(data: bytes | BinaryIO, spec: PreprocessSpec, max_pixels: int) -> DecodedImage:
     """Bytes (or a file open at its start) → RGB uint8 crop of ``spec.crop``², the way the model
     was trained to see it."""
@@ -85,9 +90,8 @@ def decode_image(data: bytes | BinaryIO, spec: PreprocessSpec, max_pixels: int) 
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise PermanentError(f"decompression bomb refused: {exc}") from exc
     except UnidentifiedImageError as exc:
-        taken = ", ".join(fmt.name for fmt in formats.decodable())
-        raise PermanentError(f"not an image Pillow can read in a format inboxd takes ({taken}),"
-                             " or corrupt") from exc
+        raise PermanentError(f"not an image Pillow can read in a format inboxd takes "
+                             f"({_taken_names()}), or corrupt") from exc
     except OSError as exc:
         if exc.errno is not None:
             raise  # the disk, not the bytes (EIO while reading): the caller classifies it

@@ -163,7 +163,7 @@ class Intake:
 
     def _release(self, taken: list[tuple[WorkItem, str | None]]) -> None:
         for item, _ in taken:
-            self.lifecycle.release(item.claimed_path, os.path.join(item.inbox, item.rel))
+            self.lifecycle.release(item.claimed_path, item.inbox_path)
             self.stats.counters.released += 1
 
     def _claim_if_ready(self, candidate: Candidate, effects: Effects) -> Claim:
@@ -246,7 +246,7 @@ class Intake:
             await self.queue.put(item)
         except asyncio.CancelledError:
             # Shutdown while waiting for room: the file goes back to the inbox, untouched.
-            self.lifecycle.release(item.claimed_path, os.path.join(item.inbox, item.rel))
+            self.lifecycle.release(item.claimed_path, item.inbox_path)
             self.stats.counters.released += 1
             raise
         waited_ms = (time.perf_counter() - started) * 1000

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -100,7 +99,7 @@ class Outcomes:
         try:
             if item.finishing == "success":
                 await self.run_io(lambda: self.lifecycle.finish_success(
-                    item.claimed_path, name, os.path.join(item.inbox, item.rel),
+                    item.claimed_path, name, item.inbox_path,
                     item.sha256 or ""))
             else:
                 report = item.failure_report or {}
@@ -165,7 +164,7 @@ class Outcomes:
 
     async def release(self, item: WorkItem, why: str) -> None:
         await self.run_io(lambda: self.lifecycle.release(item.claimed_path,
-                                                         os.path.join(item.inbox, item.rel)))
+                                                         item.inbox_path))
         self.stats.counters.released += 1
         logs.emit(logging.INFO, "released", f"returned {item.key} to the inbox: {why}",
                   path=item.key, reason=why)

@@ -118,7 +118,7 @@ class ResultWriter:
     def _finish_source(self, item: WorkItem) -> OSError | None:
         try:
             self.lifecycle.finish_success(item.claimed_path, item.name or item.key,
-                                          os.path.join(item.inbox, item.rel), item.sha256 or "")
+                                          item.inbox_path, item.sha256 or "")
         except OSError as exc:
             return exc
         return None

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -340,7 +339,7 @@ class Pipeline:
         self.preprocessor.close()
         self.worker.close()
         for item in self.retry_list.drain():
-            self.lifecycle.release(item.claimed_path, os.path.join(item.inbox, item.rel))
+            self.lifecycle.release(item.claimed_path, item.inbox_path)
             self.stats.counters.released += 1
         self.io_executor.shutdown(wait=True)
         if self.crashed is None:
