@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from inboxd.config import load_config
+from inboxd.files import results as results_module
 from inboxd.files.durable import move
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.results import ResultEntry
@@ -224,6 +225,19 @@ def test_the_same_file_twice_in_one_batch_shares_one_result(tmp_path: Path) -> N
     assert filed == [("photo.jpg", False), ("photo.jpg", False)]
     assert sorted(p.name for p in (tmp_path / "results").glob("photo*")) == ["photo.jpg.json",
                                                                              "photo.jpg.npy"]
+
+
+def test_a_result_found_already_there_is_made_durable_before_it_is_reported(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by its sha256, a result may be another commit's that renamed it in and has not
+    fsynced its folder yet; the caller moves the source on this answer, so fsync it first."""
+    lifecycle = lifecycle_for(tmp_path)
+    lifecycle.results.write([entry("sub/photo.jpg", b"one")])
+    synced: list[str] = []
+    monkeypatch.setattr(results_module, "fsync_dir",
+                        lambda folder: synced.append(os.fspath(folder)))
+    assert lifecycle.results.write([entry("sub/photo.jpg", b"one")]) == [("sub/photo.jpg", True)]
+    assert synced == [str(tmp_path / "results" / "sub")]
 
 
 def test_keep_files_each_vector_with_its_own_json(tmp_path: Path) -> None:

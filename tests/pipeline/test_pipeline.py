@@ -192,6 +192,27 @@ def test_restart_finds_its_own_result_and_does_not_redo_it(tmp_path: Path) -> No
     assert (tmp_path / "done" / "a.png").exists()
 
 
+def test_a_redropped_file_moves_only_after_its_earlier_result_is_made_durable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same bytes dropped again are finished without being redone; the result they match
+    may be another commit's whose folder fsync is still to come, so that fsync comes first."""
+    make_image(tmp_path / "inbox" / "a.png", size=(8, 8))
+    asyncio.run(pipeline_for(tmp_path, inbox={"settle_ms": 0}).process_backlog())
+    make_image(tmp_path / "inbox" / "a.png", size=(8, 8))
+    again = pipeline_for(tmp_path, inbox={"settle_ms": 0})
+    steps: list[str] = []
+    for owner, method, step in ((again.lifecycle.results, "make_durable", "result durable"),
+                                (again.lifecycle, "finish_success", "source moved")):
+        real = getattr(owner, method)
+        monkeypatch.setattr(owner, method,
+                            lambda *a, real=real, step=step: (steps.append(step), real(*a))[1])
+    asyncio.run(again.process_backlog())
+    assert again.stats.counters.duplicates == 1
+    assert steps == ["result durable", "source moved"]
+    token = read_json(tmp_path / "results" / "a.png.json")["sha256"][:12]
+    assert sorted(p.name for p in (tmp_path / "done").iterdir()) == [f"a.{token}.png", "a.png"]
+
+
 def test_keep_policy_leaves_sources_and_does_not_loop(tmp_path: Path) -> None:
     pipeline = pipeline_for(tmp_path, inbox={"settle_ms": 0, "after_success": "keep"})
     make_image(tmp_path / "inbox" / "a.png", size=(8, 8))

@@ -205,8 +205,8 @@ class Lifecycle:
             for key in [rel] + ([folder + slash + plain] if plain else []):
                 name = self.results.find(self.config.key_for(inbox, key), sha256)
                 if name is not None:
-                    # Its holder may have died before the folder's fsync: make it durable.
-                    fsync_dir(self.results.json_path(name).parent)
+                    # Its holder may have died before the folder's fsync.
+                    self.results.make_durable(name)
                     self.finish_success(claimed, name, inbox / key, sha256)
                     return True
         except OSError:

@@ -84,6 +84,12 @@ class ResultFiles:
     def vector_file(self, name: str) -> str:
         return output_str(self._results, name, VECTOR_SUFFIX)
 
+    def make_durable(self, name: str) -> None:
+        """fsync the folder of ``name``'s result: found there, it may be a commit's (another
+        instance's, or another batch's) that has renamed it in but not fsynced its folder yet,
+        and a source must not move before its result is durable."""
+        fsync_dir(os.path.dirname(self.json_file(name)))
+
     def recorded_sha256(self, name: str) -> str | None:
         """The sha256 in ``name``'s result; "" when the file exists but says none."""
         try:
@@ -126,10 +132,13 @@ class ResultFiles:
         given: dict[tuple[str, str], str] = {}
         taken: set[str] = set()
         vector_folders: set[str] = set()
+        folders: set[str] = set()  # fsynced at the end: every result returned is durable
         for index, entry in enumerate(entries):
             known = None if self.replace_kept else self.find(entry.key, entry.sha256)
             outcome.append(None if known is None else (known, True))
             if known is not None:
+                # Perhaps another commit's, renamed in but its folder not fsynced yet.
+                folders.add(os.path.dirname(self.json_file(known)))
                 continue
             name = given.get((entry.key, entry.sha256))
             if name is None:  # (the same bytes twice in one batch share one result)
@@ -147,7 +156,6 @@ class ResultFiles:
         temps = write_tmps(self._tmp, [json_bytes(entry.document(name))
                                           for _, entry, name in todo], JSON_SUFFIX)
         commit_pause()
-        folders: set[str] = set()
         placed = 0
         try:
             for (index, entry, name), tmp in zip(todo, temps, strict=True):

@@ -18,7 +18,7 @@ from inboxd import __version__, logs
 from inboxd.config import Config
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.settling import still_being_written
-from inboxd.item import PermanentError, WorkItem
+from inboxd.item import PermanentError, TransientError, WorkItem
 from inboxd.pipeline.retry_list import RetryList, backoff_s
 from inboxd.stats import Stats, classify_failure
 
@@ -87,6 +87,12 @@ class Outcomes:
     async def duplicate(self, item: WorkItem, name: str) -> None:
         """Its result already exists under ``name`` with the same sha256: finish the source,
         do not redo it (a rerun after a crash, or the same bytes dropped again)."""
+        try:
+            await self.run_io(lambda: self.lifecycle.results.make_durable(name))
+        except OSError as exc:  # done again: the writer makes it durable, or files it anew
+            await self.error(item, TransientError(f"cannot make the earlier result durable: "
+                                                  f"{exc.strerror or exc}"))
+            return
         item.finishing, item.name = "success", name
         await self.finish(item, duplicate=True)
 
