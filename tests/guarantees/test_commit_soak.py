@@ -32,6 +32,12 @@ from tests.guarantees.test_crash_soak import check_outcomes
 
 PAUSE_MS = 25
 COMMIT_STEPS = 4  # pauses per commit: after the writes, the barrier, the renames, the fsyncs
+# Files without a result when a daemon starts: more than one start-to-kill cycle has taken.
+MIN_WAITING = 1000
+
+
+def results_in(root: Path) -> int:
+    return sum(1 for _ in (root / "results").rglob("*.json"))
 
 
 def commit_soak(tmp_path: Path, files: int, kills: int, seed: int) -> dict[str, int]:
@@ -49,14 +55,21 @@ def commit_soak(tmp_path: Path, files: int, kills: int, seed: int) -> dict[str, 
         capacity={"queue": 64, "preprocess_cache": 128}, shutdown={"grace_s": 5})
     inbox = tmp_path / "inbox"
     expected: dict[str, str] = {}
-    for n in range(files):
-        name = f"d{n % 5}/f{n:05}.png"
-        path = make_image(inbox / name, size=(8, 8), color=(n % 256, (n // 256) % 256, 7))
-        expected[name] = hashlib.sha256(path.read_bytes()).hexdigest()
+
+    def add_files(count: int) -> None:
+        for n in range(len(expected), len(expected) + count):
+            name = f"d{n % 5}/f{n:05}.png"
+            path = make_image(inbox / name, size=(8, 8), color=(n % 256, (n // 256) % 256, 7))
+            expected[name] = hashlib.sha256(path.read_bytes()).hexdigest()
+
+    add_files(files)
     tmp_dir = tmp_path / "results" / ".tmp" / "default"
     env = {"INBOXD_TEST_COMMIT_PAUSE_MS": str(PAUSE_MS)}
     inside = 0
     for kill in range(kills):
+        # Every kill needs commits to land in: a fast machine can finish the inbox in fewer
+        # kills than asked (12-02's did 4,699 of 5,000 files in 16), so top it up.
+        add_files(max(0, min(files, MIN_WAITING) - (len(expected) - results_in(tmp_path))))
         daemon = DaemonProcess(config, env=env)
         try:
             daemon.wait_for("ready", 120)
@@ -71,12 +84,12 @@ def commit_soak(tmp_path: Path, files: int, kills: int, seed: int) -> dict[str, 
             daemon.proc.wait(30)
         temps = sum(1 for _ in os.scandir(tmp_dir)) if tmp_dir.is_dir() else 0
         inside += temps > 0
-        results = sum(1 for _ in (tmp_path / "results").rglob("*.json"))
-        print(f"  kill {kill + 1}: {results} results, {temps} temp files at the kill")
+        print(f"  kill {kill + 1}: {results_in(tmp_path)} results of {len(expected)}, "
+              f"{temps} temp files at the kill")
     final = DaemonProcess(config, command="once")
     assert final.proc.wait(600) in (0, 1), final.output()
     figures = check_outcomes(tmp_path, expected)
-    figures.update(kills=kills, kills_with_temps=inside)
+    figures.update(files=len(expected), kills=kills, kills_with_temps=inside)
     print(f"commit soak figures: {figures}")
     return figures
 
@@ -85,7 +98,7 @@ def commit_soak(tmp_path: Path, files: int, kills: int, seed: int) -> dict[str, 
 def test_sigkill_inside_group_commits_loses_nothing_short(tmp_path: Path) -> None:
     seed = int(os.environ.get("INBOXD_SOAK_SEED", "20261201"))
     figures = commit_soak(tmp_path, files=800, kills=3, seed=seed)
-    assert figures["completed"] == 800, figures
+    assert figures["completed"] == figures["files"] >= 800, figures
     assert figures["kills_with_temps"] >= 1, figures
 
 
@@ -94,5 +107,5 @@ def test_sigkill_inside_group_commits_loses_nothing_short(tmp_path: Path) -> Non
 def test_sigkill_inside_group_commits_loses_nothing_long(tmp_path: Path) -> None:
     seed = int(os.environ.get("INBOXD_SOAK_SEED", str(random.randrange(1 << 30))))
     figures = commit_soak(tmp_path, files=5000, kills=24, seed=seed)
-    assert figures["completed"] == 5000, figures
+    assert figures["completed"] == figures["files"] >= 5000, figures
     assert figures["kills_with_temps"] >= 12, figures
