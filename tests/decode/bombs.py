@@ -39,7 +39,7 @@ def progressive_scan_bomb(repeats: int = 10_000) -> bytes:
     """A flat 4000×3000 progressive JPEG whose last scan (26 bytes: all end-of-band runs) is
     repeated ``repeats`` times: one more pass over 12 MP per repeat, even with draft().
     Measured for 1,000 repeats (~100 KB): 31 s on this project's machine on 12-01, 5.7 s on
-    12-02's; 10,000 (~350 KB) outlast any decode timeout a test sets by far on either."""
+    12-02's; 10,000 (~330 KB) outlast any decode timeout a test sets by far on either."""
     data = io.BytesIO()
     Image.new("RGB", (4000, 3000), (128, 128, 128)).save(data, "JPEG", progressive=True,
                                                           quality=90)

@@ -100,7 +100,7 @@ def test_a_runaway_allocation_fails_only_its_file(run: dict[str, Any]) -> None:
 
 
 def test_a_decode_that_never_ends_is_cut_at_decode_timeout_s(run: dict[str, Any]) -> None:
-    """~350 KB of progressive JPEG whose last scan repeats 10,000 times: a minute or more of
+    """~330 KB of progressive JPEG whose last scan repeats 10,000 times: a minute or more of
     decoding (1,000 repeats once took 31 s here, and later only 5.7 s: under the timeout)."""
     assert "longer than preprocess.decode_timeout_s = 8 s" in failure(run, "scans.jpg")
 

@@ -18,7 +18,7 @@ import pytest
 from inboxd.config import load_config
 from inboxd.pipeline.wiring import Pipeline
 
-from tests.conftest import make_image, write_config
+from tests.conftest import make_image, read_json, write_config
 from tests.fakes import FakeModel
 
 FAST_RETRY = {"max_attempts": 4, "backoff_initial_ms": 5, "backoff_max_ms": 20}
@@ -96,6 +96,29 @@ def test_an_unwritable_failed_folder_is_waited_out_without_a_loop(
     assert calls["n"] == 3, "each attempt waits its backoff; the decode is not redone"
     assert sorted(files_in(tmp_path / "failed")) == ["bad.png", "bad.png.error.json"]
     assert pipeline.stats.counters.failed == 1
+
+
+def test_a_results_folder_that_cannot_be_fsynced_never_fails_a_redropped_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A re-drop of filed bytes is finished once its result's folder is fsynced; an fsync that
+    keeps failing (EIO) is waited out like a move that does: the file never goes to failed/
+    while its bytes' result stays in results/."""
+    expected = sha(make_image(tmp_path / "inbox" / "a.png"))
+    asyncio.run(pipeline_for(tmp_path, inbox={"settle_ms": 0}).process_backlog())
+    make_image(tmp_path / "inbox" / "a.png")  # the same bytes again
+    again = pipeline_for(tmp_path, inbox={"settle_ms": 0}, retry=FAST_RETRY)
+    failing = 3 * FAST_RETRY["max_attempts"]  # past every retry: given back to disk, twice
+    calls = failing_first(monkeypatch, again.lifecycle.results, "make_durable", failing,
+                          errno.EIO)
+    asyncio.run(again.process_backlog())
+    assert calls["n"] == failing + 1
+    assert files_in(tmp_path / "failed") == {}
+    counters = again.stats.counters
+    assert (counters.failed, counters.completed, counters.duplicates) == (0, 1, 1)
+    assert counters.released >= 2
+    assert sorted(files_in(tmp_path / "results")) == ["a.png.json"]
+    token = read_json(tmp_path / "results" / "a.png.json")["sha256"][:12]
+    assert sha(tmp_path / "done" / f"a.{token}.png") == expected
 
 
 def test_a_full_done_folder_never_turns_a_success_into_a_failure(

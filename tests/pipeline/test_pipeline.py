@@ -201,11 +201,17 @@ def test_a_redropped_file_moves_only_after_its_earlier_result_is_made_durable(
     make_image(tmp_path / "inbox" / "a.png", size=(8, 8))
     again = pipeline_for(tmp_path, inbox={"settle_ms": 0})
     steps: list[str] = []
-    for owner, method, step in ((again.lifecycle.results, "make_durable", "result durable"),
-                                (again.lifecycle, "finish_success", "source moved")):
-        real = getattr(owner, method)
-        monkeypatch.setattr(owner, method,
-                            lambda *a, real=real, step=step: (steps.append(step), real(*a))[1])
+
+    def recorded(real: Any, step: str) -> Any:
+        def call(*args: Any) -> Any:
+            steps.append(step)
+            return real(*args)
+        return call
+
+    monkeypatch.setattr(again.lifecycle.results, "make_durable",
+                        recorded(again.lifecycle.results.make_durable, "result durable"))
+    monkeypatch.setattr(again.lifecycle, "finish_success",
+                        recorded(again.lifecycle.finish_success, "source moved"))
     asyncio.run(again.process_backlog())
     assert again.stats.counters.duplicates == 1
     assert steps == ["result durable", "source moved"]

@@ -84,11 +84,14 @@ class ResultFiles:
     def vector_file(self, name: str) -> str:
         return output_str(self._results, name, VECTOR_SUFFIX)
 
+    def json_folder(self, name: str) -> str:
+        return os.path.dirname(self.json_file(name))
+
     def make_durable(self, name: str) -> None:
         """fsync the folder of ``name``'s result: found there, it may be a commit's (another
         instance's, or another batch's) that has renamed it in but not fsynced its folder yet,
         and a source must not move before its result is durable."""
-        fsync_dir(os.path.dirname(self.json_file(name)))
+        fsync_dir(self.json_folder(name))
 
     def recorded_sha256(self, name: str) -> str | None:
         """The sha256 in ``name``'s result; "" when the file exists but says none."""
@@ -138,7 +141,7 @@ class ResultFiles:
             outcome.append(None if known is None else (known, True))
             if known is not None:
                 # Perhaps another commit's, renamed in but its folder not fsynced yet.
-                folders.add(os.path.dirname(self.json_file(known)))
+                folders.add(self.json_folder(known))
                 continue
             name = given.get((entry.key, entry.sha256))
             if name is None:  # (the same bytes twice in one batch share one result)
@@ -161,7 +164,7 @@ class ResultFiles:
             for (index, entry, name), tmp in zip(todo, temps, strict=True):
                 filed = self._place_json(tmp, entry, name, taken)
                 outcome[index] = (filed, False)
-                folders.add(os.path.dirname(self.json_file(filed)))
+                folders.add(self.json_folder(filed))
                 placed += 1
         except OSError:
             for tmp in temps[placed:]:  # not placed: give the space back now

@@ -18,7 +18,7 @@ from inboxd import __version__, logs
 from inboxd.config import Config
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.settling import still_being_written
-from inboxd.item import PermanentError, TransientError, WorkItem
+from inboxd.item import PermanentError, WorkItem
 from inboxd.pipeline.retry_list import RetryList, backoff_s
 from inboxd.stats import Stats, classify_failure
 
@@ -87,26 +87,26 @@ class Outcomes:
     async def duplicate(self, item: WorkItem, name: str) -> None:
         """Its result already exists under ``name`` with the same sha256: finish the source,
         do not redo it (a rerun after a crash, or the same bytes dropped again)."""
-        try:
-            await self.run_io(lambda: self.lifecycle.results.make_durable(name))
-        except OSError as exc:  # done again: the writer makes it durable, or files it anew
-            await self.error(item, TransientError(f"cannot make the earlier result durable: "
-                                                  f"{exc.strerror or exc}"))
-            return
         item.finishing, item.name = "success", name
         await self.finish(item, duplicate=True)
 
     async def finish(self, item: WorkItem, duplicate: bool = False) -> None:
         """The outcome is decided and recorded; move the source. A full or read-only done/ or
         failed/ is waited out with backoff like any transient error, and never turns a
-        success into a failure: every input ends with exactly one outcome."""
+        success into a failure: every input ends with exactly one outcome.
+
+        A success finished here did not just come from the result writer (a duplicate, or a
+        move retried): the result it names may be another commit's, renamed in and its folder
+        not fsynced yet, so that fsync comes first (and is retried with the move)."""
         assert item.finishing is not None and item.name is not None
         name = item.name
         try:
             if item.finishing == "success":
-                await self.run_io(lambda: self.lifecycle.finish_success(
-                    item.claimed_path, name, item.inbox_path,
-                    item.sha256 or ""))
+                def finish_success() -> None:
+                    self.lifecycle.results.make_durable(name)
+                    self.lifecycle.finish_success(item.claimed_path, name, item.inbox_path,
+                                                  item.sha256 or "")
+                await self.run_io(finish_success)
             else:
                 report = item.failure_report or {}
                 await self.run_io(lambda: self.lifecycle.finish_failure(
