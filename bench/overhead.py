@@ -194,12 +194,14 @@ def start(root: Path, config: Path, command: list[str] | None = None) -> Running
 
 
 # On this machine's ext4 (no journal) a file created after thousands of others were deleted
-# costs far more kernel CPU for a while: 35 -> 486 us per create after 2,560 deletes, 1.3 ms
-# after more, still so 30 s later, not in a folder elsewhere. Suspected: ext4 does not reuse a
-# recently deleted inode on a filesystem without a journal, and scans past each of them. A
-# scenario started in that window (the loop's second run in the folder its first run had just
-# emptied, the 20,000 flood after the 2,000, a run just after a clean-up) met a slower disk.
-RECENT_DELETE_S = 35
+# costs far more kernel CPU for a while: 25 us per create, 1.0-1.5 ms from ~5 s to ~38 s after
+# 8,000 deletes, 25 us again from 42 s (measured 12-02). ext4 without a journal does not reuse
+# an inode deleted within the last minute, five while its inode table block is dirty
+# (fs/ext4/ialloc.c, recently_deleted()), and checks each free one it passes: perf puts
+# recently_deleted and the inode table lookups at the top of the daemon's io thread in that
+# window. A scenario started in it (the loop's second run in the folder its first run had
+# just emptied, the 20,000 flood after the 2,000, a run just after a clean-up) met a slower disk.
+RECENT_DELETE_S = 45
 
 
 class Scratch:

@@ -26,6 +26,21 @@ def ceiling_files_per_s(r: dict[str, Any]) -> float:
     return float(max(r["ceiling"]["files_per_s"], r["ceiling_after"]["files_per_s"]))
 
 
+def in_turns_rows(r: dict[str, Any], target: float) -> list[Row]:
+    """inboxd ÷ its ceiling, measured in turns (``Bench.in_turns``); absent from older runs."""
+    turns = r.get("in_turns")
+    if turns is None:
+        return []
+    ratios = ", ".join(f"{ratio:.2f}" for ratio in turns["ratios"])
+    return [(f"inboxd / ceiling, taken in turns ({len(turns['floods'])} × {turns['count']:,} "
+             "files; median)",
+             f"{turns['ratio']:.2f} ({ratios})", f"≥ {target:.2f}", _ok(turns["ratio"] >= target)),
+            ("  … each flood ÷ the mean ceiling either side: files/s", " / ".join(
+                f"{value:.1f}" for pair in zip(turns["ceilings"], turns["floods"] + [None],
+                                               strict=True)
+                for value in pair if value is not None), "", "")]
+
+
 def batch1_ms(r: dict[str, Any]) -> float:
     """The model's batch-1 time, as the daemon itself timed it during the single drops: the
     same process at the same moment as the latency it is compared with. (The offline figure
@@ -49,8 +64,8 @@ def rows(r: dict[str, Any]) -> list[Row]:
         (f"inboxd files/s ({r['flood']['count']:,}-file flood, drop → last result)",
          f"{inboxd:.1f}", "≥ 2,000" if gpu else "", _ok(inboxd >= 2000) if gpu else ""),
         ("article baseline files/s (batch 1, queue 2, inline)", f"{baseline:.1f}", "", ""),
-        ("inboxd / ceiling", f"{inboxd / ceiling:.2f}", "≥ 0.85" if gpu else "≥ 0.90",
-         _ok(inboxd / ceiling >= (0.85 if gpu else 0.90))),
+        ("inboxd / ceiling (that flood ÷ the better ceiling)", f"{inboxd / ceiling:.2f}", "", ""),
+        *in_turns_rows(r, 0.85 if gpu else 0.95),
         ("inboxd / baseline", f"{inboxd / baseline:.2f}", "≥ 5" if gpu else "≥ 1",
          _ok(inboxd / baseline >= (5 if gpu else 1))),
         ("model batch-1 time (inference stage of those single drops; offline)",

@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -49,6 +50,8 @@ class Profile:
     fractions: tuple[float, ...] = (0.5, 0.9, 1.5)
     baseline_count: int = 300
     ceiling_s: float = 15
+    # Floods of the ceiling's size, each between two ceiling runs (Bench.in_turns).
+    turns: int = 3
     guard_mb: int = 3072
     # Pipeline overhead (bench/overhead.py): null model, tiny JPEGs, batch 64.
     overhead_count: int = 4000
@@ -100,6 +103,7 @@ class Bench:
     def __init__(self, profile: Profile) -> None:
         self.profile = profile
         self.results: dict[str, Any] = {"loadavg": {}}
+        self.mix_list = WORK_DIR / "mix.txt"
 
     def stage(self, name: str, work: Callable[[], Any]) -> Any:
         log(f"{name} (load average {load_avg()})")
@@ -114,7 +118,7 @@ class Bench:
         corpus = self.stage("corpus", lambda: build_corpus(CORPUS_DIR))
         mix = [photo for photo in corpus if MIXES[p.mix](photo)]
         WORK_DIR.mkdir(parents=True, exist_ok=True)
-        mix_list, all_list = WORK_DIR / "mix.txt", WORK_DIR / "all.txt"
+        mix_list, all_list = self.mix_list, WORK_DIR / "all.txt"
         mix_list.write_text("".join(f"{photo.path}\n" for photo in mix))
         all_list.write_text("".join(f"{photo.path}\n" for photo in corpus))
         r = self.results
@@ -153,6 +157,7 @@ class Bench:
             r["started"] = run.daemon.started_fields
             r["flood"] = scenarios.flood(run, mix, p.flood, timeout_s=p.flood * 2 + 120)
             log(f"flood: {r['flood']['files_per_s']} files/s")
+            r["in_turns"] = self.in_turns(run, mix)
             r["single"] = scenarios.single_drops(run, mix, p.latency_drops)
             capacity = r["flood"]["files_per_s"]
             r["open_loop"] = []
@@ -163,6 +168,34 @@ class Bench:
                 r["open_loop"].append({"fraction": fraction, **point})
         finally:
             r["inboxd_stop"] = run.stop()
+
+    def ceiling_again(self, count: int) -> float:
+        """The ceiling once more, at the batch size the first run found best."""
+        return float(run_json("bench.ceiling", "--files", str(self.mix_list), "--count",
+                              str(count), "--probe-count", "1", "--batch-sizes",
+                              str(self.results["ceiling"]["best_batch"]))["files_per_s"])
+
+    def in_turns(self, run: scenarios.Running, mix: list[Photo]) -> dict[str, Any]:
+        """inboxd and its ceiling taken in turns: this machine's speed drifts by 10-25% within
+        a bench (the model's own batch time with it), so a ceiling measured a minute away from
+        the flood it is compared with is off by about that much. Each flood here is the size of
+        the ceiling's run and is compared with the mean of the ceiling runs just before and just
+        after it, which cancels a steady drift; the median of the turns is the figure."""
+        count = self.results["ceiling"]["count"]
+        ceilings = [self.ceiling_again(count)]
+        floods = []
+        for turn in range(self.profile.turns):
+            flood = scenarios.flood(run, mix, count, timeout_s=count * 2 + 120,
+                                    prefix=f"turn{turn}-")
+            floods.append(flood["files_per_s"])
+            ceilings.append(self.ceiling_again(count))
+            log(f"turn {turn}: inboxd {floods[-1]} files/s between ceilings "
+                f"{ceilings[-2]} and {ceilings[-1]}")
+        ratios = [inboxd / ((before + after) / 2)
+                  for inboxd, before, after in zip(floods, ceilings, ceilings[1:], strict=False)]
+        return {"count": count, "ceilings": ceilings, "floods": floods,
+                "ratios": [round(ratio, 3) for ratio in ratios],
+                "ratio": round(statistics.median(ratios), 3)}
 
     def inboxd_big(self, mix: list[Photo]) -> None:
         p, r = self.profile, self.results
