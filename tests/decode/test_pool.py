@@ -90,6 +90,38 @@ def test_a_good_file_decodes_with_its_sha256(pool: DecodePool, tmp_path: Path) -
     assert pool.decode(path, expected_sha256=result.sha256).duplicate, "known: not decoded"
 
 
+def test_a_file_still_open_for_writing_is_reported_with_its_identity(
+        pool: DecodePool, tmp_path: Path) -> None:
+    """The worker asks on the file it has just read whether a writer still holds it: the
+    daemon gives such a file back to settle (a writer that paused past settle_ms)."""
+    path = make_image(tmp_path / "open.png")
+    st = path.stat()
+    with open(path, "ab") as writer:
+        held = pool.decode(path)
+        writer.write(b"")  # still open while the worker read it
+    assert held.error is None and held.held_for_writing
+    assert held.still_being_written((st.st_ino, st.st_size, st.st_mtime_ns))
+    done = pool.decode(path)
+    assert done.identity == (st.st_ino, st.st_size, st.st_mtime_ns)
+    assert not done.held_for_writing
+    assert not done.still_being_written(done.identity)
+    assert done.still_being_written((st.st_ino, st.st_size - 1, st.st_mtime_ns)), "changed"
+    assert pool.decode(path, expected_sha256=done.sha256).identity == done.identity
+
+
+def test_a_broken_lease_does_not_kill_a_worker(pool: DecodePool, tmp_path: Path) -> None:
+    """Opening the file for writing while the worker holds its read lease breaks the lease,
+    and the kernel signals the holder with SIGIO, which kills a process by default."""
+    pool.decode(make_image(tmp_path / "warm.png"))
+    pids = pool.worker_pids()
+    for pid in pids:
+        os.kill(pid, signal.SIGIO)
+    time.sleep(0.2)
+    assert all(alive(pid) for pid in pids)
+    assert pool.decode(make_image(tmp_path / "after.png")).error is None
+    assert pool.worker_pids() == pids
+
+
 def test_workers_run_this_checkout_without_torch(pool: DecodePool) -> None:
     pool.decode(__file__)  # any request: the workers are ready after it
     import inboxd

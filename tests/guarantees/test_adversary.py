@@ -99,6 +99,44 @@ def test_a_writer_pausing_longer_than_settle_ms_gets_its_whole_file(
     assert daemon.stop() == 0
 
 
+def test_a_writer_that_pauses_past_settle_ms_gets_the_result_of_its_whole_file(
+        tmp_path: Path, daemon_factory) -> None:
+    """The file is claimed during the pause, and what is there by then is a complete image:
+    it decodes. The decode worker sees the file still held open for writing and the daemon
+    gives it back; the result is of every byte the writer wrote."""
+    config = write_config(tmp_path, inbox={"settle_ms": 100})
+    daemon = daemon_factory(config)
+    daemon.wait_for("ready")
+    Image.effect_noise((200, 200), 60).convert("RGB").save(tmp_path / "whole.png")
+    image = (tmp_path / "whole.png").read_bytes()
+    trailer = b"appended after the pause" * 100
+    target = tmp_path / "inbox" / "paused.png"
+    with open(target, "wb") as writer:
+        writer.write(image)
+        writer.flush()
+        daemon.wait_for("released", 30)  # claimed mid-write, decoded, given back
+        time.sleep(0.5)
+        writer.write(trailer)
+    result_path = tmp_path / "results" / "paused.png.json"
+    wait_until(result_path.exists, 30, "the paused file's result")
+    assert read_json(result_path)["sha256"] == sha(image + trailer)
+    assert "still being written" in daemon.records("released")[0]
+    assert not any((tmp_path / "failed").glob("*"))
+    assert daemon.stop() == 0
+
+
+def test_a_broken_lease_does_not_kill_the_daemon(tmp_path: Path, daemon_factory) -> None:
+    """A lease broken by a writer's open is signalled with SIGIO, which kills by default: an
+    uploader opening its file in a loop could otherwise stop the daemon (see
+    files/settling.py)."""
+    daemon = daemon_factory(write_config(tmp_path))
+    daemon.wait_for("ready")
+    daemon.proc.send_signal(signal.SIGIO)
+    drop(make_image(tmp_path / "a.png"), tmp_path / "inbox")
+    wait_until((tmp_path / "results" / "a.png.json").exists, 30, "a result after SIGIO")
+    assert daemon.stop() == 0
+
+
 def test_ctrl_c_stops_once_like_run(tmp_path: Path) -> None:
     """``once`` had no signal handling: Ctrl-C left files hidden in .processing/."""
     config = write_config(tmp_path, inbox={"settle_ms": 0}, batch={"max_size": 1},

@@ -74,9 +74,12 @@ def preprocessor(queue: PipelineQueue, cache: PreprocessCache, pool: Any,
     async def on_duplicate(work: WorkItem) -> None:
         raise AssertionError("no file here has a result yet")
 
+    async def on_changing(work: WorkItem, why: str) -> None:
+        raise AssertionError("no file here is still being written")
+
     return Preprocessor(queue, cache, pool, 1, per_request, on_error=on_error,
                         existing_sha256=lambda key: None, on_duplicate=on_duplicate,
-                        device_route=route)
+                        on_changing=on_changing, device_route=route)
 
 
 def test_files_decoded_on_the_device_keep_their_crops_when_the_pool_gives_up() -> None:

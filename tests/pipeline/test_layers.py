@@ -117,8 +117,12 @@ def test_decoders_take_a_fair_share_of_the_queue_up_to_files_per_request() -> No
         async def on_duplicate(work: WorkItem) -> None:
             raise AssertionError("no file here has a result yet")
 
+        async def on_changing(work: WorkItem, why: str) -> None:
+            raise AssertionError("no file here is still being written")
+
         pre = Preprocessor(queue, cache, pool, 2, 4, on_error=on_error,  # type: ignore[arg-type]
-                           existing_sha256=lambda key: None, on_duplicate=on_duplicate)
+                           existing_sha256=lambda key: None, on_duplicate=on_duplicate,
+                           on_changing=on_changing)
         names = [f"f{i}.png" for i in range(9)] + ["bad.png"]
         for name in names:
             queue.put_nowait(item(name))

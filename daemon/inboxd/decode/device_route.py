@@ -24,6 +24,7 @@ from inboxd.decode.replies import DecodeResult
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.decode.tensor import DecodeFailed, TensorDecoder, fits, supported
 from inboxd.files.reading import open_input
+from inboxd.files.settling import held_open_for_writing
 from inboxd.item import PermanentError, TransientError
 
 JPEG_SUFFIXES = frozenset({".jpg", ".jpeg", ".jpe", ".jfif"})
@@ -52,6 +53,7 @@ class DeviceRoute:
                 before = os.fstat(handle.fileno())
                 data = handle.read(self.max_file_bytes + 1)
                 after = os.fstat(handle.fileno())
+                held = held_open_for_writing(handle.fileno())
         except (PermanentError, TransientError, OSError):
             return self._fallback(path, "the CPU path reads and reports it")
         if len(data) > self.max_file_bytes:
@@ -61,8 +63,10 @@ class DeviceRoute:
                 size_bytes != after.st_size):
             return DecodeResult(sha256, size_bytes, error=TransientError(
                 "the file changed while it was being read; it is read again"))
+        identity = (after.st_ino, after.st_size, after.st_mtime_ns)
         if expected_sha256 is not None and sha256 == expected_sha256:
-            return DecodeResult(sha256, size_bytes, duplicate=True)
+            return DecodeResult(sha256, size_bytes, duplicate=True, identity=identity,
+                                held_for_writing=held)
         try:
             header = inspect(data, self.max_pixels)
         except NotEligible as why:
@@ -74,7 +78,8 @@ class DeviceRoute:
         except DecodeFailed as why:
             return self._fallback(path, f"the device decoder refused it: {why}")
         self.device_decoded += 1
-        return DecodeResult(sha256, size_bytes, image=image)
+        return DecodeResult(sha256, size_bytes, image=image, identity=identity,
+                            held_for_writing=held)
 
     def _fallback(self, path: os.PathLike[str] | str, why: str) -> DecodeResult | None:
         """None (take the CPU path), said in a debug line."""

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from inboxd.files.settling import Identity
 from inboxd.item import DecodedImage, PermanentError, TransientError
 
 
@@ -22,6 +23,14 @@ class DecodeResult:
     duplicate: bool = False
     error: PermanentError | TransientError | None = None
     peak_rss_bytes: int = 0  # the worker's peak RSS while it worked on this file
+    identity: Identity | None = None  # the file's, once every byte of it was read
+    held_for_writing: bool = False  # another open file could still write to it then
+
+    def still_being_written(self, claimed_as: Identity | None) -> bool:
+        """Whether the file read is not the one claimed, or not finished: a writer paused
+        longer than ``inbox.settle_ms``, and the file must go back to settle."""
+        return self.held_for_writing or (None not in (claimed_as, self.identity)
+                                         and self.identity != claimed_as)
 
 
 def result_from(header: dict[str, Any], payload: bytearray) -> DecodeResult:
@@ -31,13 +40,18 @@ def result_from(header: dict[str, Any], payload: bytearray) -> DecodeResult:
         kind = PermanentError if header.get("permanent", True) else TransientError
         return DecodeResult(sha256, size_bytes, error=kind(str(header.get("reason"))),
                             peak_rss_bytes=peak)
+    found = header.get("identity")
+    identity = None if found is None else (int(found[0]), int(found[1]), int(found[2]))
+    held = bool(header.get("held_for_writing"))
     if header.get("duplicate"):
-        return DecodeResult(sha256, size_bytes, duplicate=True, peak_rss_bytes=peak)
+        return DecodeResult(sha256, size_bytes, duplicate=True, peak_rss_bytes=peak,
+                            identity=identity, held_for_writing=held)
     shape = tuple(int(n) for n in header["shape"])
     pixels = np.frombuffer(payload, dtype=np.uint8).reshape(shape)  # writable: a bytearray
     image = DecodedImage(pixels, int(header["width"]), int(header["height"]),
                          header.get("format"), str(header.get("mode")))
-    return DecodeResult(sha256, size_bytes, image=image, peak_rss_bytes=peak)
+    return DecodeResult(sha256, size_bytes, image=image, peak_rss_bytes=peak, identity=identity,
+                        held_for_writing=held)
 
 
 def describe_exit(code: int) -> str:

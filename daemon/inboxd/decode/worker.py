@@ -35,6 +35,7 @@ from inboxd.decode import wire
 from inboxd.decode.pillow import decode_image
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.files.reading import classify, hash_stream, open_input
+from inboxd.files.settling import held_open_for_writing, survive_lease_breaks
 from inboxd.item import PermanentError, TransientError
 
 PR_SET_PDEATHSIG = 1
@@ -140,17 +141,23 @@ class Worker:
 
     def _decode(self, path: str, expected: str | None,
                 state: dict[str, Any]) -> tuple[dict[str, Any], bytes | memoryview]:
+        image = None
         with open_input(path, self.max_file_bytes) as handle:
             before = os.fstat(handle.fileno())
             state["sha256"], state["size_bytes"] = hash_stream(handle, self.max_file_bytes)
-            if expected is not None and state["sha256"] == expected:
-                return {"ok": True, "duplicate": True, **state}, b""
-            inject(self.faults, path)
-            handle.seek(0)
-            image = decode_image(handle, self.spec, self.max_pixels)
+            if expected is None or state["sha256"] != expected:
+                inject(self.faults, path)
+                handle.seek(0)
+                image = decode_image(handle, self.spec, self.max_pixels)
+            # Asked on the file just read, with every byte of it behind us: the daemon
+            # compares the identity with the claim's and gives a changing file back to settle.
             after = os.fstat(handle.fileno())
+            state["identity"] = [after.st_ino, after.st_size, after.st_mtime_ns]
+            state["held_for_writing"] = held_open_for_writing(handle.fileno())
         if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
             raise TransientError("the file changed while it was being read; it is read again")
+        if image is None:
+            return {"ok": True, "duplicate": True, **state}, b""
         return {"ok": True, "duplicate": False, **state, "shape": list(image.pixels.shape),
                 "width": image.width, "height": image.height, "format": image.format,
                 "mode": image.mode}, np.ascontiguousarray(image.pixels).data
@@ -224,6 +231,7 @@ def main() -> None:
     os.dup2(2, 1)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+    survive_lease_breaks()
     faulthandler.enable()  # a C crash leaves a Python traceback in the journal
     # Pillow warns about every oddity of hostile metadata; the outcome says what matters.
     warnings.simplefilter("ignore")

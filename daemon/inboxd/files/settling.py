@@ -2,7 +2,9 @@
 
 Before the claim a file must look the same (inode, size, mtime) for ``inbox.settle_ms``; after
 the claim, a file that still changes, or that somebody still holds open for writing, was taken
-during a writer's pause: it is given back to wait, not failed as truncated.
+during a writer's pause: it is given back to wait, not failed as truncated. The decode worker
+asks on the file it has just read (``held_open_for_writing``), the daemon again before it fails
+a file (``still_being_written``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import signal
 from pathlib import Path
 
 Identity = tuple[int, int, int]
@@ -22,8 +25,7 @@ def identity(st: os.stat_result) -> Identity:
 
 def still_being_written(path: str | Path, claimed_as: Identity | None) -> bool:
     """True when ``path`` changed since it was claimed as ``claimed_as``, or is open for
-    writing elsewhere (a read lease is refused then; only for files we may lease — our own,
-    or with CAP_LEASE — so for others' files only the change is seen)."""
+    writing elsewhere."""
     try:
         st = os.lstat(path)
     except OSError:
@@ -35,12 +37,27 @@ def still_being_written(path: str | Path, claimed_as: Identity | None) -> bool:
     except OSError:
         return False
     try:
+        return held_open_for_writing(fd)
+    finally:
+        os.close(fd)
+
+
+def held_open_for_writing(fd: int) -> bool:
+    """Whether another open file holds ``fd``'s file for writing: a read lease is refused then.
+    Only for files we may lease (our own, or with CAP_LEASE); for others' files this cannot
+    tell and says False. Needs ``survive_lease_breaks()`` in the process."""
+    try:
         fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
     except OSError as exc:
         return exc.errno == errno.EAGAIN  # EACCES/EINVAL: not ours to lease, cannot tell
-    else:
-        with contextlib.suppress(OSError):
-            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
-        return False
-    finally:
-        os.close(fd)
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+    return False
+
+
+def survive_lease_breaks() -> None:
+    """A process that opens the file for writing while our lease is held (microseconds, but an
+    uploader can retry it in a loop) breaks the lease, and the kernel tells the holder with
+    SIGIO, whose default action kills it. Nothing in inboxd uses SIGIO: ignore it. Main thread
+    only."""
+    signal.signal(signal.SIGIO, signal.SIG_IGN)

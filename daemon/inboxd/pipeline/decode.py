@@ -19,6 +19,7 @@ JPEGs go to the device one after another, each batched with those of the other d
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -34,6 +35,17 @@ from inboxd.pipeline.preprocess_cache import PreprocessCache
 from inboxd.pipeline.queue import PipelineQueue
 
 Outcome = Callable[[WorkItem, BaseException], Awaitable[None]]
+Release = Callable[[WorkItem, str], Awaitable[None]]
+
+# A claimed file whose writer paused longer than inbox.settle_ms: what was read is not all of it.
+CHANGING = ("it changed after it was claimed (still being written); it is taken again once it "
+            "settles")
+
+
+class Prepared(enum.Enum):
+    DECODED = "decoded"  # its crop is on the item
+    DUPLICATE = "duplicate"  # a result of these bytes exists already
+    CHANGING = "changing"  # still being written: back to the inbox to settle
 
 
 class Preprocessor:
@@ -52,6 +64,7 @@ class Preprocessor:
         on_error: Outcome,
         existing_sha256: Callable[[str], str | None],
         on_duplicate: Callable[[WorkItem], Awaitable[None]],
+        on_changing: Release,
         clock: Callable[[], float] = time.monotonic,
         device_route: DeviceRoute | None = None,
     ) -> None:
@@ -63,6 +76,7 @@ class Preprocessor:
         self.on_error = on_error
         self.existing_sha256 = existing_sha256
         self.on_duplicate = on_duplicate
+        self.on_changing = on_changing
         self.clock = clock
         self.device_route = device_route
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix="inboxd-preprocess",
@@ -88,8 +102,10 @@ class Preprocessor:
                 for item, outcome in zip(items, outcomes, strict=True):
                     if isinstance(outcome, Exception):
                         await self.on_error(item, outcome)
-                    elif outcome:
+                    elif outcome is Prepared.DUPLICATE:
                         await self.on_duplicate(item)
+                    elif outcome is Prepared.CHANGING:
+                        await self.on_changing(item, CHANGING)
                     else:
                         item.preprocessed_s = done_s
                         await self.cache.put(item)
@@ -118,10 +134,10 @@ class Preprocessor:
             items.append(self.queue.get_nowait())
         return items
 
-    def _prepare_all(self, items: list[WorkItem]) -> list[bool | PermanentError | TransientError]:
-        """Read, hash and decode each file: True when its result already exists (a rerun after
-        a crash between the result and the move, or the same file dropped twice), False when
-        its crop is on the item, or why it failed."""
+    def _prepare_all(self, items: list[WorkItem]
+                     ) -> list[Prepared | PermanentError | TransientError]:
+        """Read, hash and decode each file: what came of it (DUPLICATE: a rerun after a crash
+        between the result and the move, or the same file dropped twice), or why it failed."""
         expected = [self.existing_sha256(item.key) for item in items]
         routed = [self._on_device(item, sha256) for item, sha256 in zip(items, expected,
                                                                         strict=True)]
@@ -153,19 +169,21 @@ class Preprocessor:
                 f"the device decode path failed: {exc!r}"))
 
     def _outcome(self, item: WorkItem, result: DecodeResult
-                 ) -> bool | PermanentError | TransientError:
+                 ) -> Prepared | PermanentError | TransientError:
         item.sha256, item.size_bytes = result.sha256, result.size_bytes
         if result.error is not None:
             return result.error
+        if result.still_being_written(item.identity):
+            return Prepared.CHANGING
         if result.duplicate:
-            return True
+            return Prepared.DUPLICATE
         image = item.image = result.image
         assert image is not None
         item.image_info = {"width": image.width, "height": image.height,
                            "format": image.format, "mode": image.mode}
         logs.emit(logging.DEBUG, "preprocessed", f"preprocessed {item.key}", path=item.key,
                   bytes=item.size_bytes, worker_peak_rss_bytes=result.peak_rss_bytes)
-        return False
+        return Prepared.DECODED
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -20,7 +20,6 @@ from inboxd import __version__
 from inboxd.config import Config
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.results import ResultEntry
-from inboxd.files.settling import still_being_written
 from inboxd.item import PermanentError, TransientError, WorkItem
 from inboxd.models.engine import Outcome
 from inboxd.models.model import Embedding, Model, Prediction, not_finite
@@ -81,16 +80,6 @@ class ResultWriter:
                 await self.outcomes.error(item, outcome)
             else:
                 good.append((item, outcome))
-        # A file that changed since its claim was taken during a writer's pause: its sha256
-        # and pixels are of a partial file. Give it back to settle instead of filing that.
-        changing = await self.run_io(lambda: [still_being_written(item.claimed_path,
-                                                                  item.identity)
-                                              for item, _ in good])
-        for (item, _), changed in zip(good, changing, strict=True):
-            if changed:
-                await self.outcomes.release(item, "it changed after it was claimed (still "
-                                            "being written); it is taken again once it settles")
-        good = [pair for pair, changed in zip(good, changing, strict=True) if not changed]
         if not good:
             return
         entries = [ResultEntry(item.key, item.sha256 or "",

@@ -21,6 +21,7 @@ from inboxd.config import Config, ConfigError
 from inboxd.files.filesystems import describe as describe_watch
 from inboxd.files.layout import load_checked_config
 from inboxd.files.lifecycle import Lifecycle
+from inboxd.files.settling import survive_lease_breaks
 from inboxd.models import faults
 from inboxd.models.device import device_fields, with_device_defaults
 from inboxd.models.engines import load_here, make_engine
@@ -29,8 +30,7 @@ from inboxd.service.notify import Notifier
 
 EX_SOFTWARE = 70
 # The GPU failed in a way that poisons this process's CUDA context (illegal address, Xid, ECC):
-# only a new process can use the device again, so Restart=on-failure must restart it. Not a
-# sysexits.h meaning (76 is EX_PROTOCOL there): a code of our own that nothing else returns.
+# only a new process can use it again (Restart=on-failure). Our own code, not sysexits.h's 76.
 EX_DEVICE = 76
 # While the model loads, ask systemd for this much more start time, this often.
 EXTEND_TIMEOUT_S = 30
@@ -60,6 +60,7 @@ class Service:
         # Refuse a second daemon of this instance before spending seconds on the model.
         lifecycle = Lifecycle(self.config)
         lifecycle.lock_instance()
+        survive_lease_breaks()  # the main thread's, before any file is leased
         metrics = self.config.metrics
         if metrics.textfile is not None or metrics.listen is not None:
             # Imported only here: without metrics: no prometheus_client in the process at all.
@@ -257,7 +258,6 @@ async def _once(config: Config, progress: bool) -> int:
     service = Service(config, None)
     stopped_by: list[int] = []
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
 
     def on_signal(signum: int) -> None:
         # Only flags, as in run: the pipeline drains and hands claimed files back itself.
@@ -265,7 +265,7 @@ async def _once(config: Config, progress: bool) -> int:
         stop.set()
 
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, on_signal, signum)
+        asyncio.get_running_loop().add_signal_handler(signum, on_signal, signum)
     pipeline = await service.load()
     counters = pipeline.stats.counters
 
