@@ -8,6 +8,7 @@ import asyncio
 import errno
 import hashlib
 import json
+import logging
 import os
 import subprocess
 import time
@@ -99,7 +100,7 @@ def test_an_unwritable_failed_folder_is_waited_out_without_a_loop(
 
 
 def test_a_results_folder_that_cannot_be_fsynced_never_fails_a_redropped_file(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """A re-drop of filed bytes is finished once its result's folder is fsynced; an fsync that
     keeps failing (EIO) is waited out like a move that does: the file never goes to failed/
     while its bytes' result stays in results/."""
@@ -110,8 +111,13 @@ def test_a_results_folder_that_cannot_be_fsynced_never_fails_a_redropped_file(
     failing = 3 * FAST_RETRY["max_attempts"]  # past every retry: given back to disk, twice
     calls = failing_first(monkeypatch, again.lifecycle.results, "make_durable", failing,
                           errno.EIO)
-    asyncio.run(again.process_backlog())
+    with caplog.at_level(logging.INFO, logger="inboxd"):
+        asyncio.run(again.process_backlog())
     assert calls["n"] == failing + 1
+    retries = [r.getMessage() for r in caplog.records
+               if getattr(r, "inboxd_event", "") == "retry"]
+    assert retries and all(f"cannot fsync {tmp_path / 'results'}, the folder of a.png's "
+                           "result" in message for message in retries), retries
     assert files_in(tmp_path / "failed") == {}
     counters = again.stats.counters
     assert (counters.failed, counters.completed, counters.duplicates) == (0, 1, 1)

@@ -100,13 +100,18 @@ class Outcomes:
         not fsynced yet, so that fsync comes first (and is retried with the move)."""
         assert item.finishing is not None and item.name is not None
         name = item.name
+        if item.finishing == "success":
+            try:
+                await self.run_io(lambda: self.lifecycle.results.make_durable(name))
+            except OSError as exc:
+                folder = self.lifecycle.results.json_folder(name)
+                await self.finish_later(item, exc, f"cannot fsync {folder}, the folder of "
+                                        f"{item.key}'s result, before its source moves")
+                return
         try:
             if item.finishing == "success":
-                def finish_success() -> None:
-                    self.lifecycle.results.make_durable(name)
-                    self.lifecycle.finish_success(item.claimed_path, name, item.inbox_path,
-                                                  item.sha256 or "")
-                await self.run_io(finish_success)
+                await self.run_io(lambda: self.lifecycle.finish_success(
+                    item.claimed_path, name, item.inbox_path, item.sha256 or ""))
             else:
                 report = item.failure_report or {}
                 await self.run_io(lambda: self.lifecycle.finish_failure(
@@ -119,9 +124,9 @@ class Outcomes:
         else:
             self._failed(item)
 
-    async def finish_later(self, item: WorkItem, exc: OSError) -> None:
+    async def finish_later(self, item: WorkItem, exc: OSError, doing: str | None = None) -> None:
         where = "done/" if item.finishing == "success" else "failed/"
-        reason = f"cannot move {item.key} to {where}: {exc.strerror or exc}"
+        reason = f"{doing or f'cannot move {item.key} to {where}'}: {exc.strerror or exc}"
         item.finish_attempts += 1
         if item.finish_attempts >= self.config.retry.max_attempts:
             # Still no room after every backoff: the file waits on disk, its outcome not lost
