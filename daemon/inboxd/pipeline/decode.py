@@ -38,8 +38,8 @@ Outcome = Callable[[WorkItem, BaseException], Awaitable[None]]
 Release = Callable[[WorkItem, str], Awaitable[None]]
 
 # A claimed file whose writer paused longer than inbox.settle_ms: what was read is not all of it.
-CHANGING = ("it changed after it was claimed (still being written); it is taken again once it "
-            "settles")
+CHANGING_REASON = ("it changed after it was claimed (still being written); it is taken again "
+                   "once it settles")
 
 
 class Prepared(enum.Enum):
@@ -105,7 +105,7 @@ class Preprocessor:
                     elif outcome is Prepared.DUPLICATE:
                         await self.on_duplicate(item)
                     elif outcome is Prepared.CHANGING:
-                        await self.on_changing(item, CHANGING)
+                        await self.on_changing(item, CHANGING_REASON)
                     else:
                         item.preprocessed_s = done_s
                         await self.cache.put(item)
