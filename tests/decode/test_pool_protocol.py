@@ -119,13 +119,14 @@ def test_the_same_path_twice_in_one_request_is_answered_twice_in_order(
     assert all(own(pool.decode_many([(p, None) for p in twice]), twice))
 
 
-@pytest.mark.parametrize("mode", ["infinity", "small_crop"])
+@pytest.mark.parametrize("mode", ["infinity", "small_crop", "short_identity"])
 def test_a_reply_with_impossible_values_fails_only_its_file(
         monkeypatch: pytest.MonkeyPatch, paths: list[Path], closing: list[DecodePool],
         mode: str) -> None:
     """JSON's ``Infinity`` where a number goes (``int()`` raises OverflowError, which escaped
     the pool and crashed the decoding stage), and a crop that is not ``crop``×``crop``×3 (it
-    would fail the whole batch on the model, costing the other files in it)."""
+    would fail the whole batch on the model, costing the other files in it), and a file
+    identity too short to unpack (IndexError, which the pool did not catch)."""
     pool = scripted_pool(monkeypatch, mode)
     closing.append(pool)
     results = pool.decode_many([(p, None) for p in paths])

@@ -24,7 +24,7 @@ from inboxd.decode.replies import DecodeResult
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.decode.tensor import DecodeFailed, TensorDecoder, fits, supported
 from inboxd.files.reading import open_input
-from inboxd.files.settling import held_open_for_writing
+from inboxd.files.settling import held_open_for_writing, identity
 from inboxd.item import PermanentError, TransientError
 
 JPEG_SUFFIXES = frozenset({".jpg", ".jpeg", ".jpe", ".jfif"})
@@ -63,9 +63,9 @@ class DeviceRoute:
                 size_bytes != after.st_size):
             return DecodeResult(sha256, size_bytes, error=TransientError(
                 "the file changed while it was being read; it is read again"))
-        identity = (after.st_ino, after.st_size, after.st_mtime_ns)
+        identity_now = identity(after)
         if expected_sha256 is not None and sha256 == expected_sha256:
-            return DecodeResult(sha256, size_bytes, duplicate=True, identity=identity,
+            return DecodeResult(sha256, size_bytes, duplicate=True, identity=identity_now,
                                 held_for_writing=held)
         try:
             header = inspect(data, self.max_pixels)
@@ -78,7 +78,7 @@ class DeviceRoute:
         except DecodeFailed as why:
             return self._fallback(path, f"the device decoder refused it: {why}")
         self.device_decoded += 1
-        return DecodeResult(sha256, size_bytes, image=image, identity=identity,
+        return DecodeResult(sha256, size_bytes, image=image, identity=identity_now,
                             held_for_writing=held)
 
     def _fallback(self, path: os.PathLike[str] | str, why: str) -> DecodeResult | None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from inboxd.files.settling import Identity
+from inboxd.files.settling import Identity, changed
 from inboxd.item import DecodedImage, PermanentError, TransientError
 
 
@@ -29,8 +29,7 @@ class DecodeResult:
     def still_being_written(self, claimed_as: Identity | None) -> bool:
         """Whether the file read is not the one claimed, or not finished: a writer paused
         longer than ``inbox.settle_ms``, and the file must go back to settle."""
-        return self.held_for_writing or (None not in (claimed_as, self.identity)
-                                         and self.identity != claimed_as)
+        return self.held_for_writing or changed(claimed_as, self.identity)
 
 
 def result_from(header: dict[str, Any], payload: bytearray) -> DecodeResult:
@@ -41,7 +40,7 @@ def result_from(header: dict[str, Any], payload: bytearray) -> DecodeResult:
         return DecodeResult(sha256, size_bytes, error=kind(str(header.get("reason"))),
                             peak_rss_bytes=peak)
     found = header.get("identity")
-    identity = None if found is None else (int(found[0]), int(found[1]), int(found[2]))
+    identity = None if found is None else _identity(found)
     held = bool(header.get("held_for_writing"))
     if header.get("duplicate"):
         return DecodeResult(sha256, size_bytes, duplicate=True, peak_rss_bytes=peak,
@@ -52,6 +51,11 @@ def result_from(header: dict[str, Any], payload: bytearray) -> DecodeResult:
                          header.get("format"), str(header.get("mode")))
     return DecodeResult(sha256, size_bytes, image=image, peak_rss_bytes=peak, identity=identity,
                         held_for_writing=held)
+
+
+def _identity(found: Any) -> Identity:
+    ino, size, mtime_ns = (int(n) for n in found)  # ValueError unless three numbers
+    return ino, size, mtime_ns
 
 
 def describe_exit(code: int) -> str:

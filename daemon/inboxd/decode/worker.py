@@ -35,7 +35,7 @@ from inboxd.decode import wire
 from inboxd.decode.pillow import decode_image
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.files.reading import classify, hash_stream, open_input
-from inboxd.files.settling import held_open_for_writing, survive_lease_breaks
+from inboxd.files.settling import held_open_for_writing, identity, survive_lease_breaks
 from inboxd.item import PermanentError, TransientError
 
 PR_SET_PDEATHSIG = 1
@@ -152,7 +152,7 @@ class Worker:
             # Asked on the file just read, with every byte of it behind us: the daemon
             # compares the identity with the claim's and gives a changing file back to settle.
             after = os.fstat(handle.fileno())
-            state["identity"] = [after.st_ino, after.st_size, after.st_mtime_ns]
+            state["identity"] = identity(after)
             state["held_for_writing"] = held_open_for_writing(handle.fileno())
         if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
             raise TransientError("the file changed while it was being read; it is read again")

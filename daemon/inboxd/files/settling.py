@@ -23,6 +23,11 @@ def identity(st: os.stat_result) -> Identity:
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
+def changed(claimed_as: Identity | None, now: Identity | None) -> bool:
+    """Whether the file is not the one claimed (an identity not known is not seen to change)."""
+    return None not in (claimed_as, now) and now != claimed_as
+
+
 def still_being_written(path: str | Path, claimed_as: Identity | None) -> bool:
     """True when ``path`` changed since it was claimed as ``claimed_as``, or is open for
     writing elsewhere."""
@@ -30,7 +35,7 @@ def still_being_written(path: str | Path, claimed_as: Identity | None) -> bool:
         st = os.lstat(path)
     except OSError:
         return False
-    if claimed_as is not None and identity(st) != claimed_as:
+    if changed(claimed_as, identity(st)):
         return True
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)

@@ -126,7 +126,8 @@ class Outcomes:
 
     async def finish_later(self, item: WorkItem, exc: OSError, doing: str | None = None) -> None:
         where = "done/" if item.finishing == "success" else "failed/"
-        reason = f"{doing or f'cannot move {item.key} to {where}'}: {exc.strerror or exc}"
+        doing = doing or f"cannot move {item.key} to {where}"
+        reason = f"{doing}: {exc.strerror or exc}"
         item.finish_attempts += 1
         if item.finish_attempts >= self.config.retry.max_attempts:
             # Still no room after every backoff: the file waits on disk, its outcome not lost
