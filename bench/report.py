@@ -32,13 +32,14 @@ def in_turns_rows(r: dict[str, Any], target: float) -> list[Row]:
     if turns is None:
         return []
     ratios = ", ".join(f"{ratio:.2f}" for ratio in turns["ratios"])
+    in_order = turns["ceilings"][:1]  # ceiling, inboxd, ceiling, ...
+    for flood, ceiling in zip(turns["floods"], turns["ceilings"][1:], strict=True):
+        in_order += [flood, ceiling]
     return [(f"inboxd / ceiling, taken in turns ({len(turns['floods'])} × {turns['count']:,} "
              "files; median)",
              f"{turns['ratio']:.2f} ({ratios})", f"≥ {target:.2f}", _ok(turns["ratio"] >= target)),
-            ("  … each flood ÷ the mean ceiling either side: files/s", " / ".join(
-                f"{value:.1f}" for pair in zip(turns["ceilings"], turns["floods"] + [None],
-                                               strict=True)
-                for value in pair if value is not None), "", "")]
+            ("  … each flood ÷ the mean ceiling either side: files/s",
+             " / ".join(f"{value:.1f}" for value in in_order), "", "")]
 
 
 def batch1_ms(r: dict[str, Any]) -> float:

@@ -130,10 +130,8 @@ class Bench:
             "--probe-count", str(p.probe_count), "--batch-sizes", p.batch_sizes,
             "--seconds", str(p.ceiling_s), "--latency-files", str(all_list)))
         self.stage("inboxd", lambda: self.inboxd(mix))
-        best = str(r["ceiling"]["best_batch"])
-        r["ceiling_after"] = self.stage("ceiling (after)", lambda: run_json(
-            "bench.ceiling", "--files", str(mix_list), "--count", str(r["ceiling"]["count"]),
-            "--probe-count", "1", "--batch-sizes", best))
+        r["ceiling_after"] = self.stage("ceiling (after)",
+                                        lambda: self.ceiling_again(r["ceiling"]["count"]))
         # About as long as the ceiling run, at the rate a batch-1 design can reach.
         baseline_count = max(30, min(p.baseline_count,
                                      round(r["ceiling"]["files_per_s"] * p.ceiling_s / 2)))
@@ -169,11 +167,11 @@ class Bench:
         finally:
             r["inboxd_stop"] = run.stop()
 
-    def ceiling_again(self, count: int) -> float:
+    def ceiling_again(self, count: int) -> dict[str, Any]:
         """The ceiling once more, at the batch size the first run found best."""
-        return float(run_json("bench.ceiling", "--files", str(self.mix_list), "--count",
-                              str(count), "--probe-count", "1", "--batch-sizes",
-                              str(self.results["ceiling"]["best_batch"]))["files_per_s"])
+        return run_json("bench.ceiling", "--files", str(self.mix_list), "--count", str(count),
+                        "--probe-count", "1", "--batch-sizes",
+                        str(self.results["ceiling"]["best_batch"]))
 
     def in_turns(self, run: scenarios.Running, mix: list[Photo]) -> dict[str, Any]:
         """inboxd and its ceiling taken in turns: this machine's speed drifts by 10-25% within
@@ -182,17 +180,18 @@ class Bench:
         the ceiling's run and is compared with the mean of the ceiling runs just before and just
         after it, which cancels a steady drift; the median of the turns is the figure."""
         count = self.results["ceiling"]["count"]
-        ceilings = [self.ceiling_again(count)]
+        ceilings = [self.ceiling_again(count)["files_per_s"]]
         floods = []
         for turn in range(self.profile.turns):
             flood = scenarios.flood(run, mix, count, timeout_s=count * 2 + 120,
                                     prefix=f"turn{turn}-")
             floods.append(flood["files_per_s"])
-            ceilings.append(self.ceiling_again(count))
+            ceilings.append(self.ceiling_again(count)["files_per_s"])
             log(f"turn {turn}: inboxd {floods[-1]} files/s between ceilings "
                 f"{ceilings[-2]} and {ceilings[-1]}")
         ratios = [inboxd / ((before + after) / 2)
-                  for inboxd, before, after in zip(floods, ceilings, ceilings[1:], strict=False)]
+                  for inboxd, before, after in zip(floods, ceilings[:-1], ceilings[1:],
+                                                   strict=True)]
         return {"count": count, "ceilings": ceilings, "floods": floods,
                 "ratios": [round(ratio, 3) for ratio in ratios],
                 "ratio": round(statistics.median(ratios), 3)}
