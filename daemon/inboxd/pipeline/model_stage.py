@@ -106,6 +106,9 @@ class ModelWorker:
                     await self._reap({getter, *self._calls})
                 batch = getter.result()
                 getter = None
+                # A SIGHUP may have lowered the bound while the batch was forming.
+                while len(self._calls) >= self.max_in_flight:
+                    await self._reap({*self._calls})
                 call = asyncio.create_task(self._call(batch), name="model-call")
                 self._calls.add(call)
                 self.high_water = max(self.high_water, len(self._calls))
