@@ -41,7 +41,7 @@ def category(key: Key) -> str:
     if function in ("<built-in method posix.fsync>", "<built-in method posix.fdatasync>",
                     "<built-in method posix.sync>"):
         return "fsync"
-    if file.endswith(("decode/wire.py", "decode/pool.py", "decode/replies.py")) or function in (
+    if file.endswith(("inboxd/wire.py", "decode/pool.py", "decode/replies.py")) or function in (
             "<built-in method posix.readv>",):
         return "decode IPC (pipes, frames)"
     if "asyncio" in file and ("base_events" in file or "events.py" in file or "selector" in file):
@@ -79,8 +79,8 @@ COUNTED = (
     ("stat/lstat/fstat", "stat>", ""),
     ("json.dumps", "dumps", "json/__init__.py"),
     ("log records (emit)", "emit", "inboxd/logs.py"),
-    ("decode frames sent", "send", "decode/wire.py"),
-    ("decode frames received", "recv", "decode/wire.py"),
+    ("frames sent (decode, commit)", "send", "inboxd/wire.py"),
+    ("frames received (decode, commit)", "recv", "inboxd/wire.py"),
 )
 
 

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from inboxd.decode import wire
+from inboxd import wire
 
 MODE_ENV = "SCRIPTED_WORKER"
 

@@ -26,9 +26,9 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from inboxd import logs
-from inboxd.decode import wire
-from inboxd.decode.replies import DecodeResult, death_error, describe_exit, result_from
+from inboxd import logs, wire
+from inboxd.children import describe_exit
+from inboxd.decode.replies import DecodeResult, death_error, result_from
 from inboxd.decode.worker import FAULTS_ENV
 from inboxd.decode.worker_process import WorkerProcess, WorkerSettings, worker_env
 from inboxd.item import PermanentError, TransientError

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from inboxd.children import describe_exit
 from inboxd.files.settling import Identity, changed
 from inboxd.item import DecodedImage, PermanentError, TransientError
 
@@ -56,15 +57,6 @@ def result_from(header: dict[str, Any], payload: bytearray) -> DecodeResult:
 def _identity(found: Any) -> Identity:
     ino, size, mtime_ns = (int(n) for n in found)  # ValueError unless three numbers
     return ino, size, mtime_ns
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return signal.Signals(-code).name
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit status {code}"
 
 
 def death_error(code: int) -> PermanentError | TransientError:

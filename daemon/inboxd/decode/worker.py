@@ -7,10 +7,9 @@ allocation (it runs under ``RLIMIT_AS``), a hang (the daemon kills it), a crash 
 costs that file and, at worst, this process; the daemon answers the file and starts a new
 worker.
 
-Lifetime: it exits when its request pipe reaches EOF and is killed by the kernel
-(``PR_SET_PDEATHSIG``) when the daemon dies, even by SIGKILL, even mid-decode. SIGINT, SIGTERM
-and SIGHUP are ignored: a Ctrl-C on the terminal or systemd's stop signal to the whole cgroup
-must not kill a decode the daemon is still draining; the daemon ends its workers itself.
+Lifetime (``inboxd.children``): it exits when its request pipe reaches EOF and is killed by the
+kernel when the daemon dies, even by SIGKILL, even mid-decode; SIGINT, SIGTERM and SIGHUP are
+ignored, so a decode the daemon is still draining is not cut short.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import faulthandler
 import io
 import os
 import resource
-import signal
 import struct
 import sys
 import time
@@ -31,14 +29,14 @@ import numpy as np
 from PIL import Image
 
 import inboxd
-from inboxd.decode import wire
+from inboxd import wire
+from inboxd.children import die_with_parent, protocol_fds
 from inboxd.decode.pillow import decode_image
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.files.reading import classify, hash_stream, open_input
 from inboxd.files.settling import held_open_for_writing, identity, survive_lease_breaks
 from inboxd.item import PermanentError, TransientError
 
-PR_SET_PDEATHSIG = 1
 # Test-only fault injection, read only here: "abort=crash,hang=slow,raise:RuntimeError=rt"
 # makes a file whose name contains "crash" abort this process, and so on. Unset in production.
 FAULTS_ENV = "INBOXD_DECODE_FAULTS"
@@ -215,22 +213,8 @@ def reset_peak_rss() -> None:
         pass  # an old kernel or a sandbox: the peak is then the worker's lifetime peak
 
 
-def die_with_parent(parent_pid: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before prctl: nobody will signal us
-        os._exit(0)
-
-
 def main() -> None:
-    # The protocol gets private copies of the pipes; fds 0 and 1 become /dev/null and stderr, so
-    # a library that prints to stdout cannot corrupt a frame.
-    requests, replies = os.dup(0), os.dup(1)
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.dup2(2, 1)
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)
+    requests, replies = protocol_fds()
     survive_lease_breaks()
     faulthandler.enable()  # a C crash leaves a Python traceback in the journal
     # Pillow warns about every oddity of hostile metadata; the outcome says what matters.

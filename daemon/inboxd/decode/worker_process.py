@@ -7,32 +7,23 @@ from __future__ import annotations
 
 import os
 import signal
-import site
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import inboxd
-from inboxd.decode import wire
+from inboxd import wire
+from inboxd.children import child_env
 from inboxd.decode.spec import PreprocessSpec
 
 EXIT_WAIT_S = 5.0  # from the EOF on a worker's replies to its exit status
 # One allocator arena and one BLAS thread: a worker decodes one file with one thread, and each
 # extra arena or thread would reserve address space under RLIMIT_AS for nothing.
 WORKER_ENV = {"MALLOC_ARENA_MAX": "2", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-# The workers import the very inboxd the daemon runs, wherever it was imported from (a source
-# tree, PYTHONPATH); an installed one is found through site-packages, which must not be put
-# ahead of the standard library.
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(inboxd.__file__)))
 
 
 def worker_env() -> dict[str, str]:
-    env = {**os.environ, **WORKER_ENV}
-    if PACKAGE_ROOT not in {*site.getsitepackages(), site.getusersitepackages()}:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_ROOT,
-                                                          os.environ.get("PYTHONPATH")]))
-    return env
+    return child_env(WORKER_ENV)
 
 
 @dataclass(frozen=True, slots=True)

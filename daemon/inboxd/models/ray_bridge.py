@@ -24,7 +24,7 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
-from inboxd.decode.worker import die_with_parent
+from inboxd.children import die_with_parent
 
 DEPLOYMENT_NAME = "inboxd_model"
 # The GCS reconnection timeout this bridge runs with unless RAY_... says otherwise: how long a

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from inboxd.decode import wire
+from inboxd import wire
 
 
 @pytest.fixture

@@ -1,8 +1,9 @@
-"""Frames between the daemon and its decode workers: a JSON header and raw bytes, over pipes.
+"""Frames between the daemon and its helper processes: a JSON header and raw bytes, over pipes.
 
-Not pickle: a worker parses hostile bytes, and whatever it sends back must not be able to run
-code in the daemon. Each frame is ``>II`` (header length, payload length), the header as UTF-8
-JSON, then the payload (a decoded crop, ``crop``×``crop``×3 bytes; 150 KB at 224).
+Not pickle: a decode worker parses hostile bytes, and whatever it sends back must not be able to
+run code in the daemon. Each frame is ``>II`` (header length, payload length), the header as
+UTF-8 JSON, then the payload (a decoded crop, ``crop``×``crop``×3 bytes, 150 KB at 224; a batch's
+embedding vectors on their way to the commit process).
 """
 
 from __future__ import annotations

@@ -1,0 +1,63 @@
+"""The daemon's helper processes (decode workers, the commit process, the Ray bridge): each a
+fresh ``python -m inboxd.…`` interpreter, never a fork of the daemon (which has threads and
+torch), with the daemon's own inboxd on its path, talking ``wire`` frames over its stdin and
+stdout, and killed by the kernel when the daemon dies, however it dies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import site
+
+import inboxd
+
+PR_SET_PDEATHSIG = 1
+# The helpers import the very inboxd the daemon runs, wherever it was imported from (a source
+# tree, PYTHONPATH); an installed one is found through site-packages, which must not be put
+# ahead of the standard library.
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(inboxd.__file__)))
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The daemon's environment, with ``extra`` and this inboxd on ``PYTHONPATH``."""
+    env = {**os.environ, **(extra or {})}
+    if PACKAGE_ROOT not in {*site.getsitepackages(), site.getusersitepackages()}:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_ROOT,
+                                                          os.environ.get("PYTHONPATH")]))
+    return env
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when the daemon (``parent_pid``) dies, even by SIGKILL."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl: nobody will signal us
+        os._exit(0)
+
+
+def protocol_fds() -> tuple[int, int]:
+    """(requests, replies): private copies of stdin and stdout for the frames; fds 0 and 1
+    become /dev/null and stderr, so a library that prints to stdout cannot corrupt a frame.
+    SIGINT, SIGTERM and SIGHUP are ignored: a Ctrl-C on the terminal or systemd's stop signal
+    to the whole cgroup must not end work the daemon is still draining; the daemon ends its
+    helpers itself (EOF on their requests)."""
+    requests, replies = os.dup(0), os.dup(1)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(2, 1)
+    os.close(devnull)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    return requests, replies
+
+
+def describe_exit(code: int) -> str:
+    """A helper's exit status as ``Popen`` gives it, in words (``SIGKILL``, ``exit status 3``)."""
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit status {code}"
