@@ -1,4 +1,5 @@
-"""Fakes for the model and watcher boundaries, for unit tests that need neither to be real."""
+"""Fakes for the model and watcher boundaries, for unit tests that need neither to be real, and
+the commit moved into the test's process where a test fakes the disk."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import numpy.typing as npt
 import torch
 import watchfiles
 from inboxd.decode.spec import PreprocessSpec
+from inboxd.files.commits import InProcess
 from inboxd.models.model import Classification
+from inboxd.pipeline.wiring import Pipeline
 
 # An image whose top-left red value is this makes the fake model raise, as a real model might
 # on one pathological input.
@@ -83,3 +86,10 @@ class ScriptedWatch:
                 yield get.result()
             else:
                 get.cancel()
+
+
+def commit_in_this_process(pipeline: Pipeline) -> None:
+    """Run ``pipeline``'s group commits in this process, on ``pipeline.lifecycle``, so that a
+    test can fake a disk at the filesystem boundary (a monkeypatched ``Lifecycle``), which the
+    commit process would never see. Before the pipeline starts."""
+    pipeline.commits = pipeline.writer.commits = InProcess(pipeline.lifecycle)

@@ -79,12 +79,15 @@ def _called_name(call: ast.Call) -> str:
 
 # The subprocesses the daemon starts, each by a fixed command line (its start, as written in the
 # source). File names reach them only as data over a pipe, never as arguments, never through a
-# shell: the decode workers, and with `model.engine: ray` the Ray bridge (models/ray_pipe.py),
-# whose replies are unpickled by multiprocessing's Connection: it is our own child, and Ray
-# itself unpickles whatever the cluster sends, so trusting the cluster is the premise of that
-# engine (README, "Running on a Ray cluster").
+# shell: the decode workers, the commit process (files/commit_process.py: a batch's results and
+# paths, as JSON), and with `model.engine: ray` the Ray bridge (models/ray_pipe.py), whose
+# replies are unpickled by multiprocessing's Connection: it is our own child, and Ray itself
+# unpickles whatever the cluster sends, so trusting the cluster is the premise of that engine
+# (README, "Running on a Ray cluster").
 FIXED_COMMANDS = {Path("decode/worker_process.py"): ["sys.executable", "'-m'",
                                                     "'inboxd.decode.worker'"],
+                  Path("files/commit_process.py"): ["sys.executable", "'-m'",
+                                                    "'inboxd.files.commit_worker'"],
                   Path("models/ray_pipe.py"): ["sys.executable", "*BRIDGE_COMMAND"]}
 
 
@@ -100,8 +103,8 @@ def _is_fixed_popen(call: ast.Call, where: Path) -> bool:
 
 def test_no_shell_or_unpickling_anywhere_in_the_daemon() -> None:
     """File names are attacker-controlled: the daemon never runs a shell or a subprocess (but
-    its own decode workers and the Ray bridge, by fixed command lines), and weights are loaded with
-    ``torch.load(weights_only=True)`` only, never unpickled."""
+    its own decode workers, commit process and Ray bridge, by fixed command lines), and weights
+    are loaded with ``torch.load(weights_only=True)`` only, never unpickled."""
     offenders = []
     sources = sorted(PACKAGE.rglob("*.py"))
     assert len(sources) > 30, f"the scan must see the whole package, found {len(sources)} modules"

@@ -20,7 +20,7 @@ from inboxd.config import load_config
 from inboxd.pipeline.wiring import Pipeline
 
 from tests.conftest import make_image, read_json, write_config
-from tests.fakes import FakeModel
+from tests.fakes import FakeModel, commit_in_this_process
 
 FAST_RETRY = {"max_attempts": 4, "backoff_initial_ms": 5, "backoff_max_ms": 20}
 
@@ -133,6 +133,7 @@ def test_a_full_done_folder_never_turns_a_success_into_a_failure(
     pipeline = pipeline_for(tmp_path, inbox={"settle_ms": 0}, retry=FAST_RETRY)
     photo = make_image(tmp_path / "inbox" / "a.png")
     expected = sha(photo)
+    commit_in_this_process(pipeline)
     failing_first(monkeypatch, pipeline.lifecycle, "finish_success", 3, errno.ENOSPC)
     asyncio.run(pipeline.process_backlog())
     assert files_in(tmp_path / "failed") == {}

@@ -15,7 +15,7 @@ from inboxd.config import load_config
 from inboxd.pipeline.wiring import Pipeline
 
 from tests.conftest import make_image, read_json, write_config
-from tests.fakes import POISON_RED, FakeModel, ScriptedWatch
+from tests.fakes import POISON_RED, FakeModel, ScriptedWatch, commit_in_this_process
 
 
 def pipeline_for(root: Path, model: Any = None, watch: Any = None, **sections: Any) -> Pipeline:
@@ -35,6 +35,7 @@ def fail_writes(pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch,
                 times: int | None = None) -> None:
     """The results disk is full for the next ``times`` batches (None: for ever). A fake at
     the filesystem boundary; tests/guarantees/test_faults.py fills a real tmpfs."""
+    commit_in_this_process(pipeline)
     real_write = pipeline.lifecycle.results.write
     left = {"n": times}
 

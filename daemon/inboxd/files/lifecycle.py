@@ -91,6 +91,11 @@ class Lifecycle:
             os.write(fd, str(os.getpid()).encode())
             self._locks.append(fd)
 
+    def lock_fds(self) -> list[int]:
+        """The descriptors holding our instance locks (a helper that inherits them keeps the
+        instance busy until it has gone too)."""
+        return list(self._locks)
+
     def unlock_instance(self) -> None:
         for fd in self._locks:
             os.close(fd)

@@ -3,23 +3,23 @@
 A batch's results are written together (group commit, ``files.results``): every JSON to its
 temp file, all of them fdatasynced in parallel, renamed into place, each results folder fsynced
 once, and only then do the sources move (so no source ever moves before its result is safe).
-The hand-off from the model worker holds one batch: the model infers batch n+1 while batch n is
-being written; with several calls in flight, the finished ones wait on ``submit()`` inside
-their in-flight slots, so the model stage's bound still counts them.
+That commit runs in the commit process (``files/commit_worker.py`` says why), handed the batch
+by this stage's io thread. The hand-off from the model worker holds one batch: the model infers
+batch n+1 while batch n is being written; with several calls in flight, the finished ones wait
+on ``submit()`` inside their in-flight slots, so the model stage's bound still counts them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 from collections.abc import Callable
 from typing import Any
 
 from inboxd import __version__
 from inboxd.config import Config
+from inboxd.files.commits import CommitEntry, Commits
 from inboxd.files.lifecycle import Lifecycle
-from inboxd.files.results import ResultEntry
 from inboxd.item import PermanentError, TransientError, WorkItem
 from inboxd.models.engine import Outcome
 from inboxd.models.model import Embedding, Model, Prediction, not_finite
@@ -36,6 +36,7 @@ class ResultWriter:
         config: Config,
         model: Model,
         lifecycle: Lifecycle,
+        commits: Commits,
         outcomes: Outcomes,
         run_io: RunIO[Any],
         clock: Callable[[], float],
@@ -43,6 +44,7 @@ class ResultWriter:
         self.config = config
         self.model = model
         self.lifecycle = lifecycle
+        self.commits = commits
         self.outcomes = outcomes
         self.run_io = run_io
         self.clock = clock
@@ -82,48 +84,38 @@ class ResultWriter:
                 good.append((item, outcome))
         if not good:
             return
-        entries = [ResultEntry(item.key, item.sha256 or "",
-                               functools.partial(self.document, item, result),
+        entries = [CommitEntry(item.key, item.sha256 or "", self.document(item, result),
+                               item.claimed_path, item.inbox_path,
                                result.vector if isinstance(result, Embedding) else None)
                    for item, result in good]
-        try:
-            filed = await self.run_io(lambda: self.lifecycle.results.write(entries))
-        except OSError as exc:
+        committed = await self.run_io(lambda: self.commits.commit(entries))
+        if committed.error is not None:
+            why = committed.error.strerror or committed.error
             for item, _ in good:
-                await self.outcomes.error(
-                    item, TransientError(f"cannot write the result: {exc.strerror or exc}")
-                )
+                await self.outcomes.error(item, TransientError(f"cannot write the result: {why}"))
             return
-        for (item, _), (name, _existed) in zip(good, filed, strict=True):
+        for (item, _), (name, existed), problem in zip(good, committed.filed, committed.moves,
+                                                       strict=True):
             item.finishing, item.name = "success", name
-        moved = await self.run_io(lambda: [self._finish_source(item) for item, _ in good])
-        for (item, _), (_name, existed), problem in zip(good, filed, moved, strict=True):
             if problem is None:
                 self.outcomes.completed(item, duplicate=existed)
             else:
                 # The result is durable: only the move is retried, never the work.
                 await self.outcomes.finish_later(item, problem)
 
-    def _finish_source(self, item: WorkItem) -> OSError | None:
-        try:
-            self.lifecycle.finish_success(item.claimed_path, item.name or item.key,
-                                          item.inbox_path, item.sha256 or "")
-        except OSError as exc:
-            return exc
-        return None
-
-    def document(self, item: WorkItem, result: Prediction, name: str) -> dict[str, Any]:
+    def document(self, item: WorkItem, result: Prediction) -> dict[str, Any]:
+        """The result JSON as filed under the file's own key (``files.commits.filed_document``
+        adjusts it when another name is taken)."""
         image = item.image_info
         return {
             "source": item.key,
-            **({"filed_as": name} if name != item.key else {}),
             "sha256": item.sha256,
             "size_bytes": item.size_bytes,
             "source_identity": list(item.identity) if item.identity else None,
             "model": self.model.name,
             "device": str(self.model.device),
             "precision": self.model.precision,
-            **self._output(result, name),
+            **self._output(result, item.key),
             "image": image,
             "timings_ms": item.timings_ms(self.clock()),
             "attempts": item.attempts + 1,

@@ -26,6 +26,8 @@ from inboxd.config import Config
 from inboxd.decode import device_route
 from inboxd.decode.pool import DecodePool
 from inboxd.decode.worker_process import WorkerSettings
+from inboxd.files.commit_process import CommitProcess
+from inboxd.files.commits import Commits
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.names import NameFilter
 from inboxd.item import WorkItem
@@ -61,6 +63,7 @@ class Pipeline:
         clock: Callable[[], float] = time.monotonic,
         lifecycle: Lifecycle | None = None,
         engine: ModelEngine | None = None,
+        commits: Commits | None = None,
     ) -> None:
         self.config = config
         self.model = model
@@ -109,7 +112,9 @@ class Pipeline:
             self.stats.batch_sizes,
             more_coming=lambda: self.queue.qsize() > 0 or self.preprocessor.in_progress > 0,
         )
-        self.writer = ResultWriter(config, model, self.lifecycle, self.outcomes, self.run_io, clock)
+        self.commits = commits or CommitProcess(config, self.lifecycle)
+        self.writer = ResultWriter(config, model, self.lifecycle, self.commits, self.outcomes,
+                                   self.run_io, clock)
         self.engine = engine or LocalEngine(model)
         self.worker = ModelWorker(self.engine, self.batcher, self.writer.submit, clock,
                                   release=self.outcomes.release,
@@ -187,7 +192,11 @@ class Pipeline:
         self.crash_event.set()
 
     def start_processing(self) -> None:
-        self.decode_pool.start()  # the workers import Pillow while the rest starts up
+        # Helper processes start from this thread, which lives as long as they are wanted (the
+        # kernel kills a child when the thread that started it ends); they import Pillow and
+        # numpy while the rest starts up.
+        self.decode_pool.start()
+        self.commits.start()
         for n in range(self.config.preprocess.workers):
             self._spawn(self._processing_tasks, self.preprocessor.run_worker(), f"preprocess-{n}")
         self._spawn(self._processing_tasks, self.worker.run(), "model-worker")
@@ -342,7 +351,8 @@ class Pipeline:
         for item in self.retry_list.drain():
             self.lifecycle.release(item.claimed_path, item.inbox_path)
             self.stats.counters.released += 1
-        self.io_executor.shutdown(wait=True)
+        self.io_executor.shutdown(wait=True)  # a batch still being committed is finished
+        self.commits.close()
         if self.crashed is None:
             returned, _ = self.lifecycle.recover()  # anything cancelled mid-flight
             self.stats.counters.released += returned

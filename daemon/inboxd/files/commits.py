@@ -1,0 +1,164 @@
+"""A batch's commit as one call: every result filed durably (``ResultFiles.write``, the group
+commit), then every source moved on (``Lifecycle.finish_success``), in that order.
+
+The daemon runs it in its commit process (``files/commit_process.py``), so what crosses the pipe
+is data: each result's JSON as a dict, not the callable the result writer would build it with.
+Two of its fields depend on the name the result ends up filed under (another file's result
+may hold the plain name), and ``filed_document`` sets them once the name is known.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from inboxd.files.lifecycle import Lifecycle
+from inboxd.files.results import ResultEntry, ResultFiles
+
+
+@dataclass(frozen=True, slots=True)
+class CommitEntry:
+    key: str
+    sha256: str
+    document: dict[str, Any]  # the result JSON as filed under ``key`` itself
+    claimed: str  # the source, in our processing folder
+    inbox_path: str  # where it came from (after_success: keep puts it back there)
+    vector: npt.NDArray[np.float32] | None = None  # an embedding's, filed beside its JSON
+
+
+@dataclass(slots=True)
+class Committed:
+    """What came of a batch: either ``error`` (no result was written: a full or read-only
+    results disk) or, per entry, the name its result is filed under, whether that result was
+    there already (the same bytes, filed earlier), and why its source could not move (None: it
+    did, and only then is the file done)."""
+
+    filed: list[tuple[str, bool]] = field(default_factory=list)
+    moves: list[OSError | None] = field(default_factory=list)
+    error: OSError | None = None
+
+
+class Commits(Protocol):
+    """Where a batch's commit runs: the commit process, or this process (``InProcess``)."""
+
+    def start(self) -> None: ...
+
+    def commit(self, entries: Sequence[CommitEntry]) -> Committed: ...
+
+    def close(self) -> None: ...
+
+
+def commit(lifecycle: Lifecycle, entries: Sequence[CommitEntry]) -> Committed:
+    results = lifecycle.results
+    try:
+        filed = results.write([
+            ResultEntry(entry.key, entry.sha256,
+                        functools.partial(filed_document, results, entry.key, entry.document),
+                        entry.vector)
+            for entry in entries])
+    except OSError as exc:
+        return Committed(error=exc)
+    moves: list[OSError | None] = []
+    for entry, (name, _existed) in zip(entries, filed, strict=True):
+        try:
+            lifecycle.finish_success(entry.claimed, name, entry.inbox_path, entry.sha256)
+        except OSError as exc:
+            moves.append(exc)
+        else:
+            moves.append(None)
+    return Committed(filed, moves)
+
+
+def filed_document(results: ResultFiles, key: str, document: dict[str, Any],
+                   name: str) -> dict[str, Any]:
+    """``document`` as filed under ``name``: when that is not ``key``, ``filed_as`` follows
+    ``source``, and an embedding names the vector file beside this very JSON."""
+    if name == key:
+        return document
+    filed: dict[str, Any] = {}
+    for item, value in document.items():
+        filed[item] = value
+        if item == "source":
+            filed["filed_as"] = name
+    if isinstance(filed.get("embedding"), dict):
+        filed["embedding"] = {**filed["embedding"],
+                              "file": os.path.basename(results.vector_file(name))}
+    return filed
+
+
+class InProcess:
+    """The commit in the calling thread, on this process's ``lifecycle``: for tests that fake
+    a full or failing disk at the filesystem boundary (a monkeypatched ``Lifecycle``)."""
+
+    def __init__(self, lifecycle: Lifecycle) -> None:
+        self.lifecycle = lifecycle
+
+    def start(self) -> None:
+        pass
+
+    def commit(self, entries: Sequence[CommitEntry]) -> Committed:
+        return commit(self.lifecycle, entries)
+
+    def close(self) -> None:
+        pass
+
+
+# -- the pipe between the daemon and its commit process ----------------------------------------
+
+
+def request_frame(entries: Sequence[CommitEntry]) -> tuple[list[dict[str, Any]], bytes]:
+    """The entries as a frame's header part and payload (the vectors, one after another).
+    Paths go as hex: a file name need not be UTF-8."""
+    rows, vectors, offset = [], [], 0
+    for entry in entries:
+        row: dict[str, Any] = {"key": entry.key, "sha256": entry.sha256,
+                               "document": entry.document,
+                               "claimed_hex": os.fsencode(entry.claimed).hex(),
+                               "inbox_path_hex": os.fsencode(entry.inbox_path).hex()}
+        if entry.vector is not None:
+            data = np.ascontiguousarray(entry.vector, dtype=np.float32).tobytes()
+            row["vector"] = [offset, len(data) // 4]
+            vectors.append(data)
+            offset += len(data)
+        rows.append(row)
+    return rows, b"".join(vectors)
+
+
+def entries_from(rows: list[dict[str, Any]], payload: bytes | bytearray) -> list[CommitEntry]:
+    entries = []
+    for row in rows:
+        vector = None
+        if row.get("vector") is not None:
+            offset, count = row["vector"]
+            vector = np.frombuffer(payload, np.float32, count, offset).copy()
+        entries.append(CommitEntry(row["key"], row["sha256"], row["document"],
+                                   os.fsdecode(bytes.fromhex(row["claimed_hex"])),
+                                   os.fsdecode(bytes.fromhex(row["inbox_path_hex"])), vector))
+    return entries
+
+
+def reply_header(committed: Committed) -> dict[str, Any]:
+    return {"filed": committed.filed, "moves": [_error_fields(exc) for exc in committed.moves],
+            "error": _error_fields(committed.error)}
+
+
+def committed_from(header: dict[str, Any]) -> Committed:
+    return Committed([(str(name), bool(existed)) for name, existed in header["filed"]],
+                     [_error(fields) for fields in header["moves"]], _error(header["error"]))
+
+
+def _error_fields(exc: OSError | None) -> list[Any] | None:
+    if exc is None:
+        return None
+    return [exc.errno or errno.EIO, exc.strerror or str(exc)]
+
+
+def _error(fields: list[Any] | None) -> OSError | None:
+    return None if fields is None else OSError(int(fields[0]), str(fields[1]))

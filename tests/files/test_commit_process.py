@@ -1,0 +1,209 @@
+"""The commit process on a real filesystem: a batch crosses the pipe whole (odd names, vectors,
+errors), is filed and moved exactly as in the daemon's own process, holds the instance while it
+lives, and dies with the daemon; one that dies mid-batch is reported, never taken for an
+outcome (tests/pipeline/test_commit_crash.py: what the daemon then does)."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from inboxd.config import load_config
+from inboxd.files.commit_process import CommitProcess, CommitProcessFailed
+from inboxd.files.commits import (
+    CommitEntry,
+    Committed,
+    InProcess,
+    committed_from,
+    entries_from,
+    filed_document,
+    reply_header,
+    request_frame,
+)
+from inboxd.files.durable import COMMIT_PAUSE_ENV
+from inboxd.files.lifecycle import InstanceBusy, Lifecycle
+
+from tests.conftest import write_config
+
+ODD_NAME = os.fsdecode(b"caf\xe9 \xff.jpg")  # not UTF-8: kept as surrogate escapes
+
+
+def lifecycle_for(tmp_path: Path) -> Lifecycle:
+    lifecycle = Lifecycle(load_config(write_config(tmp_path)))
+    lifecycle.prepare()
+    lifecycle.lock_instance()
+    return lifecycle
+
+
+def claimed(lifecycle: Lifecycle, name: str, data: bytes) -> CommitEntry:
+    """``name`` dropped and claimed, with a result document for it."""
+    inbox = lifecycle.config.inbox.paths[0]
+    (inbox / name).write_bytes(data)
+    path = lifecycle.claim(inbox, name)
+    assert path is not None
+    sha = hashlib.sha256(data).hexdigest()
+    return CommitEntry(name, sha, {"source": name, "sha256": sha, "top_k": []}, path,
+                       os.path.join(inbox, name))
+
+
+@pytest.fixture
+def process(tmp_path: Path) -> Iterator[CommitProcess]:
+    lifecycle = lifecycle_for(tmp_path)
+    commits = CommitProcess(lifecycle.config, lifecycle)
+    commits.start()
+    yield commits
+    commits.close()
+    lifecycle.unlock_instance()
+
+
+def test_a_batch_crosses_the_pipe_whole() -> None:
+    vector = np.arange(5, dtype=np.float32)
+    entries = [CommitEntry(ODD_NAME, "a" * 64, {"source": ODD_NAME, "n": [1, 2.5]},
+                           f"/p/{ODD_NAME}", f"/in/{ODD_NAME}", vector),
+               CommitEntry("b.jpg", "b" * 64, {"source": "b.jpg"}, "/p/b.jpg", "/in/b.jpg")]
+    rows, payload = request_frame(entries)
+    back = entries_from(json.loads(json.dumps(rows)), bytearray(payload))
+    assert [(e.key, e.sha256, e.document, e.claimed, e.inbox_path) for e in back] == [
+        (e.key, e.sha256, e.document, e.claimed, e.inbox_path) for e in entries]
+    assert back[0].vector is not None and back[0].vector.tolist() == vector.tolist()
+    assert back[1].vector is None
+    committed = Committed([(ODD_NAME, False), ("b.jpg", True)],
+                          [None, OSError(errno.ENOSPC, "No space left on device")])
+    again = committed_from(json.loads(json.dumps(reply_header(committed))))
+    assert again.filed == committed.filed and again.moves[0] is None and again.error is None
+    assert isinstance(again.moves[1], OSError) and again.moves[1].errno == errno.ENOSPC
+    assert again.moves[1].strerror == "No space left on device"
+
+
+def test_a_result_filed_under_another_name_says_so(tmp_path: Path) -> None:
+    results = lifecycle_for(tmp_path).results
+    document = {"source": "a.jpg", "sha256": "x", "embedding": {"file": "a.jpg.npy", "dim": 2}}
+    assert filed_document(results, "a.jpg", document, "a.jpg") is document
+    other = filed_document(results, "a.jpg", document, "a.0123456789ab.jpg")
+    assert list(other)[:3] == ["source", "filed_as", "sha256"]
+    assert other["filed_as"] == "a.0123456789ab.jpg"
+    assert other["embedding"] == {"file": "a.0123456789ab.jpg.npy", "dim": 2}
+    assert document["embedding"]["file"] == "a.jpg.npy"  # the caller's is left alone
+
+
+def test_the_commit_process_files_and_moves_as_the_daemon_would(
+        tmp_path: Path, process: CommitProcess) -> None:
+    lifecycle = process.lifecycle
+    entries = [claimed(lifecycle, ODD_NAME, b"one"), claimed(lifecycle, "b.jpg", b"two")]
+    here = InProcess(lifecycle).commit([claimed(lifecycle, "b.jpg", b"three")])
+    assert here.filed == [("b.jpg", False)] and here.moves == [None]
+    committed = process.commit(entries)
+    assert committed.error is None and committed.moves == [None, None]
+    token = hashlib.sha256(b"two").hexdigest()[:12]
+    assert committed.filed == [(ODD_NAME, False), (f"b.{token}.jpg", False)]
+    results, done = tmp_path / "results", tmp_path / "done"
+    assert json.loads((results / f"b.{token}.jpg.json").read_text())["filed_as"] == (
+        f"b.{token}.jpg")
+    assert (done / f"b.{token}.jpg").read_bytes() == b"two"
+    assert (done / ODD_NAME).read_bytes() == b"one"
+    assert not list(Path(lifecycle.config.processing_dir(tmp_path / "inbox")).iterdir())
+    # The same bytes under the same name again: found filed, not filed twice.
+    again = process.commit([claimed(lifecycle, "b.jpg", b"two")])
+    assert again.filed == [(f"b.{token}.jpg", True)] and again.moves == [None]
+
+
+def test_a_vector_is_filed_beside_its_result(tmp_path: Path, process: CommitProcess) -> None:
+    entry = claimed(process.lifecycle, "e.jpg", b"embed")
+    entry = CommitEntry(entry.key, entry.sha256, {"source": "e.jpg", "embedding": {
+        "file": "e.jpg.npy"}}, entry.claimed, entry.inbox_path, np.array([3, 4], np.float32))
+    assert process.commit([entry]).filed == [("e.jpg", False)]
+    assert np.load(tmp_path / "results" / "e.jpg.npy").tolist() == [3.0, 4.0]
+
+
+def test_a_full_results_disk_is_the_batch_s_error_and_nothing_moves(
+        tmp_path: Path, process: CommitProcess) -> None:
+    entry = claimed(process.lifecycle, "a.jpg", b"data")
+    tmp = process.lifecycle.results.tmp_dir
+    tmp.mkdir(parents=True, exist_ok=True)
+    tmp.rmdir()
+    tmp.write_bytes(b"")  # where the temp files go is a file now: ENOTDIR, like a broken disk
+    committed = process.commit([entry])
+    assert committed.error is not None and committed.filed == []
+    assert os.path.exists(entry.claimed) and not (tmp_path / "done" / "a.jpg").exists()
+
+
+def test_the_commit_process_holds_the_instance_while_it_lives(
+        tmp_path: Path, process: CommitProcess) -> None:
+    process.lifecycle.unlock_instance()  # the daemon's own descriptors are gone...
+    other = Lifecycle(process.lifecycle.config)
+    with pytest.raises(InstanceBusy):  # ...yet the instance is busy while the process runs
+        other.lock_instance()
+    process.close()
+    other.lock_instance()
+    other.unlock_instance()
+
+
+def test_a_commit_process_that_dies_is_reported_not_taken_for_an_outcome(
+        tmp_path: Path, process: CommitProcess) -> None:
+    assert process.commit([claimed(process.lifecycle, "a.jpg", b"a")]).moves == [None]
+    assert process.pid is not None
+    os.kill(process.pid, signal.SIGKILL)
+    entry = claimed(process.lifecycle, "b.jpg", b"b")
+    with pytest.raises(CommitProcessFailed, match="ended with SIGKILL"):
+        process.commit([entry])
+    assert os.path.exists(entry.claimed)
+
+
+def test_the_commit_process_dies_with_the_daemon_even_mid_commit(tmp_path: Path) -> None:
+    """A SIGKILLed daemon takes its commit process with it at once, even in the middle of a
+    commit (paused there for 30 s): nothing moves after the daemon is gone, and the instance is
+    free again."""
+    config = write_config(tmp_path)
+    (tmp_path / "inbox" / "a.jpg").write_bytes(b"data")
+    script = (
+        "import threading, time\n"
+        "from pathlib import Path\n"
+        "from inboxd.config import load_config\n"
+        "from inboxd.files.commit_process import CommitProcess\n"
+        "from inboxd.files.commits import CommitEntry\n"
+        "from inboxd.files.lifecycle import Lifecycle\n"
+        f"lifecycle = Lifecycle(load_config(Path({str(config)!r})))\n"
+        "lifecycle.prepare(); lifecycle.lock_instance()\n"
+        "inbox = lifecycle.config.inbox.paths[0]\n"
+        "entry = CommitEntry('a.jpg', 'f' * 64, {}, lifecycle.claim(inbox, 'a.jpg'), 'x')\n"
+        "commits = CommitProcess(lifecycle.config, lifecycle); commits.start()\n"
+        "threading.Thread(target=commits.commit, args=([entry],), daemon=True).start()\n"
+        "print(commits.pid, flush=True); time.sleep(60)\n")
+    daemon = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, COMMIT_PAUSE_ENV: "30000"})
+    assert daemon.stdout is not None
+    pid = int(daemon.stdout.readline())
+    processing = Path(load_config(config).processing_dir(tmp_path / "inbox"))
+    deadline = time.monotonic() + 10
+    while not list((tmp_path / "results" / ".tmp").rglob("*.tmp")):  # inside the commit
+        assert time.monotonic() < deadline, "the commit never started"
+        time.sleep(0.02)
+    daemon.kill()
+    daemon.wait()
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)
+    assert (processing / "a.jpg").read_bytes() == b"data"
+    assert not (tmp_path / "done" / "a.jpg").exists()
+    lifecycle = Lifecycle(load_config(config))
+    lifecycle.lock_instance()
+    lifecycle.unlock_instance()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

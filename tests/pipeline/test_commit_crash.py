@@ -1,0 +1,48 @@
+"""A commit process that dies under a flood: the daemon stops as at any stage crash, and its
+next run gives every file exactly one outcome."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from inboxd.config import load_config
+from inboxd.files.commit_process import CommitProcess, CommitProcessFailed
+from inboxd.pipeline.wiring import Pipeline
+
+from tests.conftest import make_image, write_config
+from tests.fakes import FakeModel
+
+
+@pytest.mark.timeout(120)
+def test_a_commit_process_killed_mid_flood_stops_the_daemon_and_loses_nothing(
+        tmp_path: Path) -> None:
+    """The process is killed under a flood: that run stops as a stage crash, and the next one
+    gives every file exactly one result, none lost and none twice."""
+    names = {f"f{n:03}.png" for n in range(120)}
+    for n, name in enumerate(sorted(names)):
+        make_image(tmp_path / "inbox" / name, size=(8, 8), color=(n + 20, 0, 0))
+    config = load_config(write_config(tmp_path, inbox={"settle_ms": 0},
+                                      batch={"max_size": 4}))
+    first = Pipeline(config, FakeModel())  # type: ignore[arg-type]
+
+    async def kill_after_some_results() -> None:
+        task = asyncio.create_task(first.process_backlog())
+        while first.stats.counters.completed < 20 and not task.done():
+            await asyncio.sleep(0.005)
+        assert isinstance(first.commits, CommitProcess) and first.commits.pid is not None
+        os.kill(first.commits.pid, signal.SIGKILL)
+        await task
+
+    asyncio.run(kill_after_some_results())
+    assert isinstance(first.crashed, CommitProcessFailed)
+    second = Pipeline(config, FakeModel())  # type: ignore[arg-type]
+    asyncio.run(second.process_backlog())
+    assert second.crashed is None
+    results = {p.name.removesuffix(".json") for p in (tmp_path / "results").glob("*.json")}
+    assert results == names
+    assert {p.name for p in (tmp_path / "done").iterdir() if p.is_file()} == names
+    assert not list((tmp_path / "failed").glob("*.png"))
