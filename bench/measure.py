@@ -6,6 +6,12 @@ writer look like) and a 20,000-file flood costs no disk space. Results are notic
 that lists the results folder every few milliseconds and, by default, consumes what it saw
 (records the time and the stage timings inside, then deletes it), so the listing stays short
 however many files pass through.
+
+The overhead scenario's watcher consumes nothing (``consume=False``): it looks for the expected
+names' results with one ``stat`` each, in the order they were dropped, and neither reads nor
+deletes them. There the bench's own work would be a tenth of the CPU being measured, and on this
+machine's ext4 (no journal) every delete makes later file creations slower for up to minutes
+(``bench/overhead.py``, ``QUIET_CREATE_US``), the daemon's own included.
 """
 
 from __future__ import annotations
@@ -53,7 +59,8 @@ def drop_many(photos: Sequence[Photo], inbox: Path, count: int, prefix: str) -> 
 
 
 class ResultWatcher:
-    """Notices ``<name>.json`` in the results folder; ``seen[name]`` is the monotonic time."""
+    """Notices ``<name>.json`` in the results folder; ``seen[name]`` is the monotonic time (at
+    most ``interval_s`` late)."""
 
     def __init__(self, results_dir: Path, interval_s: float = 0.01, consume: bool = True) -> None:
         self.results_dir = results_dir
@@ -64,7 +71,8 @@ class ResultWatcher:
         self._changed = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="result-watcher", daemon=True)
-        self._thread.start()
+        if consume:  # otherwise wait_for looks, for the names it is given
+            self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -100,6 +108,8 @@ class ResultWatcher:
 
     def wait_for(self, names: Iterable[str], timeout_s: float) -> bool:
         """True once every name has a result; False at the deadline."""
+        if not self.consume:
+            return self._look_for(list(names), timeout_s)
         missing = list(names)
         deadline = time.monotonic() + timeout_s
         with self._changed:
@@ -109,6 +119,26 @@ class ResultWatcher:
                 if not missing or remaining_s <= 0:
                     return not missing
                 self._changed.wait(remaining_s)
+
+    def _look_for(self, missing: list[str], timeout_s: float) -> bool:
+        """Without consuming: each poll stats the missing names in order and stops at the first
+        still missing (files finish about in the order they were dropped), so a flood costs
+        about one ``stat`` per file. A result found behind a late one is stamped when the late
+        one is, so the last stamp is still the last result's arrival, one poll late at most."""
+        folder = os.fspath(self.results_dir)
+        deadline = time.monotonic() + timeout_s
+        first = 0  # the first name not seen yet
+        while True:
+            now = time.monotonic()
+            while first < len(missing) and os.path.exists(
+                    os.path.join(folder, missing[first] + ".json")):
+                self.seen[missing[first]] = now
+                first += 1
+            if first == len(missing):
+                return True
+            if now >= deadline:
+                return False
+            time.sleep(self.interval_s)
 
     def stage_summary(self, start: int = 0) -> dict[str, dict[str, float]]:
         """Median and p90 of each stage's time (from the results' own timings) since index
@@ -120,4 +150,5 @@ class ResultWatcher:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(2)
+        if self._thread.is_alive():
+            self._thread.join(2)

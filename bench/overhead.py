@@ -6,7 +6,10 @@ to the same durable work done by one Python thread in a plain loop (claim by ren
 sha256, Pillow decode + resize, the null model per 64, JSON to a temp file + fsync + rename, one
 results-folder fsync per 64, then the 64 sources renamed to ``done/``):
 
-- files/s of one daemon and of two daemons (instances ``a`` and ``b``) on one inbox;
+- files/s of one daemon and of two daemons (instances ``a`` and ``b``) on one inbox, each
+  flood taken in turns with the loop and divided by the mean of the loop runs either side (this
+  machine's speed drifts within a run, and the loop's by up to 2x between runs: a loop measured
+  minutes away from a flood measures the drift); one daemon's figure is the median of ``TURNS``;
 - a second daemon run under cProfile (``bench/profiled.py``): where its time goes per file;
 - CPU seconds per file of the daemon process and of its decode workers;
 - peak RSS growth of a fresh daemon under a 2,000- and a 20,000-file flood.
@@ -21,6 +24,7 @@ import contextlib
 import os
 import shutil
 import signal
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -42,6 +46,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 WORK_DIR = BENCH_DIR / "out" / "overhead"
 DISTINCT_JPEGS = 256
 BATCH = 64
+TURNS = 3  # loop, flood, loop, flood, loop, flood, loop: the median of three ratios
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -99,6 +104,10 @@ def write_config(root: Path, program: Path, labels: Path, instance: str = "defau
     return path
 
 
+def log(message: str) -> None:
+    print(f"[overhead {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
 def _stat_cpu_s(path: str) -> float:
     """User + system CPU seconds from a /proc .../stat file."""
     with open(path) as stat:
@@ -106,16 +115,26 @@ def _stat_cpu_s(path: str) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
-def cpu_s(pid: int) -> tuple[float, float]:
-    """(the process, its live descendants: the decode workers), user + system CPU seconds. The
-    process's own figure counts threads that have ended too."""
-    own = workers = 0.0
+# The daemon's helper processes, by the module each runs (its command line).
+HELPERS = {"inboxd.decode.worker": "decode_workers", "inboxd.files.commit_worker": "commit"}
+
+
+def cpu_s(pid: int) -> dict[str, float]:
+    """User + system CPU seconds of the daemon process (threads that ended included) and of
+    its live helper processes, by kind (``HELPERS``)."""
+    found = dict.fromkeys(["daemon", *HELPERS.values()], 0.0)
     with contextlib.suppress(OSError, ValueError, IndexError):
-        own = _stat_cpu_s(f"/proc/{pid}/stat")
+        found["daemon"] = _stat_cpu_s(f"/proc/{pid}/stat")
     for task in _tasks(pid):
         with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as kids:
-            workers += sum(sum(cpu_s(int(child))) for child in kids.read().split())
-    return own, workers
+            for child in kids.read().split():
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    with open(f"/proc/{child}/cmdline", "rb") as cmdline:
+                        args = cmdline.read().split(b"\0")
+                    kind = next((HELPERS[a.decode()] for a in args if a.decode() in HELPERS),
+                                "daemon")
+                    found[kind] += _stat_cpu_s(f"/proc/{child}/stat")
+    return found
 
 
 def cpu_by_thread_s(pid: int) -> dict[str, float]:
@@ -190,23 +209,54 @@ def reference(root: Path, config_path: Path, photos: list[Photo], count: int) ->
 def start(root: Path, config: Path, command: list[str] | None = None) -> Running:
     # The daemon runs in its folder: the profiled runner must still find this package.
     path = os.pathsep.join(filter(None, [str(BENCH_DIR.parent), os.environ.get("PYTHONPATH")]))
-    return watch(root, Daemon(config, env={"PYTHONPATH": path}, command=command))
+    # Results are looked for, never read or deleted (bench/measure.py says why).
+    return watch(root, Daemon(config, env={"PYTHONPATH": path}, command=command), consume=False)
 
 
 # On this machine's ext4 (no journal) a file created after thousands of others were deleted
-# costs far more kernel CPU for a while: 25 us per create, 1.0-1.5 ms from ~5 s to ~38 s after
-# 8,000 deletes, 25 us again from 42 s (measured 12-02). ext4 without a journal does not reuse
-# an inode deleted within the last minute, five while its inode table block is dirty
-# (fs/ext4/ialloc.c, recently_deleted()), and checks each free one it passes: perf puts
-# recently_deleted and the inode table lookups at the top of the daemon's io thread in that
-# window. A scenario started in it (the loop's second run in the folder its first run had
-# just emptied, the 20,000 flood after the 2,000, a run just after a clean-up) met a slower disk.
-RECENT_DELETE_S = 45
+# costs far more kernel CPU for minutes: measured 12-02, 18-31 us per create on a quiet disk,
+# 200-1,200 us from 20 s to 4 minutes after 8,000 deletes (while more files were being created),
+# 20-24 us again from 260 s; 67 us was still enough to put recently_deleted at the top of the
+# daemon's io thread. ext4 without a journal does not reuse an inode deleted within the
+# last 60 s (360 s while its inode table block is dirty, fs/ext4/ialloc.c recently_deleted()),
+# and each create checks every such inode it passes: perf puts recently_deleted and the inode
+# table lookups at the top of the daemon's io thread, and of the loop, in that window. So the
+# scenario starts on a quiet disk (wait_for_quiet_disk) and deletes nothing until the end: its
+# result watcher only looks, and every run has a folder of its own.
+QUIET_CREATE_US = 40
+QUIET_WAIT_MAX_S = 480
+PROBE_FILES = 200
+
+
+def create_us(folder: Path) -> float:
+    """Microseconds per create of ``PROBE_FILES`` empty files in the empty ``folder`` (kept)."""
+    started = time.perf_counter()
+    for index in range(PROBE_FILES):
+        os.close(os.open(folder / f"{index}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    return (time.perf_counter() - started) * 1e6 / PROBE_FILES
+
+
+def wait_for_quiet_disk(scratch: Scratch) -> dict[str, float]:
+    """Wait (``QUIET_WAIT_MAX_S`` at most) until a create costs what it does on a quiet disk:
+    whatever deleted files before this scenario (an earlier run's clean-up, make bench's own
+    stages) has aged out, and every run meets the same disk."""
+    started = time.monotonic()
+    probes = 0
+    while True:
+        probes += 1
+        cost_us = create_us(scratch(f"probe-{probes}"))
+        waited_s = time.monotonic() - started
+        if cost_us <= QUIET_CREATE_US or waited_s >= QUIET_WAIT_MAX_S:
+            return {"waited_s": round(waited_s), "create_us": round(cost_us, 1),
+                    "quiet_us": QUIET_CREATE_US}
+        log(f"a create costs {cost_us:.0f} us (files were deleted lately): waiting for the "
+            f"disk to be quiet ({QUIET_CREATE_US} us or less)")
+        time.sleep(10)
 
 
 class Scratch:
     """A new folder per scenario, none deleted before the whole run is over (see
-    ``RECENT_DELETE_S``)."""
+    ``QUIET_CREATE_US``)."""
 
     def __init__(self) -> None:
         self.root = WORK_DIR / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
@@ -221,39 +271,85 @@ class Scratch:
         shutil.rmtree(WORK_DIR / "runs", ignore_errors=True)
 
 
-def one_instance(root: Path, program: Path, labels: Path, photos: list[Photo], count: int,
-                 command: list[str] | None = None) -> dict[str, Any]:
-    run = start(root, write_config(root, program, labels), command)
+def measured_flood(run: Running, photos: list[Photo], count: int, prefix: str
+                   ) -> dict[str, Any]:
+    """One flood of ``count`` files into ``run``, with the CPU it cost the daemon (by thread)
+    and its helper processes."""
+    pid = run.daemon.pid
+    cpu_before, before = cpu_s(pid), cpu_by_thread_s(pid)
+    figures = flood(run, photos, count, timeout_s=count / 20 + 120, prefix=prefix)
+    cpu_after, after = cpu_s(pid), cpu_by_thread_s(pid)
+    # A thread that started during the flood counts from 0; its whole life was the flood.
+    by_thread = {name: round((after[name] - before.get(name, 0.0)) * 1000 / count, 3)
+                 for name in after}
+    figures["cpu_ms_per_file"] = {kind: round((cpu_after[kind] - cpu_before[kind]) * 1000 / count,
+                                              3) for kind in cpu_after}
+    figures["cpu_ms_per_file_by_thread"] = dict(sorted(by_thread.items(), key=lambda kv: -kv[1]))
+    for unused in ("rss_series", "stages_ms"):  # (no timings: results are not read)
+        figures.pop(unused, None)
+    return figures
+
+
+def profiled_flood(root: Path, program: Path, labels: Path, photos: list[Photo],
+                   count: int, out: Path) -> dict[str, Any]:
+    """One flood into a daemon run under cProfile, which writes its profile to ``out``."""
+    run = start(root, write_config(root, program, labels), ["-m", "bench.profiled", str(out)])
     try:
-        pid = run.daemon.pid
-        if command is not None:  # profiled: the profile counts from here
-            base = Path(command[-1] + ".base")
-            base.unlink(missing_ok=True)
-            os.kill(pid, signal.SIGUSR1)
-            while not base.exists():
-                time.sleep(0.01)
-        (own_before, workers_before), before = cpu_s(pid), cpu_by_thread_s(pid)
-        figures = flood(run, photos, count, timeout_s=count / 20 + 120, prefix="ov")
-        (own_after, workers_after), after = cpu_s(pid), cpu_by_thread_s(pid)
-        # A thread that started during the flood counts from 0; its whole life was the flood.
-        by_thread = {name: round((after[name] - before.get(name, 0.0)) * 1000 / count, 3)
-                     for name in after}
-        figures["cpu_ms_per_file"] = {
-            "daemon": round((own_after - own_before) * 1000 / count, 3),
-            "decode_workers": round((workers_after - workers_before) * 1000 / count, 3)}
-        figures["cpu_ms_per_file_by_thread"] = dict(sorted(by_thread.items(),
-                                                           key=lambda kv: -kv[1]))
-        figures.pop("rss_series", None)
+        base = Path(f"{out}.base")  # the profile counts from here
+        base.unlink(missing_ok=True)
+        os.kill(run.daemon.pid, signal.SIGUSR1)
+        while not base.exists():
+            time.sleep(0.01)
+        figures = measured_flood(run, photos, count, "prof")
     finally:
         figures_stop = run.stop()
     figures["stop"] = figures_stop
     return figures
 
 
+def in_turns(scratch: Scratch, program: Path, labels: Path, photos: list[Photo], count: int,
+             turns: int) -> dict[str, Any]:
+    """The loop, then one daemon's flood, ``turns`` times, then the loop again; then two
+    daemons on one inbox, and the loop once more. Each flood is divided by the mean of the loop
+    runs just before and after it, which cancels a steady drift of this machine's speed."""
+    def loop(turn: int) -> dict[str, Any]:
+        root = scratch(f"loop-{turn}")
+        return reference(root, write_config(root, program, labels), photos, count)
+
+    root = scratch("one")
+    run = start(root, write_config(root, program, labels))
+    loops, floods = [], []
+    try:
+        for turn in range(turns):
+            loops.append(loop(turn))
+            floods.append(measured_flood(run, photos, count, f"ov{turn}-"))
+            log(f"turn {turn}: inboxd {floods[-1]['files_per_s']} files/s after the loop's "
+                f"{loops[-1]['files_per_s']}")
+    finally:
+        stopped = run.stop()
+    loops.append(loop(turns))
+    two = two_instances(scratch("two"), program, labels, photos, count)
+    loops.append(loop(turns + 1))
+    ratios = [flood_run["files_per_s"] / mean_files_per_s(before, after)
+              for flood_run, before, after in zip(floods, loops[:turns], loops[1:turns + 1],
+                                                     strict=True)]
+    median = sorted(range(turns), key=lambda turn: ratios[turn])[turns // 2]
+    return {"loops": loops, "floods": floods, "ratios_one": [round(r, 3) for r in ratios],
+            "ratio_one": round(ratios[median], 2),
+            # The median flood's own figures (CPU per file, batch sizes) stand for the daemon.
+            "one": {**floods[median], "stop": stopped},
+            "two": two, "ratio_two": round(
+                two["files_per_s"] / mean_files_per_s(loops[-2], loops[-1]), 2)}
+
+
+def mean_files_per_s(*runs: dict[str, Any]) -> float:
+    return statistics.mean(run["files_per_s"] for run in runs)
+
+
 def two_instances(root: Path, program: Path, labels: Path, photos: list[Photo],
                   count: int) -> dict[str, Any]:
     daemons = [Daemon(write_config(root, program, labels, name)) for name in ("a", "b")]
-    watcher = ResultWatcher(root / "results", 0.01)
+    watcher = ResultWatcher(root / "results", 0.01, consume=False)
     try:
         for daemon in daemons:
             daemon.wait_ready()
@@ -289,15 +385,11 @@ def memory(scratch: Scratch, program: Path, labels: Path, photos: list[Photo],
 def run(count: int, memory_counts: list[int], profile: bool) -> dict[str, Any]:
     program, labels, photos = make_inputs(WORK_DIR)
     scratch = Scratch()
-    # Whatever deleted files just before (an earlier run's clean-up, make bench's own stages):
-    # past RECENT_DELETE_S, every scenario meets the same disk.
-    print(f"[overhead] waiting {RECENT_DELETE_S} s for recently deleted inodes to age",
-          file=sys.stderr, flush=True)
-    time.sleep(RECENT_DELETE_S)
     result: dict[str, Any] = {"setup": {"files": count, "jpeg": "64x48", "distinct": len(photos),
                                         "model": "torch.export null program, 32x32 input",
                                         "batch": BATCH}}
     try:
+        result["disk"] = wait_for_quiet_disk(scratch)
         return measure(result, scratch, program, labels, photos, count, memory_counts, profile)
     finally:
         scratch.clean()
@@ -306,26 +398,15 @@ def run(count: int, memory_counts: list[int], profile: bool) -> dict[str, Any]:
 def measure(result: dict[str, Any], scratch: Scratch, program: Path, labels: Path,
             photos: list[Photo], count: int, memory_counts: list[int],
             profile: bool) -> dict[str, Any]:
-    root = scratch("reference-before")
-    result["reference"] = reference(root, write_config(root, program, labels), photos, count)
-    result["one"] = one_instance(scratch("one"), program, labels, photos, count)
-    result["two"] = two_instances(scratch("two"), program, labels, photos, count)
-    root = scratch("reference-after")
-    result["reference_after"] = reference(root, write_config(root, program, labels), photos,
-                                          count)
-    ref = max(result["reference"]["files_per_s"], result["reference_after"]["files_per_s"])
-    result["ratio_one"] = round(result["one"]["files_per_s"] / ref, 2)
-    result["ratio_two"] = round(result["two"]["files_per_s"] / ref, 2)
+    result.update(in_turns(scratch, program, labels, photos, count, TURNS))
     # CPU per file is far steadier than files/s on a shared machine: the loop's (one thread)
     # against the daemon's own plus its decode workers'.
-    ref_cpu = min(result["reference"]["cpu_ms_per_file"],
-                  result["reference_after"]["cpu_ms_per_file"])
-    daemon_cpu = sum(result["one"]["cpu_ms_per_file"].values())
-    result["cpu_ratio"] = round(ref_cpu / daemon_cpu, 2)
+    loop_cpu = statistics.median(loop["cpu_ms_per_file"] for loop in result["loops"])
+    result["cpu_ratio"] = round(loop_cpu / sum(result["one"]["cpu_ms_per_file"].values()), 2)
     if profile:
         out = WORK_DIR / "daemon.prof"
-        result["profiled"] = one_instance(scratch("profiled"), program, labels, photos, count,
-                                          ["-m", "bench.profiled", str(out)])
+        result["profiled"] = profiled_flood(scratch("profiled"), program, labels, photos, count,
+                                            out)
         result["profile"] = profiled.summary(str(out), count)
     if memory_counts:
         result["memory"] = memory(scratch, program, labels, photos, memory_counts)

@@ -63,11 +63,12 @@ def start(root: Path, overrides: dict[str, dict[str, Any]] | None = None) -> Run
     return watch(root, Daemon(write_config(root, overrides)))
 
 
-def watch(root: Path, daemon: Daemon) -> Running:
-    """``daemon`` (just started in ``root``) with its memory sampler and result watcher, once
-    it is READY and has been idle for one stats tick."""
+def watch(root: Path, daemon: Daemon, consume: bool = True) -> Running:
+    """``daemon`` (just started in ``root``) with its memory sampler and result watcher
+    (``consume``: see ``ResultWatcher``), once it is READY and has been idle for one stats
+    tick."""
     rss = RssSampler(daemon.pid)
-    results = ResultWatcher(root / "results", FLOOD_POLL_S)
+    results = ResultWatcher(root / "results", FLOOD_POLL_S, consume)
     try:
         daemon.wait_ready()
         daemon.next_stats()
