@@ -25,7 +25,7 @@ from tests.fakes import FakeModel
 PACKAGE = Path(__file__).resolve().parents[2] / "daemon" / "inboxd"
 
 
-@pytest.mark.parametrize("key", ["../x.jpg", "a/../../x.jpg", "/etc/passwd", "a//b.jpg", ".",
+@pytest.mark.parametrize("key", ["../x.jpg", "a/../../x.jpg", "/etc/passwd", "a//b.jpg", ".", "..",
                                  "a/./b.jpg", ""])
 def test_an_output_key_that_could_escape_is_refused(tmp_path: Path, key: str) -> None:
     with pytest.raises(ValueError):

@@ -17,6 +17,8 @@ from inboxd.decode import formats
 TEMP_SUFFIXES = (".tmp", ".part", ".crdownload", ".partial", ".swp", "~")
 # The longest file name Linux filesystems take (NAME_MAX), in bytes.
 NAME_MAX_BYTES = 255
+# A name of this many characters fits NAME_MAX in any encoding (4 bytes a character at most).
+SHORT_NAME_CHARS = NAME_MAX_BYTES // 4
 # What operating systems and NAS boxes leave beside photos: never an input, never worth a word.
 OS_LITTER_FILES = frozenset({".ds_store", "thumbs.db", "desktop.ini", "ehthumbs.db"})
 OS_LITTER_PREFIX = "._"  # macOS AppleDouble resource forks on non-Apple filesystems
@@ -94,6 +96,8 @@ def output_path(root: Path, key: str, suffix: str = "") -> Path:
 
 def output_str(root: str, key: str, suffix: str = "") -> str:
     """:func:`output_path` as a ``str``, for the per-file path (no pathlib parsing)."""
+    if len(key) + len(suffix) <= SHORT_NAME_CHARS and "/" not in key and key not in ("", ".", ".."):
+        return os.path.join(root, key + suffix)  # one short part: nothing to check or shorten
     return os.path.join(root, *_output_parts(key, suffix))
 
 
