@@ -6,10 +6,12 @@ stdout, and killed by the kernel when the daemon dies, however it dies.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import site
+from collections.abc import Iterator
 
 import inboxd
 
@@ -37,6 +39,23 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
 
+# Ignored by every helper (protocol_fds), and held back while one starts (held_for_start).
+HELPER_IGNORES = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
+@contextlib.contextmanager
+def held_for_start() -> Iterator[None]:
+    """Around the ``Popen`` of a helper: SIGINT, SIGTERM and SIGHUP stay blocked in the child
+    (it inherits this thread's signal mask) until ``protocol_fds`` ignores them. A Ctrl-C or a
+    stop signal to the whole group during its imports (a quarter of a second or more) would
+    otherwise kill it as it starts."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, HELPER_IGNORES)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
 def protocol_fds() -> tuple[int, int]:
     """(requests, replies): private copies of stdin and stdout for the frames; fds 0 and 1
     become /dev/null and stderr, so a library that prints to stdout cannot corrupt a frame.
@@ -48,8 +67,9 @@ def protocol_fds() -> tuple[int, int]:
     os.dup2(devnull, 0)
     os.dup2(2, 1)
     os.close(devnull)
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for sig in HELPER_IGNORES:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, HELPER_IGNORES)  # what came meanwhile is dropped
     return requests, replies
 
 

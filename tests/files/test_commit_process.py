@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from inboxd.config import load_config
-from inboxd.files.commit_process import CommitProcess, CommitProcessFailed
+from inboxd.files.commit_process import CommitProcess, CommitProcessFailed, CommitRaised
 from inboxd.files.commits import (
     CommitEntry,
     Committed,
@@ -100,9 +100,9 @@ def test_the_commit_process_files_and_moves_as_the_daemon_would(
         tmp_path: Path, process: CommitProcess) -> None:
     lifecycle = process.lifecycle
     entries = [claimed(lifecycle, ODD_NAME, b"one"), claimed(lifecycle, "b.jpg", b"two")]
-    here = InProcess(lifecycle).commit([claimed(lifecycle, "b.jpg", b"three")])
+    here = InProcess(lifecycle).send([claimed(lifecycle, "b.jpg", b"three")]).result()
     assert here.filed == [("b.jpg", False)] and here.moves == [None]
-    committed = process.commit(entries)
+    committed = process.send(entries).result()
     assert committed.error is None and committed.moves == [None, None]
     token = hashlib.sha256(b"two").hexdigest()[:12]
     assert committed.filed == [(ODD_NAME, False), (f"b.{token}.jpg", False)]
@@ -113,15 +113,28 @@ def test_the_commit_process_files_and_moves_as_the_daemon_would(
     assert (done / ODD_NAME).read_bytes() == b"one"
     assert not list(Path(lifecycle.config.processing_dir(tmp_path / "inbox")).iterdir())
     # The same bytes under the same name again: found filed, not filed twice.
-    again = process.commit([claimed(lifecycle, "b.jpg", b"two")])
+    again = process.send([claimed(lifecycle, "b.jpg", b"two")]).result()
     assert again.filed == [(f"b.{token}.jpg", True)] and again.moves == [None]
+
+
+def test_batches_sent_before_the_first_is_answered_are_each_answered(
+        tmp_path: Path, process: CommitProcess) -> None:
+    lifecycle = process.lifecycle
+    sent = [process.send([claimed(lifecycle, f"{n}-{i}.jpg", f"{n}-{i}".encode())
+                          for i in range(20)]) for n in range(3)]
+    # A writer cancelled at shutdown cannot cancel a batch already sent: its reply is still
+    # taken off the pipe, and the next batch's is its own.
+    assert not sent[0].cancel()
+    for n, future in enumerate(sent):
+        assert future.result().filed == [(f"{n}-{i}.jpg", False) for i in range(20)]
+    assert len(list((tmp_path / "done").glob("*.jpg"))) == 60
 
 
 def test_a_vector_is_filed_beside_its_result(tmp_path: Path, process: CommitProcess) -> None:
     entry = claimed(process.lifecycle, "e.jpg", b"embed")
     entry = CommitEntry(entry.key, entry.sha256, {"source": "e.jpg", "embedding": {
         "file": "e.jpg.npy"}}, entry.claimed, entry.inbox_path, np.array([3, 4], np.float32))
-    assert process.commit([entry]).filed == [("e.jpg", False)]
+    assert process.send([entry]).result().filed == [("e.jpg", False)]
     assert np.load(tmp_path / "results" / "e.jpg.npy").tolist() == [3.0, 4.0]
 
 
@@ -132,7 +145,7 @@ def test_a_full_results_disk_is_the_batch_s_error_and_nothing_moves(
     tmp.mkdir(parents=True, exist_ok=True)
     tmp.rmdir()
     tmp.write_bytes(b"")  # where the temp files go is a file now: ENOTDIR, like a broken disk
-    committed = process.commit([entry])
+    committed = process.send([entry]).result()
     assert committed.error is not None and committed.filed == []
     assert os.path.exists(entry.claimed) and not (tmp_path / "done" / "a.jpg").exists()
 
@@ -150,13 +163,49 @@ def test_the_commit_process_holds_the_instance_while_it_lives(
 
 def test_a_commit_process_that_dies_is_reported_not_taken_for_an_outcome(
         tmp_path: Path, process: CommitProcess) -> None:
-    assert process.commit([claimed(process.lifecycle, "a.jpg", b"a")]).moves == [None]
+    assert process.send([claimed(process.lifecycle, "a.jpg", b"a")]).result().moves == [None]
     assert process.pid is not None
     os.kill(process.pid, signal.SIGKILL)
     entry = claimed(process.lifecycle, "b.jpg", b"b")
     with pytest.raises(CommitProcessFailed, match="ended with SIGKILL"):
-        process.commit([entry])
+        process.send([entry]).result()
     assert os.path.exists(entry.claimed)
+
+
+def test_a_bug_met_in_the_commit_process_comes_back_with_its_traceback(
+        process: CommitProcess) -> None:
+    unsafe = CommitEntry("../x.jpg", "a" * 64, {}, "/nonexistent", "/nonexistent")
+    with pytest.raises(CommitRaised, match="refusing unsafe output key"):
+        process.send([unsafe]).result()
+
+
+def test_a_config_whose_paths_are_not_utf8_reaches_the_commit_process(tmp_path: Path) -> None:
+    root = tmp_path / os.fsdecode(b"caf\xe9")  # a Latin-1 folder name: not UTF-8
+    root.mkdir()
+    lifecycle = lifecycle_for(root)
+    commits = CommitProcess(lifecycle.config, lifecycle)
+    commits.start()
+    try:
+        committed = commits.send([claimed(lifecycle, "a.jpg", b"a")]).result()
+    finally:
+        commits.close()
+    assert committed.filed == [("a.jpg", False)] and (root / "done" / "a.jpg").exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_while_the_commit_process_starts_does_not_end_it(
+        tmp_path: Path, sig: signal.Signals) -> None:
+    """A Ctrl-C or systemd's SIGTERM to the whole group can come while it is still importing:
+    it is the daemon's to drain and end, not the signal's."""
+    lifecycle = lifecycle_for(tmp_path)
+    commits = CommitProcess(lifecycle.config, lifecycle)
+    commits.start()
+    try:
+        assert commits.pid is not None
+        os.kill(commits.pid, sig)
+        assert commits.send([claimed(lifecycle, "a.jpg", b"a")]).result().moves == [None]
+    finally:
+        commits.close()
 
 
 def test_the_commit_process_dies_with_the_daemon_even_mid_commit(tmp_path: Path) -> None:
@@ -177,7 +226,7 @@ def test_the_commit_process_dies_with_the_daemon_even_mid_commit(tmp_path: Path)
         "inbox = lifecycle.config.inbox.paths[0]\n"
         "entry = CommitEntry('a.jpg', 'f' * 64, {}, lifecycle.claim(inbox, 'a.jpg'), 'x')\n"
         "commits = CommitProcess(lifecycle.config, lifecycle); commits.start()\n"
-        "threading.Thread(target=commits.commit, args=([entry],), daemon=True).start()\n"
+        "commits.send([entry])\n"
         "print(commits.pid, flush=True); time.sleep(60)\n")
     daemon = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, COMMIT_PAUSE_ENV: "30000"})

@@ -1,5 +1,5 @@
-"""A commit process that dies under a flood: the daemon stops as at any stage crash, and its
-next run gives every file exactly one outcome."""
+"""A commit process that dies: the daemon stops as at any stage crash, its next run gives every
+file exactly one outcome, and none of them is held to blame."""
 
 from __future__ import annotations
 
@@ -46,3 +46,32 @@ def test_a_commit_process_killed_mid_flood_stops_the_daemon_and_loses_nothing(
     assert results == names
     assert {p.name for p in (tmp_path / "done").iterdir() if p.is_file()} == names
     assert not list((tmp_path / "failed").glob("*.png"))
+
+
+def test_a_commit_process_killed_again_and_again_never_fails_a_file(tmp_path: Path) -> None:
+    """Its death is a kill, not the doing of the files in flight: a file that was in flight at
+    two such crashes in a row is not sent to failed/ (two stage crashes would send it)."""
+    make_image(tmp_path / "inbox" / "good.png")
+    config = load_config(write_config(tmp_path, inbox={"settle_ms": 0}))
+    for _run in range(3):
+        pipeline = Pipeline(config, FakeModel())  # type: ignore[arg-type]
+
+        async def kill_it_idle(pipeline: Pipeline = pipeline) -> None:
+            original = pipeline.start_processing
+
+            def start_then_kill() -> None:
+                original()
+                assert isinstance(pipeline.commits, CommitProcess)
+                assert pipeline.commits.pid is not None
+                os.kill(pipeline.commits.pid, signal.SIGKILL)
+
+            pipeline.start_processing = start_then_kill  # type: ignore[method-assign]
+            await pipeline.process_backlog()
+
+        asyncio.run(kill_it_idle())
+        assert isinstance(pipeline.crashed, CommitProcessFailed)
+    last = Pipeline(config, FakeModel())  # type: ignore[arg-type]
+    asyncio.run(last.process_backlog())
+    assert last.stats.counters.completed == 1 and last.stats.counters.failed == 0
+    assert (tmp_path / "results" / "good.png.json").exists()
+    assert not list((tmp_path / "failed").iterdir())

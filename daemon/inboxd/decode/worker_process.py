@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from inboxd import wire
-from inboxd.children import child_env
+from inboxd.children import child_env, held_for_start
 from inboxd.decode.spec import PreprocessSpec
 
 EXIT_WAIT_S = 5.0  # from the EOF on a worker's replies to its exit status
@@ -39,11 +39,12 @@ class WorkerProcess:
     """One ``python -m inboxd.decode.worker``: its pipes, its reader, its request numbers."""
 
     def __init__(self, settings: WorkerSettings, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "inboxd.decode.worker"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
-            env=env,
-        )
+        with held_for_start():
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "inboxd.decode.worker"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
+                env=env,
+            )
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.requests = self.proc.stdin.fileno()
         self.reader = wire.Reader(self.proc.stdout.fileno())

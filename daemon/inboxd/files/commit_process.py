@@ -1,32 +1,59 @@
 """The commit process as the daemon sees it (what it does: ``files/commit_worker.py``): started
-once with the pipeline, handed one batch at a time by the result writer's io thread, ended by
-EOF on its requests when the pipeline stops.
+once with the pipeline, handed batches by the result writer's io thread, ended by EOF on its
+requests when the pipeline stops.
 
-A commit process that dies or answers nonsense is not a file's doing, and which of its batch's
-sources had already moved cannot be known from here: ``CommitProcessFailed`` crashes the result
-writer's stage, like any stage crash. The service exits, and its restart returns what was
-claimed to the inbox, where each file's durable result (if it got one) is found by its sha256.
+A batch is sent as soon as the writer has it (``send``), while the process may still be busy
+with the one before: it takes them in order, one at a time, and never waits for the daemon
+between two. Its replies are read by a thread of their own, which hands each to the future
+``send`` returned.
+
+Which of a batch's sources had already moved when the commit process failed cannot be known
+from here, so a failure crashes the result writer's stage, like any stage crash: the service
+exits, and its restart returns what was claimed to the inbox, where each file's durable result
+(if it got one) is found by its sha256. Two kinds:
+
+- ``CommitProcessFailed``: the process died (killed, the OOM killer) or sent what is not a
+  reply. Like a kill of the daemon, not the doing of the files in flight: no crash is counted
+  against them (``Lifecycle.record_crash``).
+- ``CommitRaised``: the commit raised (a bug that a batch met), with the traceback; counted
+  against the files in flight like any stage crash, so one that keeps causing it ends in
+  failed/ instead of stopping the service again and again.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 from inboxd import wire
-from inboxd.children import child_env, describe_exit
+from inboxd.children import child_env, describe_exit, held_for_start
 from inboxd.config import Config
 from inboxd.files.commit_worker import MAX_HEADER_BYTES
-from inboxd.files.commits import CommitEntry, Committed, committed_from, request_frame
+from inboxd.files.commits import (
+    CommitEntry,
+    Committed,
+    committed_from,
+    config_json,
+    request_frame,
+)
 from inboxd.files.lifecycle import Lifecycle
+from inboxd.os_threads import name_this_thread
 
-EXIT_WAIT_S = 10.0  # from EOF on its requests to its exit: the batch in hand is finished first
+EXIT_WAIT_S = 10.0  # from EOF on its requests to its exit: the batches it has are finished first
 
 
 class CommitProcessFailed(RuntimeError):
     """The commit process died, or sent what is not a reply to the batch it was given."""
+
+
+class CommitRaised(RuntimeError):
+    """The commit of a batch raised in the commit process (the traceback is the message)."""
 
 
 class CommitProcess:
@@ -34,77 +61,124 @@ class CommitProcess:
         self.config = config
         self.lifecycle = lifecycle  # its instance locks go with the process
         self.proc: subprocess.Popen[bytes] | None = None
-        self.reader: wire.Reader | None = None
-        self.ready = False
         self.request_id = 0
+        # Batches sent and not answered, oldest first: (request number, files, their future).
+        self._waiting: collections.deque[tuple[int, int, Future[Committed]]] = (
+            collections.deque())
+        self._lock = threading.Lock()  # _waiting, _failed, _closing
+        self._send_lock = threading.Lock()
+        self._failed: str | None = None  # why it can take no more batches
+        self._closing = False
 
     def start(self) -> None:
-        """Start it (it gets ready in the background; the first commit waits for that). Call it
-        from a thread that lives as long as the process is wanted: the kernel kills the process
-        when the thread that started it ends (``PR_SET_PDEATHSIG``). Idempotent."""
+        """Start it (it gets ready in the background). Call it from a thread that lives as long
+        as the process is wanted: the kernel kills the process when the thread that started it
+        ends (``PR_SET_PDEATHSIG``). Idempotent."""
         if self.proc is not None:
             return
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "inboxd.files.commit_worker"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env(),
-            pass_fds=self.lifecycle.lock_fds(),
-        )
+        init = {"parent_pid": os.getpid(), "config": config_json(self.config)}
+        with held_for_start():
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "inboxd.files.commit_worker"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env(),
+                pass_fds=self.lifecycle.lock_fds(),
+            )
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.reader = wire.Reader(self.proc.stdout.fileno(), MAX_HEADER_BYTES)
-        wire.send(self.proc.stdin.fileno(), {"parent_pid": os.getpid(),
-                                             "config": self.config.model_dump_json()})
+        wire.send(self.proc.stdin.fileno(), init)
+        threading.Thread(target=self._read_replies, args=(self.proc,),
+                         name="inboxd-commit-replies", daemon=True).start()
 
     @property
     def pid(self) -> int | None:
         return None if self.proc is None else self.proc.pid
 
-    def commit(self, entries: Sequence[CommitEntry]) -> Committed:
-        """File ``entries``' results and move their sources (blocking: the io thread's)."""
-        self.start()
-        assert self.proc is not None and self.proc.stdin is not None and self.reader is not None
-        self.request_id += 1
+    def send(self, entries: Sequence[CommitEntry]) -> Future[Committed]:
+        """Hand ``entries`` over to be filed and moved (blocking while the pipe is full); the
+        outcome arrives on the future."""
+        if self.proc is None or self.proc.stdin is None:
+            raise RuntimeError("CommitProcess.send() before start()")
         rows, payload = request_frame(entries)
-        try:
-            if not self.ready:
-                self.ready = self.reader.recv()[0].get("ready") is True
-                if not self.ready:
-                    raise wire.WireError("its first frame is not the ready one")
-            wire.send(self.proc.stdin.fileno(), {"request": self.request_id, "entries": rows},
-                      payload)
-            header, _ = self.reader.recv()
-            if header.get("request") != self.request_id:
-                raise wire.WireError(f"a reply to request {header.get('request')!r}, not "
-                                     f"{self.request_id}")
-            committed = committed_from(header)
-            if committed.error is None and len(committed.filed) != len(entries):
-                raise wire.WireError(f"{len(committed.filed)} outcomes for {len(entries)} files")
-            return committed
-        except (OSError, EOFError, wire.WireError, KeyError, TypeError, ValueError) as exc:
-            raise CommitProcessFailed(self._why(exc)) from exc
+        future: Future[Committed] = Future()
+        # Running: a writer cancelled at shutdown cannot cancel it (the batch is committed all
+        # the same, and its reply still has to be taken off the pipe).
+        future.set_running_or_notify_cancel()
+        # Batches go down the pipe whole and in the order of their numbers. Not under _lock,
+        # which the reply thread needs: a full pipe waits for the process, and the process may
+        # wait for its replies to be read.
+        with self._send_lock:
+            with self._lock:
+                if self._failed is not None or self._closing:
+                    raise CommitProcessFailed(self._failed or "the commit process is closed")
+                self.request_id += 1
+                request = self.request_id
+                self._waiting.append((request, len(entries), future))
+            # OSError: it has gone, and the reply thread's EOF fails this batch with the reason.
+            with contextlib.suppress(OSError):
+                wire.send(self.proc.stdin.fileno(), {"request": request, "entries": rows},
+                          payload)
+        return future
 
-    def _why(self, exc: BaseException) -> str:
-        assert self.proc is not None
+    def _read_replies(self, proc: subprocess.Popen[bytes]) -> None:
+        name_this_thread()
+        assert proc.stdout is not None
+        reader = wire.Reader(proc.stdout.fileno(), MAX_HEADER_BYTES)
+        try:
+            if reader.recv()[0].get("ready") is not True:
+                raise wire.WireError("its first frame is not the ready one")
+            while True:
+                header, _ = reader.recv()
+                with self._lock:
+                    if not self._waiting:
+                        raise wire.WireError("a reply to no batch")
+                    request, files, future = self._waiting.popleft()
+                if header.get("request") != request:
+                    raise wire.WireError(f"a reply to request {header.get('request')!r}, not "
+                                         f"{request}")
+                if "crash" in header:
+                    future.set_exception(CommitRaised(
+                        f"the commit process raised on a batch:\n{header['crash']}"))
+                    continue
+                committed = committed_from(header)
+                if committed.error is None and len(committed.filed) != files:
+                    raise wire.WireError(f"{len(committed.filed)} outcomes for {files} files")
+                future.set_result(committed)
+        except (OSError, EOFError, wire.WireError, KeyError, TypeError, ValueError) as exc:
+            self._fail(proc, exc)
+        finally:
+            proc.stdout.close()
+
+    def _fail(self, proc: subprocess.Popen[bytes], exc: BaseException) -> None:
         if isinstance(exc, EOFError | OSError):
             try:
-                how = f"ended with {describe_exit(self.proc.wait(EXIT_WAIT_S))}"
+                how = f"ended with {describe_exit(proc.wait(EXIT_WAIT_S))}"
             except subprocess.TimeoutExpired:
                 how = f"closed its pipes ({exc!r})"
         else:
             how = f"sent what is not a reply ({exc})"
-        return (f"the commit process (pid {self.proc.pid}) {how} during a batch; inboxd stops, "
-                "and its restart takes the batch's files again")
+        why = (f"the commit process (pid {proc.pid}) {how}; inboxd stops, and its restart takes "
+               "the files of the batches it had again, none of them counted as at fault")
+        with self._lock:
+            if self._closing and isinstance(exc, EOFError) and not self._waiting:
+                return  # closed by us, every batch answered
+            self._failed = why
+            waiting = list(self._waiting)
+            self._waiting.clear()
+        for _request, _files, future in waiting:
+            future.set_exception(CommitProcessFailed(why))
 
     def close(self) -> None:
-        """EOF on its requests: it finishes the batch in hand, if any, and exits; killed if it
-        does not within ``EXIT_WAIT_S``. Idempotent."""
-        if self.proc is None:
-            return
-        proc, self.proc = self.proc, None
-        assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.close()
+        """EOF on its requests: it finishes the batches it has and exits; killed if it does not
+        within ``EXIT_WAIT_S``. Idempotent."""
+        with self._lock:
+            if self.proc is None or self._closing:
+                return
+            self._closing = True
+        proc = self.proc
+        assert proc.stdin is not None
+        with self._send_lock:
+            proc.stdin.close()
         try:
             proc.wait(EXIT_WAIT_S)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        proc.stdout.close()

@@ -18,15 +18,16 @@ same instance cannot start while it still runs; and the kernel kills it when the
 from __future__ import annotations
 
 import os
+import traceback
 
 from inboxd import wire
 from inboxd.children import die_with_parent, protocol_fds
-from inboxd.config import Config
-from inboxd.files.commits import commit, entries_from, reply_header
+from inboxd.files.commits import commit, config_from_json, entries_from, reply_header
 from inboxd.files.lifecycle import Lifecycle
 
-# A batch's documents and paths (hex, up to PATH_MAX each): from the daemon, which is trusted.
-MAX_HEADER_BYTES = 1 << 26
+# A batch's documents and paths (hex, up to PATH_MAX each), from the daemon, which is trusted:
+# as large as the batch and top_k it was configured with (1,000 of each make 75 MB).
+MAX_HEADER_BYTES = 1 << 30
 
 
 def main() -> None:
@@ -34,14 +35,20 @@ def main() -> None:
     reader = wire.Reader(requests, MAX_HEADER_BYTES)
     init, _ = reader.recv()
     die_with_parent(init["parent_pid"])
-    lifecycle = Lifecycle(Config.model_validate_json(init["config"]))
+    lifecycle = Lifecycle(config_from_json(init["config"]))
     wire.send(replies, {"ready": True, "pid": os.getpid()})
     while True:
         try:
             request, payload = reader.recv()
         except EOFError:
             return  # the daemon is done with us
-        committed = commit(lifecycle, entries_from(request["entries"], payload))
+        try:
+            committed = commit(lifecycle, entries_from(request["entries"], payload))
+        except Exception:
+            # A bug, not a disk (those come back as OSErrors in the reply): the daemon's stage
+            # crashes with this traceback, as it did when the commit ran in the daemon.
+            wire.send(replies, {"request": request["request"], "crash": traceback.format_exc()})
+            return
         wire.send(replies, {"request": request["request"], **reply_header(committed)})
 
 

@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import errno
 import functools
+import json
 import os
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path, PurePath
 from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
+from inboxd.config import Config
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.results import ResultEntry, ResultFiles
 
@@ -50,7 +54,7 @@ class Commits(Protocol):
 
     def start(self) -> None: ...
 
-    def commit(self, entries: Sequence[CommitEntry]) -> Committed: ...
+    def send(self, entries: Sequence[CommitEntry]) -> Future[Committed]: ...
 
     def close(self) -> None: ...
 
@@ -103,8 +107,10 @@ class InProcess:
     def start(self) -> None:
         pass
 
-    def commit(self, entries: Sequence[CommitEntry]) -> Committed:
-        return commit(self.lifecycle, entries)
+    def send(self, entries: Sequence[CommitEntry]) -> Future[Committed]:
+        future: Future[Committed] = Future()
+        future.set_result(commit(self.lifecycle, entries))
+        return future
 
     def close(self) -> None:
         pass
@@ -142,6 +148,28 @@ def entries_from(rows: list[dict[str, Any]], payload: bytes | bytearray) -> list
                                    os.fsdecode(bytes.fromhex(row["claimed_hex"])),
                                    os.fsdecode(bytes.fromhex(row["inbox_path_hex"])), vector))
     return entries
+
+
+def config_json(config: Config) -> str:
+    """``config`` as JSON the commit process rebuilds it from. Paths go as hex: a path need not
+    be UTF-8 (a working folder's name, say), and pydantic's own JSON refuses one that is not."""
+    return json.dumps(config.model_dump(), default=_path_hex)
+
+
+def config_from_json(text: str) -> Config:
+    return Config.model_validate(json.loads(text, object_hook=_hex_path))
+
+
+def _path_hex(value: Any) -> dict[str, str]:
+    if isinstance(value, PurePath):
+        return {"path_hex": os.fsencode(value).hex()}
+    raise TypeError(f"{type(value).__name__} in a config")
+
+
+def _hex_path(found: dict[str, Any]) -> Any:
+    if found.keys() == {"path_hex"}:
+        return Path(os.fsdecode(bytes.fromhex(found["path_hex"])))
+    return found
 
 
 def reply_header(committed: Committed) -> dict[str, Any]:

@@ -95,8 +95,9 @@ class ResultFiles:
 
     def recorded_sha256(self, name: str) -> str | None:
         """The sha256 in ``name``'s result; "" when the file exists but says none."""
+        path = self.json_file(name)  # an unsafe name raises, not "exists but says none"
         try:
-            with open(self.json_file(name), "rb") as existing:
+            with open(path, "rb") as existing:
                 sha = json.load(existing).get("sha256")
         except FileNotFoundError:
             return None

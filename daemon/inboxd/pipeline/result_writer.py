@@ -3,10 +3,13 @@
 A batch's results are written together (group commit, ``files.results``): every JSON to its
 temp file, all of them fdatasynced in parallel, renamed into place, each results folder fsynced
 once, and only then do the sources move (so no source ever moves before its result is safe).
-That commit runs in the commit process (``files/commit_worker.py`` says why), handed the batch
-by this stage's io thread. The hand-off from the model worker holds one batch: the model infers
-batch n+1 while batch n is being written; with several calls in flight, the finished ones wait
-on ``submit()`` inside their in-flight slots, so the model stage's bound still counts them.
+That commit runs in the commit process (``files/commit_worker.py`` says why), handed each batch
+by this stage's io thread. Up to ``COMMITS_IN_FLIGHT`` batches are there at once (the layer
+``committing``): it commits one while the next waits in its pipe, so it never waits for this
+stage between two, and this stage logs one batch's outcomes while the next is being committed.
+The hand-off from the model worker holds one batch more: the model infers while batches are
+being written; with several calls in flight, the finished ones wait on ``submit()`` inside their
+in-flight slots, so the model stage's bound still counts them.
 """
 
 from __future__ import annotations
@@ -26,6 +29,35 @@ from inboxd.models.model import Embedding, Model, Prediction, not_finite
 from inboxd.pipeline.outcomes import Outcomes, RunIO, utc_now
 
 HANDOFF_BATCHES = 1
+COMMITS_IN_FLIGHT = 2
+
+
+class Committing:
+    """The layer of batches handed to the commit process and not answered yet."""
+
+    name = "committing"
+    capacity = COMMITS_IN_FLIGHT
+
+    def __init__(self) -> None:
+        self.writes: set[asyncio.Task[None]] = set()
+        self.high_water = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.writes)
+
+    def add(self, write: asyncio.Task[None]) -> None:
+        self.writes.add(write)
+        self.high_water = max(self.high_water, len(self.writes))
+
+    async def reap(self, also: asyncio.Future[Any] | None = None) -> None:
+        """Wait for a write to end (or ``also``); a write that crashed crashes the stage."""
+        done, _ = await asyncio.wait({*self.writes, *filter(None, [also])},
+                                     return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            if task in self.writes:
+                self.writes.discard(task)
+                task.result()
 
 
 class ResultWriter:
@@ -50,6 +82,7 @@ class ResultWriter:
         self.clock = clock
         self.handoff: asyncio.Queue[list[Outcome]] = asyncio.Queue(maxsize=HANDOFF_BATCHES)
         self.high_water = 0
+        self.committing = Committing()
 
     @property
     def size(self) -> int:
@@ -64,12 +97,29 @@ class ResultWriter:
         self.high_water = max(self.high_water, self.handoff.qsize())
 
     async def run(self) -> None:
-        while True:
-            batch = await self.handoff.get()
-            try:
-                await self._write(batch)
-            finally:
-                self.handoff.task_done()
+        committing = self.committing
+        getter: asyncio.Future[list[Outcome]] | None = None
+        try:
+            while True:
+                while committing.size >= committing.capacity:
+                    await committing.reap()
+                getter = asyncio.ensure_future(self.handoff.get())
+                while not getter.done():
+                    await committing.reap(getter)
+                committing.add(asyncio.create_task(self._write_and_finish(getter.result()),
+                                                   name="commit"))
+                getter = None
+        finally:
+            if getter is not None:
+                getter.cancel()
+            for write in committing.writes:
+                write.cancel()
+
+    async def _write_and_finish(self, batch: list[Outcome]) -> None:
+        try:
+            await self._write(batch)
+        finally:
+            self.handoff.task_done()
 
     async def _write(self, batch: list[Outcome]) -> None:
         good: list[tuple[WorkItem, Prediction]] = []
@@ -88,7 +138,8 @@ class ResultWriter:
                                item.claimed_path, item.inbox_path,
                                result.vector if isinstance(result, Embedding) else None)
                    for item, result in good]
-        committed = await self.run_io(lambda: self.commits.commit(entries))
+        sent = await self.run_io(lambda: self.commits.send(entries))
+        committed = await asyncio.wrap_future(sent)
         if committed.error is not None:
             why = committed.error.strerror or committed.error
             for item, _ in good:

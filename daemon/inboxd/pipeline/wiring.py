@@ -26,7 +26,7 @@ from inboxd.config import Config
 from inboxd.decode import device_route
 from inboxd.decode.pool import DecodePool
 from inboxd.decode.worker_process import WorkerSettings
-from inboxd.files.commit_process import CommitProcess
+from inboxd.files.commit_process import CommitProcess, CommitProcessFailed
 from inboxd.files.commits import Commits
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.names import NameFilter
@@ -122,7 +122,7 @@ class Pipeline:
                                   on_inferred=lambda s: self.stats.inference_ms.add(s * 1000),
                                   in_flight=capacity.in_flight_batches)
         self.stats.register(self.buffer, self.queue, self.preprocessor, self.cache, self.batcher,
-                            self.worker, self.writer, self.retry_list)
+                            self.worker, self.writer, self.writer.committing, self.retry_list)
         self._intake_tasks: list[asyncio.Task[None]] = []
         self._processing_tasks: list[asyncio.Task[None]] = []
         self.crashed: BaseException | None = None
@@ -185,10 +185,12 @@ class Pipeline:
         logs.log.critical("pipeline stage %s crashed: %r", task.get_name(), exc,
                           exc_info=exc)
         self.crashed = exc
-        try:
-            self.lifecycle.record_crash(f"stage {task.get_name()} crashed: {exc!r}")
-        except OSError as record_error:
-            logs.log.error("cannot record which files were in flight: %s", record_error)
+        # A commit process that died is a kill, not the doing of the files in flight.
+        if not isinstance(exc, CommitProcessFailed):
+            try:
+                self.lifecycle.record_crash(f"stage {task.get_name()} crashed: {exc!r}")
+            except OSError as record_error:
+                logs.log.error("cannot record which files were in flight: %s", record_error)
         self.crash_event.set()
 
     def start_processing(self) -> None:
@@ -351,8 +353,8 @@ class Pipeline:
         for item in self.retry_list.drain():
             self.lifecycle.release(item.claimed_path, item.inbox_path)
             self.stats.counters.released += 1
-        self.io_executor.shutdown(wait=True)  # a batch still being committed is finished
-        self.commits.close()
+        self.io_executor.shutdown(wait=True)
+        self.commits.close()  # what it still has is committed (or, past a timeout, recovered)
         if self.crashed is None:
             returned, _ = self.lifecycle.recover()  # anything cancelled mid-flight
             self.stats.counters.released += returned
