@@ -28,9 +28,18 @@ class WireError(Exception):
 def send(fd: int, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
     """One frame, the payload written from where it lies (``writev``: never copied into the
     frame; a decoded crop is sent straight from its array)."""
+    write(fd, frame(header, payload))
+
+
+def frame(header: dict[str, Any], payload: bytes | memoryview = b"") -> list[memoryview]:
+    """One frame's pieces, ready for ``write`` (encoding raises here, before anything is
+    written)."""
     encoded = json.dumps(header).encode()
     payload = memoryview(payload).cast("B")
-    views = [memoryview(PREFIX.pack(len(encoded), payload.nbytes) + encoded), payload]
+    return [memoryview(PREFIX.pack(len(encoded), payload.nbytes) + encoded), payload]
+
+
+def write(fd: int, views: list[memoryview]) -> None:
     while views:
         written = os.writev(fd, views)
         while views and written >= views[0].nbytes:

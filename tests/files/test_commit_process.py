@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from inboxd.config import load_config
+from inboxd.files import commit_process as commit_process_module
 from inboxd.files.commit_process import CommitProcess, CommitProcessFailed, CommitRaised
 from inboxd.files.commits import (
     CommitEntry,
@@ -177,6 +178,69 @@ def test_a_bug_met_in_the_commit_process_comes_back_with_its_traceback(
     unsafe = CommitEntry("../x.jpg", "a" * 64, {}, "/nonexistent", "/nonexistent")
     with pytest.raises(CommitRaised, match="refusing unsafe output key"):
         process.send([unsafe]).result()
+
+
+def test_a_bug_met_in_a_batch_is_what_every_batch_behind_it_reports(
+        process: CommitProcess) -> None:
+    """It exits after the traceback, and a batch already sent behind the one that raised must
+    fail as that bug too, not as a kill of the process (which would count against no file)."""
+    lifecycle = process.lifecycle
+    unsafe = CommitEntry("../x.jpg", "a" * 64, {}, "/nonexistent", "/nonexistent")
+    first = process.send([unsafe])
+    second = process.send([claimed(lifecycle, "b.jpg", b"b")])
+    for future in (first, second):
+        with pytest.raises(CommitRaised, match="refusing unsafe output key"):
+            future.result()
+    with pytest.raises(CommitRaised):
+        process.send([claimed(lifecycle, "c.jpg", b"c")])
+
+
+def test_a_large_batch_waits_on_its_own_thread_not_on_the_caller(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch larger than the pipe, sent while the one before is still being committed, is
+    handed over at once: the io thread that sends it has other files to move meanwhile."""
+    monkeypatch.setenv(COMMIT_PAUSE_ENV, "500")  # each step of each commit: 2 s a commit
+    lifecycle = lifecycle_for(tmp_path)
+    commits = CommitProcess(lifecycle.config, lifecycle)
+    commits.start()
+    label = "x" * 2000  # 64 documents of 10 KB: a request of 640 KB, ten pipes full
+    try:
+        batches = [[claimed(lifecycle, f"{n}-{i}.jpg", f"{n}-{i}".encode()) for i in range(64)]
+                   for n in range(2)]
+        batches = [[CommitEntry(e.key, e.sha256, {**e.document, "top_k": [label] * 5},
+                                e.claimed, e.inbox_path) for e in batch] for batch in batches]
+        started = time.monotonic()
+        sent = [commits.send(batch) for batch in batches]
+        assert time.monotonic() - started < 1.0
+        assert [len(future.result().filed) for future in sent] == [64, 64]
+    finally:
+        commits.close()
+
+
+def test_a_batch_that_cannot_be_encoded_leaves_the_next_one_its_own_reply(
+        process: CommitProcess) -> None:
+    lifecycle = process.lifecycle
+    entry = claimed(lifecycle, "a.jpg", b"a")
+    odd = CommitEntry(entry.key, entry.sha256, {"source": {1, 2}}, entry.claimed,
+                      entry.inbox_path)
+    with pytest.raises(TypeError):
+        process.send([odd])  # a bug in the daemon: nothing was sent
+    assert process.send([entry]).result().filed == [("a.jpg", False)]
+
+
+def test_a_reply_thread_that_meets_the_unexpected_fails_every_batch_instead_of_hanging(
+        process: CommitProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(header: object) -> Committed:
+        raise IndexError("a bug in reading replies")
+
+    monkeypatch.setattr(commit_process_module, "committed_from", broken)
+    lifecycle = process.lifecycle
+    futures = [process.send([claimed(lifecycle, f"{n}.jpg", f"{n}".encode())]) for n in range(2)]
+    for future in futures:
+        with pytest.raises(CommitProcessFailed, match="IndexError"):
+            future.result(timeout=30)
+    with pytest.raises(CommitProcessFailed):
+        process.send([claimed(lifecycle, "c.jpg", b"c")])
 
 
 def test_a_config_whose_paths_are_not_utf8_reaches_the_commit_process(tmp_path: Path) -> None:

@@ -2,10 +2,11 @@
 once with the pipeline, handed batches by the result writer's io thread, ended by EOF on its
 requests when the pipeline stops.
 
-A batch is sent as soon as the writer has it (``send``), while the process may still be busy
-with the one before: it takes them in order, one at a time, and never waits for the daemon
-between two. Its replies are read by a thread of their own, which hands each to the future
-``send`` returned.
+A batch is handed over as soon as the writer has it (``send`` encodes it and returns a future at
+once), while the process may still be busy with the one before: a thread of its own writes the
+batches down the pipe, in order, so a full pipe holds up that thread, never the io thread; the
+process takes them one at a time and never waits for the daemon between two; another thread
+reads the replies and hands each to its batch's future.
 
 Which of a batch's sources had already moved when the commit process failed cannot be known
 from here, so a failure crashes the result writer's stage, like any stage crash: the service
@@ -25,6 +26,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import queue
 import subprocess
 import sys
 import threading
@@ -65,9 +67,11 @@ class CommitProcess:
         # Batches sent and not answered, oldest first: (request number, files, their future).
         self._waiting: collections.deque[tuple[int, int, Future[Committed]]] = (
             collections.deque())
-        self._lock = threading.Lock()  # _waiting, _failed, _closing
-        self._send_lock = threading.Lock()
-        self._failed: str | None = None  # why it can take no more batches
+        self._outbox: queue.SimpleQueue[list[memoryview] | None] = queue.SimpleQueue()
+        self._sender: threading.Thread | None = None
+        self._lock = threading.Lock()  # _waiting, _failure, _closing, the order of the outbox
+        self._failure: RuntimeError | None = None  # why it takes no more batches
+        self._raised: str | None = None  # the traceback of a commit that raised, if one did
         self._closing = False
 
     def start(self) -> None:
@@ -83,8 +87,10 @@ class CommitProcess:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env(),
                 pass_fds=self.lifecycle.lock_fds(),
             )
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        wire.send(self.proc.stdin.fileno(), init)
+        self._outbox.put(wire.frame(init))
+        self._sender = threading.Thread(target=self._write_requests, args=(self.proc,),
+                                        name="inboxd-commit-requests", daemon=True)
+        self._sender.start()
         threading.Thread(target=self._read_replies, args=(self.proc,),
                          name="inboxd-commit-replies", daemon=True).start()
 
@@ -93,30 +99,40 @@ class CommitProcess:
         return None if self.proc is None else self.proc.pid
 
     def send(self, entries: Sequence[CommitEntry]) -> Future[Committed]:
-        """Hand ``entries`` over to be filed and moved (blocking while the pipe is full); the
-        outcome arrives on the future."""
-        if self.proc is None or self.proc.stdin is None:
+        """Hand ``entries`` over to be filed and moved; the outcome arrives on the future."""
+        if self.proc is None:
             raise RuntimeError("CommitProcess.send() before start()")
         rows, payload = request_frame(entries)
         future: Future[Committed] = Future()
         # Running: a writer cancelled at shutdown cannot cancel it (the batch is committed all
-        # the same, and its reply still has to be taken off the pipe).
+        # the same, and its reply still has to be matched to it).
         future.set_running_or_notify_cancel()
-        # Batches go down the pipe whole and in the order of their numbers. Not under _lock,
-        # which the reply thread needs: a full pipe waits for the process, and the process may
-        # wait for its replies to be read.
-        with self._send_lock:
-            with self._lock:
-                if self._failed is not None or self._closing:
-                    raise CommitProcessFailed(self._failed or "the commit process is closed")
-                self.request_id += 1
-                request = self.request_id
-                self._waiting.append((request, len(entries), future))
-            # OSError: it has gone, and the reply thread's EOF fails this batch with the reason.
-            with contextlib.suppress(OSError):
-                wire.send(self.proc.stdin.fileno(), {"request": request, "entries": rows},
-                          payload)
+        with self._lock:
+            if self._failure is not None:
+                raise type(self._failure)(str(self._failure))
+            if self._closing:
+                raise CommitProcessFailed("the commit process is closed")
+            request = self.request_id + 1
+            views = wire.frame({"request": request, "entries": rows}, payload)  # may raise
+            self.request_id = request
+            self._waiting.append((request, len(entries), future))
+            self._outbox.put(views)
         return future
+
+    def _write_requests(self, proc: subprocess.Popen[bytes]) -> None:
+        """The outbox down the pipe, until ``close`` puts None; then EOF. Once the process has
+        gone the rest is dropped: the reply thread fails their batches."""
+        name_this_thread()
+        assert proc.stdin is not None
+        gone = False
+        while (views := self._outbox.get()) is not None:
+            if not gone:
+                try:
+                    wire.write(proc.stdin.fileno(), views)
+                except OSError:
+                    gone = True
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
 
     def _read_replies(self, proc: subprocess.Popen[bytes]) -> None:
         name_this_thread()
@@ -130,55 +146,65 @@ class CommitProcess:
                 with self._lock:
                     if not self._waiting:
                         raise wire.WireError("a reply to no batch")
-                    request, files, future = self._waiting.popleft()
+                    request, files, future = self._waiting[0]  # taken off once answered
                 if header.get("request") != request:
                     raise wire.WireError(f"a reply to request {header.get('request')!r}, not "
                                          f"{request}")
                 if "crash" in header:
-                    future.set_exception(CommitRaised(
-                        f"the commit process raised on a batch:\n{header['crash']}"))
-                    continue
+                    self._raised = str(header["crash"])
+                    raise wire.WireError("a commit raised")  # it exits now: fail the rest too
                 committed = committed_from(header)
                 if committed.error is None and len(committed.filed) != files:
                     raise wire.WireError(f"{len(committed.filed)} outcomes for {files} files")
+                with self._lock:
+                    self._waiting.popleft()
                 future.set_result(committed)
-        except (OSError, EOFError, wire.WireError, KeyError, TypeError, ValueError) as exc:
+        # Any exception: a reply thread that ended quietly would leave every batch waiting for
+        # ever (and ``inboxd once`` with them).
+        except Exception as exc:
             self._fail(proc, exc)
         finally:
             proc.stdout.close()
 
     def _fail(self, proc: subprocess.Popen[bytes], exc: BaseException) -> None:
-        if isinstance(exc, EOFError | OSError):
-            try:
-                how = f"ended with {describe_exit(proc.wait(EXIT_WAIT_S))}"
-            except subprocess.TimeoutExpired:
-                how = f"closed its pipes ({exc!r})"
+        failure: RuntimeError
+        if self._raised is not None:
+            # A bug a batch met, with what came after it: counted against the files in flight
+            # however the next write task reads it (a kill of the process would not be).
+            failure = CommitRaised(f"the commit process raised on a batch:\n{self._raised}")
         else:
-            how = f"sent what is not a reply ({exc})"
-        why = (f"the commit process (pid {proc.pid}) {how}; inboxd stops, and its restart takes "
-               "the files of the batches it had again, none of them counted as at fault")
+            if isinstance(exc, EOFError | OSError):
+                try:
+                    how = f"ended with {describe_exit(proc.wait(EXIT_WAIT_S))}"
+                except subprocess.TimeoutExpired:
+                    how = f"closed its pipes ({exc!r})"
+            else:
+                how = f"sent what is not a reply ({exc!r})"
+            failure = CommitProcessFailed(
+                f"the commit process (pid {proc.pid}) {how}; inboxd stops, and its restart "
+                "takes the files of the batches it had again, none of them counted as at fault")
         with self._lock:
             if self._closing and isinstance(exc, EOFError) and not self._waiting:
                 return  # closed by us, every batch answered
-            self._failed = why
+            self._failure = failure
             waiting = list(self._waiting)
             self._waiting.clear()
         for _request, _files, future in waiting:
-            future.set_exception(CommitProcessFailed(why))
+            future.set_exception(type(failure)(str(failure)))
 
     def close(self) -> None:
         """EOF on its requests: it finishes the batches it has and exits; killed if it does not
-        within ``EXIT_WAIT_S``. Idempotent."""
+        within ``EXIT_WAIT_S`` (a write still blocked on its pipe then fails). Idempotent."""
         with self._lock:
             if self.proc is None or self._closing:
                 return
             self._closing = True
+            self._outbox.put(None)
         proc = self.proc
-        assert proc.stdin is not None
-        with self._send_lock:
-            proc.stdin.close()
         try:
             proc.wait(EXIT_WAIT_S)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        if self._sender is not None:
+            self._sender.join()

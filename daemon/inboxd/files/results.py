@@ -108,7 +108,10 @@ class ResultFiles:
     def find(self, key: str, sha256: str) -> str | None:
         """The name under which these bytes' result already exists, if it does."""
         for name in key_variants(key, sha_token(sha256)):
-            recorded = self.recorded_sha256(name)
+            try:
+                recorded = self.recorded_sha256(name)
+            except ValueError:  # an unsafe name (a guess from a time-variant name): none filed
+                return None
             if recorded is None:
                 return None
             if recorded == sha256:

@@ -114,6 +114,7 @@ class ResultWriter:
                 getter.cancel()
             for write in committing.writes:
                 write.cancel()
+            committing.writes.clear()  # the last stats record must not count them
 
     async def _write_and_finish(self, batch: list[Outcome]) -> None:
         try:
