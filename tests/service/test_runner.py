@@ -116,6 +116,30 @@ def test_a_hung_model_call_stops_the_watchdog(tmp_path: Path) -> None:
         daemon.kill()
 
 
+def test_the_watchdog_s_sigabrt_prints_every_stack_and_ends_the_daemon_by_sigabrt(
+        tmp_path: Path) -> None:
+    """What systemd's watchdog sends when the model call hangs: the hung call's stack must
+    reach the journal (printed by the event loop with the GIL held: faulthandler's own dump,
+    beside threads that ran on, crashed half-way with SIGSEGV in 2 nspawn runs of 6), and the
+    exit status must say SIGABRT."""
+    notify = NotifySocket(str(tmp_path / "notify.sock"))
+    config = write_config(tmp_path)
+    daemon = DaemonProcess(config, env={"NOTIFY_SOCKET": notify.address,
+                                        "WATCHDOG_USEC": "1000000",
+                                        "INBOXD_FAULTS": "hang_on_batch=1"})
+    try:
+        notify.wait_for("READY=1")
+        drop(make_image(tmp_path / "a.png"), tmp_path / "inbox")
+        daemon.wait_for("watchdog", 30)  # the model has been stuck longer than the timeout
+        daemon.proc.send_signal(signal.SIGABRT)
+        assert daemon.proc.wait(30) == -signal.SIGABRT
+        output = daemon.output()
+        assert "Segmentation fault" not in output
+        assert "models/faults.py" in output, output[-3000:]  # the hung call's own frames
+    finally:
+        daemon.kill()
+
+
 def test_reload_applies_capacities_live_and_refuses_a_bad_config(
     tmp_path: Path, daemon_factory
 ) -> None:

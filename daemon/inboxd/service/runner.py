@@ -26,7 +26,7 @@ from inboxd.models import faults
 from inboxd.models.device import device_fields, with_device_defaults
 from inboxd.models.engines import load_here, make_engine
 from inboxd.pipeline.wiring import Pipeline
-from inboxd.service.notify import Notifier
+from inboxd.service.notify import Notifier, abort_with_stacks
 
 EX_SOFTWARE = 70
 # The GPU failed in a way that poisons this process's CUDA context (illegal address, Xid, ECC):
@@ -130,8 +130,8 @@ class Service:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_stop_signal)
         loop.add_signal_handler(signal.SIGHUP, self.reload_requested.set)
-        # A hung CUDA call ends in SIGABRT from systemd's watchdog: print every thread's stack.
-        faulthandler.enable()
+        faulthandler.enable()  # a crash prints every thread's stack; so does (safely) the
+        loop.add_signal_handler(signal.SIGABRT, abort_with_stacks)  # watchdog's SIGABRT
 
     # -- run ---------------------------------------------------------------------------------
 
