@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 
-def wait_until(predicate: Callable[[], Any], timeout_s: float = 30, what: str = "") -> Any:
+def wait_until(predicate: Callable[[], Any], timeout_s: float = 30, what: str = "",
+               every_s: float = 0.02) -> Any:
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()
@@ -33,7 +34,7 @@ def wait_until(predicate: Callable[[], Any], timeout_s: float = 30, what: str = 
             return value
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what or predicate}")
-        time.sleep(0.02)
+        time.sleep(every_s)
 
 
 def write_config(root: Path, **sections: Any) -> Path:
