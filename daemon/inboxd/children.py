@@ -67,10 +67,16 @@ def protocol_fds() -> tuple[int, int]:
     os.dup2(devnull, 0)
     os.dup2(2, 1)
     os.close(devnull)
+    ignore_stop_signals()
+    return requests, replies
+
+
+def ignore_stop_signals() -> None:
+    """SIGINT, SIGTERM and SIGHUP ignored from here on, then unblocked (``held_for_start``
+    blocked them): what came meanwhile is dropped."""
     for sig in HELPER_IGNORES:
         signal.signal(sig, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, HELPER_IGNORES)  # what came meanwhile is dropped
-    return requests, replies
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, HELPER_IGNORES)
 
 
 def describe_exit(code: int) -> str:

@@ -262,6 +262,34 @@ def test_a_node_dying_mid_flood_costs_a_retry_not_a_file(
           f"{time.monotonic() - started_s:.0f} s; replicas {stats['RAY_REPLICA_LATENCY_MS']}")
 
 
+def test_a_ctrl_c_to_the_whole_group_does_not_end_the_ray_bridge(
+        tmp_path: Path, cluster: LocalCluster, program: Path,
+        daemon: Callable[..., DaemonProcess]) -> None:
+    """SIGINT, SIGTERM and SIGHUP sent to the bridge itself (as a terminal's Ctrl-C reaches
+    every process of its group): the bridge stays, and the daemon keeps its one connection."""
+    config = ray_config(tmp_path, program, cluster.address, "inboxd")
+    proc = daemon(config)
+    try:
+        proc.wait_for("ready", 180)
+        bridges = [pid for pid in children_of(proc.proc.pid)
+                   if b"inboxd.models.ray_bridge" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(bridges) == 1, bridges
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            os.kill(bridges[0], sig)
+        names = drop_files(tmp_path / "inbox", tmp_path / "seeds", 0, 40)
+        wait_until(lambda: len(results_of(tmp_path)) == 40, 120, "every result")
+        stat = Path(f"/proc/{bridges[0]}/stat")
+        assert stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z", \
+            "the bridge is still running (not gone, not a zombie its daemon has yet to reap)"
+        proc.wait_for("stats", count=len(proc.records("stats")) + 1)
+        assert proc.stop() == 0
+    finally:
+        proc.kill()
+    assert_exactly_once(tmp_path, names)
+    stats = last_stats(proc.records("stats"))
+    assert stats["RAY_CONNECTS"] == "1" and stats["RAY_LOST_BATCHES"] == "0", stats
+
+
 def test_the_head_dying_leaves_files_waiting_and_a_new_cluster_resumes_them(
         tmp_path: Path, cluster: LocalCluster, program: Path,
         daemon: Callable[..., DaemonProcess]) -> None:

@@ -11,7 +11,8 @@ The protocol, pickled over one socket (``multiprocessing.connection``): the daem
 ``{"settings"}`` once, then ``("infer", call_id, crops)``; the bridge answers ``("ready", info)``
 or ``("failed", why)`` once, then ``("result", call_id, reply)`` or ``("lost", call_id, why)``
 for each call: lost means the batch never got outcomes (its replica or node died, a timeout)
-and the daemon retries it. The bridge dies with the daemon (``PR_SET_PDEATHSIG``).
+and the daemon retries it. The bridge dies with the daemon (``PR_SET_PDEATHSIG``)
+and ignores SIGINT, SIGTERM and SIGHUP once connected.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
-from inboxd.children import die_with_parent
+from inboxd.children import die_with_parent, ignore_stop_signals
 
 DEPLOYMENT_NAME = "inboxd_model"
 # The GCS reconnection timeout this bridge runs with unless RAY_... says otherwise: how long a
@@ -152,6 +153,10 @@ def main() -> None:
     except Exception as exc:  # reported to the daemon, which retries with backoff
         conn.send(("failed", f"{type(exc).__name__}: {exc}".splitlines()[0][:1000]))
         return
+    # As the other helpers do, from here on (ray.init has just installed a SIGTERM handler of
+    # its own): a Ctrl-C to the terminal's group must not lose the batches on the cluster that
+    # the daemon is still draining. The bridge ends on EOF from the daemon, or with it.
+    ignore_stop_signals()
     conn.send(("ready", info))
     asyncio.run(Bridge(conn, handle, settings).run())
     os._exit(0)  # the daemon is gone or closed us: nothing of Ray's is worth waiting for

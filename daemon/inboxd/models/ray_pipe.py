@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
+from inboxd.children import child_env, held_for_start
 from inboxd.os_threads import name_this_thread
 
 # What the child runs (after the interpreter); a test puts a scripted bridge of its own here.
@@ -31,10 +32,10 @@ class BridgeProcess:
 
     def __init__(self, on_message: Callable[[Any], None], on_closed: Callable[[], None]) -> None:
         ours, theirs = socket.socketpair()
-        env = dict(os.environ)
-        self.process = subprocess.Popen(
-            [sys.executable, *BRIDGE_COMMAND, str(theirs.fileno()),
-             str(os.getpid())], pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        with held_for_start():
+            self.process = subprocess.Popen(
+                [sys.executable, *BRIDGE_COMMAND, str(theirs.fileno()), str(os.getpid())],
+                pass_fds=(theirs.fileno(),), env=child_env(), stdin=subprocess.DEVNULL)
         theirs.close()
         self.conn = Connection(ours.detach())
         self.sender = ThreadPoolExecutor(1, thread_name_prefix="inboxd-ray-send",
