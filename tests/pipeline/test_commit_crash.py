@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from inboxd.config import load_config
 from inboxd.files.commit_process import CommitProcess, CommitProcessFailed
+from inboxd.files.durable import COMMIT_PAUSE_ENV
 from inboxd.pipeline.wiring import Pipeline
 
 from tests.conftest import make_image, write_config
@@ -75,3 +76,37 @@ def test_a_commit_process_killed_again_and_again_never_fails_a_file(tmp_path: Pa
     assert last.stats.counters.completed == 1 and last.stats.counters.failed == 0
     assert (tmp_path / "results" / "good.png.json").exists()
     assert not list((tmp_path / "failed").iterdir())
+
+
+@pytest.mark.timeout(120)
+def test_a_stop_past_the_grace_period_still_counts_what_the_commit_process_commits(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches in the commit process when the grace period ends are cancelled in the daemon,
+    but the process still commits them (their results durable, their sources in done/): each
+    of those files is counted as completed, and every file claimed is completed or handed
+    back, none unaccounted for."""
+    monkeypatch.setenv(COMMIT_PAUSE_ENV, "300")  # each of a commit's 4 steps: 1.2 s a batch
+    names = {f"f{n:03}.png" for n in range(24)}
+    for n, name in enumerate(sorted(names)):
+        make_image(tmp_path / "inbox" / name, size=(8, 8), color=(n + 20, 0, 0))
+    config = load_config(write_config(tmp_path, inbox={"settle_ms": 0}, shutdown={"grace_s": 0.2},
+                                      batch={"max_size": 4, "max_delay_ms": 0}))
+    pipeline = Pipeline(config, FakeModel())  # type: ignore[arg-type]
+
+    async def stop_with_two_batches_in_commit() -> None:
+        stop = asyncio.Event()
+        backlog = asyncio.create_task(pipeline.process_backlog(stop=stop))
+        while pipeline.writer.committing.size < 2 and not backlog.done():
+            await asyncio.sleep(0.005)
+        stop.set()  # what SIGTERM does; the grace period ends inside both commits
+        await backlog
+
+    asyncio.run(stop_with_two_batches_in_commit())
+    results = {p.name.removesuffix(".json") for p in (tmp_path / "results").glob("*.json")}
+    done = {p.name for p in (tmp_path / "done").iterdir() if p.is_file()}
+    back = {p.name for p in (tmp_path / "inbox").iterdir() if p.is_file()}
+    counters = pipeline.stats.counters
+    assert results and results == done, "the batches in the commit process were committed"
+    assert counters.completed == len(results), (counters.completed, len(results))
+    assert results | back == names and not results & back
+    assert counters.completed + counters.released == pipeline.intake.claimed, counters

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 from inboxd import __version__
 from inboxd.config import Config
-from inboxd.files.commits import CommitEntry, Commits
+from inboxd.files.commits import CommitEntry, Commits, Committed
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.item import PermanentError, TransientError, WorkItem
 from inboxd.models.engine import Outcome
@@ -83,6 +84,8 @@ class ResultWriter:
         self.handoff: asyncio.Queue[list[Outcome]] = asyncio.Queue(maxsize=HANDOFF_BATCHES)
         self.high_water = 0
         self.committing = Committing()
+        self.abandoned: list[tuple[list[tuple[WorkItem, Prediction]],
+                                   list[Future[Committed]]]] = []
 
     @property
     def size(self) -> int:
@@ -139,21 +142,40 @@ class ResultWriter:
                                item.claimed_path, item.inbox_path,
                                result.vector if isinstance(result, Embedding) else None)
                    for item, result in good]
-        sent = await self.run_io(lambda: self.commits.send(entries))
-        committed = await asyncio.wrap_future(sent)
+        sent: list[Future[Committed]] = []  # filled by the io thread, even if we are cancelled
+        try:
+            await self.run_io(lambda: sent.append(self.commits.send(entries)))
+            committed = await asyncio.wrap_future(sent[0])
+        except asyncio.CancelledError:
+            # A stop past its grace period: the commit process still commits what it was sent
+            # (cancelling cannot stop it); ``count_abandoned`` counts it afterwards.
+            self.abandoned.append((good, sent))
+            raise
         if committed.error is not None:
-            why = committed.error.strerror or committed.error
+            why = committed.error.strerror or str(committed.error)
             for item, _ in good:
                 await self.outcomes.error(item, TransientError(f"cannot write the result: {why}"))
             return
-        for (item, _), (name, existed), problem in zip(good, committed.filed, committed.moves,
-                                                       strict=True):
-            item.finishing, item.name = "success", name
+        for item, existed, problem in _filed(good, committed):
             if problem is None:
                 self.outcomes.completed(item, duplicate=existed)
             else:
                 # The result is durable: only the move is retried, never the work.
                 await self.outcomes.finish_later(item, problem)
+
+    def count_abandoned(self) -> None:
+        """Once the io thread and the commit process have ended: the files of batches a stop
+        cancelled on their way to it or in it whose sources reached done/ are completed. The
+        others are still claimed, and the recovery that follows hands them back to the inbox."""
+        for good, sent in self.abandoned:
+            if not sent or not sent[0].done() or sent[0].exception() is not None:
+                continue  # never sent, or the process died with it: nothing of it moved
+            committed = sent[0].result()
+            if committed.error is None:
+                for item, existed, problem in _filed(good, committed):
+                    if problem is None:
+                        self.outcomes.completed(item, duplicate=existed)
+        self.abandoned.clear()
 
     def document(self, item: WorkItem, result: Prediction) -> dict[str, Any]:
         """The result JSON as filed under the file's own key (``files.commits.filed_document``
@@ -185,3 +207,13 @@ class ResultWriter:
                 "dtype": str(result.vector.dtype),
             }}
         return {"top_k": result.top_k}
+
+
+def _filed(good: list[tuple[WorkItem, Prediction]],
+           committed: Committed) -> Iterator[tuple[WorkItem, bool, OSError | None]]:
+    """Each file of a committed batch, its result's name set on it: (item, whether that result
+    was there already, why its source could not move or None)."""
+    for (item, _), (name, existed), problem in zip(good, committed.filed, committed.moves,
+                                                   strict=True):
+        item.finishing, item.name = "success", name
+        yield item, existed, problem

@@ -355,6 +355,7 @@ class Pipeline:
             self.stats.counters.released += 1
         self.io_executor.shutdown(wait=True)
         self.commits.close()  # what it still has is committed (or, past a timeout, recovered)
+        self.writer.count_abandoned()
         if self.crashed is None:
             returned, _ = self.lifecycle.recover()  # anything cancelled mid-flight
             self.stats.counters.released += returned
