@@ -172,6 +172,13 @@ def assert_exactly_once(root: Path, names: list[str]) -> None:
     assert not [p for p in (root / "failed").rglob("*") if p.is_file()], "none failed"
 
 
+def stopped_stats(proc: DaemonProcess) -> dict[str, str]:
+    """One more stats record after the last result, then a clean stop: the run's last figures."""
+    proc.wait_for("stats", count=len(proc.records("stats")) + 1)
+    assert proc.stop() == 0
+    return last_stats(proc.records("stats"))
+
+
 def stats_series(proc: DaemonProcess, key: str) -> list[float]:
     return [float(last_stats([line])[key]) for line in proc.records("stats")
             if f"{key}=" in line]
@@ -204,12 +211,10 @@ def test_a_slowed_pool_makes_the_producer_wait_and_memory_stays_flat(
         proc.wait_for("ready", 180)
         names = drop_files(tmp_path / "inbox", tmp_path / "seeds", 0, total)
         wait_until(lambda: len(results_of(tmp_path)) == total, 240, "every result")
-        proc.wait_for("stats", count=len(proc.records("stats")) + 1)
-        assert proc.stop() == 0
+        stats = stopped_stats(proc)
     finally:
         proc.kill()
     assert_exactly_once(tmp_path, names)
-    stats = last_stats(proc.records("stats"))
     assert int(stats["IN_FLIGHT_CAPACITY"]) == 4
     assert int(stats["IN_FLIGHT_HIGH_WATER"]) == 4, "every slot was taken: the pool was the limit"
     assert float(stats["PUT_WAIT_MS_MAX"]) > 50, stats  # the producer waited ~ a batch time
@@ -246,12 +251,10 @@ def test_a_node_dying_mid_flood_costs_a_retry_not_a_file(
         cluster.kill_worker_node()
         cluster.nodes.append(cluster.add_worker())
         wait_until(lambda: len(results_of(tmp_path)) == total, 300, "every result")
-        proc.wait_for("stats", count=len(proc.records("stats")) + 1)
-        assert proc.stop() == 0
+        stats = stopped_stats(proc)
     finally:
         proc.kill()
     assert_exactly_once(tmp_path, names)
-    stats = last_stats(proc.records("stats"))
     assert int(stats["COMPLETED"]) == total and int(stats["FAILED"]) == 0
     assert int(stats["IN_FLIGHT_HIGH_WATER"]) <= int(stats["IN_FLIGHT_CAPACITY"]) == 4
     assert int(stats["RAY_LOST_BATCHES"]) >= 1, stats
@@ -281,12 +284,10 @@ def test_a_ctrl_c_to_the_whole_group_does_not_end_the_ray_bridge(
         stat = Path(f"/proc/{bridges[0]}/stat")
         assert stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z", \
             "the bridge is still running (not gone, not a zombie its daemon has yet to reap)"
-        proc.wait_for("stats", count=len(proc.records("stats")) + 1)
-        assert proc.stop() == 0
+        stats = stopped_stats(proc)
     finally:
         proc.kill()
     assert_exactly_once(tmp_path, names)
-    stats = last_stats(proc.records("stats"))
     assert stats["RAY_CONNECTS"] == "1" and stats["RAY_LOST_BATCHES"] == "0", stats
 
 
