@@ -285,3 +285,17 @@ def test_another_instance_filing_the_name_meanwhile_keeps_its_vector(
     results = tmp_path / "results"
     assert_filed_with_its_vector(results, "photo.jpg", b"two", [3.0, 4.0])
     assert_filed_with_its_vector(results, name, b"one", [1.0, 2.0])
+
+
+def test_a_claimed_name_whose_guessed_original_is_unsafe_is_looked_up_as_nothing_filed(
+        tmp_path: Path) -> None:
+    """``..t1`` looks like a time variant of ``.``, a name no result can have: the start-up's
+    look for its result must answer "none" (it is given back), not raise and stop the start."""
+    lifecycle = lifecycle_for(tmp_path)
+    inbox = tmp_path / "inbox"
+    (inbox / "..t1").write_bytes(b"data")
+    claimed = lifecycle.claim(inbox, "..t1")
+    sha = hashlib.sha256(b"data").hexdigest()
+    assert lifecycle.results.recorded_sha256(".") is None
+    assert lifecycle.finish_if_done(Path(claimed), inbox, "..t1", sha) is False
+    assert os.path.exists(claimed)

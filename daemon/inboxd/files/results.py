@@ -94,8 +94,12 @@ class ResultFiles:
         fsync_dir(self.json_folder(name))
 
     def recorded_sha256(self, name: str) -> str | None:
-        """The sha256 in ``name``'s result; "" when the file exists but says none."""
-        path = self.json_file(name)  # an unsafe name raises, not "exists but says none"
+        """The sha256 in ``name``'s result; "" when the file exists but says none; None when
+        there is none, or ``name`` is one no result is ever filed under (``..`` in it)."""
+        try:
+            path = self.json_file(name)
+        except ValueError:  # not "exists but says none": find() would guess on for ever
+            return None
         try:
             with open(path, "rb") as existing:
                 sha = json.load(existing).get("sha256")
@@ -108,10 +112,7 @@ class ResultFiles:
     def find(self, key: str, sha256: str) -> str | None:
         """The name under which these bytes' result already exists, if it does."""
         for name in key_variants(key, sha_token(sha256)):
-            try:
-                recorded = self.recorded_sha256(name)
-            except ValueError:  # an unsafe name (a guess from a time-variant name): none filed
-                return None
+            recorded = self.recorded_sha256(name)
             if recorded is None:
                 return None
             if recorded == sha256:
