@@ -79,7 +79,7 @@ COUNTED = (
     ("stat/lstat/fstat", "stat>", ""),
     ("json.dumps", "dumps", "json/__init__.py"),
     ("log records (emit)", "emit", "inboxd/logs.py"),
-    ("frames sent (decode, commit)", "send", "inboxd/wire.py"),
+    ("frames sent (decode, commit)", "frame", "inboxd/wire.py"),  # send() makes one too
     ("frames received (decode, commit)", "recv", "inboxd/wire.py"),
 )
 
