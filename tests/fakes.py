@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,8 @@ import numpy.typing as npt
 import torch
 import watchfiles
 from inboxd.decode.spec import PreprocessSpec
-from inboxd.files.commits import InProcess
+from inboxd.files.commits import CommitEntry, Committed, commit
+from inboxd.files.lifecycle import Lifecycle
 from inboxd.models.model import Classification
 from inboxd.pipeline.wiring import Pipeline
 
@@ -86,6 +88,25 @@ class ScriptedWatch:
                 yield get.result()
             else:
                 get.cancel()
+
+
+class InProcess:
+    """The commit in the calling thread, on this process's ``lifecycle``: where a test fakes a
+    full or failing disk at the filesystem boundary (a monkeypatched ``Lifecycle``)."""
+
+    def __init__(self, lifecycle: Lifecycle) -> None:
+        self.lifecycle = lifecycle
+
+    def start(self) -> None:
+        pass
+
+    def send(self, entries: Sequence[CommitEntry]) -> Future[Committed]:
+        future: Future[Committed] = Future()
+        future.set_result(commit(self.lifecycle, entries))
+        return future
+
+    def close(self) -> None:
+        pass
 
 
 def commit_in_this_process(pipeline: Pipeline) -> None:

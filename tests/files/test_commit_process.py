@@ -24,7 +24,6 @@ from inboxd.files.commit_process import CommitProcess, CommitProcessFailed, Comm
 from inboxd.files.commits import (
     CommitEntry,
     Committed,
-    InProcess,
     committed_from,
     entries_from,
     filed_document,
@@ -35,6 +34,7 @@ from inboxd.files.durable import COMMIT_PAUSE_ENV
 from inboxd.files.lifecycle import InstanceBusy, Lifecycle
 
 from tests.conftest import write_config
+from tests.fakes import InProcess
 
 ODD_NAME = os.fsdecode(b"caf\xe9 \xff.jpg")  # not UTF-8: kept as surrogate escapes
 

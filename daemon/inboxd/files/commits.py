@@ -50,7 +50,8 @@ class Committed:
 
 
 class Commits(Protocol):
-    """Where a batch's commit runs: the commit process, or this process (``InProcess``)."""
+    """Where a batch's commit runs: the commit process (``files/commit_process.py``); tests
+    put one running in their own process where they fake a disk (``tests/fakes.py``)."""
 
     def start(self) -> None: ...
 
@@ -95,25 +96,6 @@ def filed_document(results: ResultFiles, key: str, document: dict[str, Any],
         filed["embedding"] = {**filed["embedding"],
                               "file": os.path.basename(results.vector_file(name))}
     return filed
-
-
-class InProcess:
-    """The commit in the calling thread, on this process's ``lifecycle``: for tests that fake
-    a full or failing disk at the filesystem boundary (a monkeypatched ``Lifecycle``)."""
-
-    def __init__(self, lifecycle: Lifecycle) -> None:
-        self.lifecycle = lifecycle
-
-    def start(self) -> None:
-        pass
-
-    def send(self, entries: Sequence[CommitEntry]) -> Future[Committed]:
-        future: Future[Committed] = Future()
-        future.set_result(commit(self.lifecycle, entries))
-        return future
-
-    def close(self) -> None:
-        pass
 
 
 # -- the pipe between the daemon and its commit process ----------------------------------------
