@@ -150,6 +150,8 @@ def test_required_directives(unit: Path) -> None:
     assert "TORCHINDUCTOR_CACHE_DIR=/var/lib/inboxd/cache/inductor" in found["Environment"]
     assert "TRITON_CACHE_DIR=/var/lib/inboxd/cache/triton" in found["Environment"]
     assert _seconds(found["WatchdogSec"][0]) > 0
+    # The watchdog's SIGABRT is answered by the event loop; a stuck loop is killed this soon.
+    assert 0 < _seconds(found["TimeoutAbortSec"][0]) < _seconds(found["TimeoutStopSec"][0])
     assert "PYTHONUNBUFFERED=1" in found["Environment"]
     assert found["MemoryHigh"] and found["MemoryMax"]
     assert found["ExecStart"][0].startswith(f"{EXEC} run -c /etc/inboxd/inboxd.yaml")
