@@ -63,7 +63,6 @@ class Pipeline:
         clock: Callable[[], float] = time.monotonic,
         lifecycle: Lifecycle | None = None,
         engine: ModelEngine | None = None,
-        commits: Commits | None = None,
     ) -> None:
         self.config = config
         self.model = model
@@ -112,7 +111,7 @@ class Pipeline:
             self.stats.batch_sizes,
             more_coming=lambda: self.queue.qsize() > 0 or self.preprocessor.in_progress > 0,
         )
-        self.commits = commits or CommitProcess(config, self.lifecycle)
+        self.commits: Commits = CommitProcess(config, self.lifecycle)
         self.writer = ResultWriter(config, model, self.lifecycle, self.commits, self.outcomes,
                                    self.run_io, clock)
         self.engine = engine or LocalEngine(model)
