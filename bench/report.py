@@ -109,9 +109,10 @@ def overhead_lines(r: dict[str, Any]) -> list[str]:
     """The overhead scenario's part of the bench table."""
     one, two, loops = r["one"], r["two"], r["loops"]
     turns = len(r["floods"])
-    in_turns = [f"loop {run['files_per_s']:.0f}" for run in loops[:turns + 1]]
-    for at, flood in enumerate(r["floods"]):
-        in_turns.insert(2 * at + 1, f"inboxd {flood['files_per_s']:.0f}")
+    in_turns = []
+    for loop, flood in zip(loops[:turns], r["floods"], strict=True):
+        in_turns += [f"loop {loop['files_per_s']:.0f}", f"inboxd {flood['files_per_s']:.0f}"]
+    in_turns.append(f"loop {loops[turns]['files_per_s']:.0f}")
     ratios = ", ".join(f"{ratio:.2f}" for ratio in r["ratios_one"])
     out = [f"pipeline overhead ({r['setup']['files']:,} JPEGs of 64x48, null torch.export "
            f"model 32x32, batch {r['setup']['batch']}; each flood ÷ the mean loop either side):",
