@@ -8,6 +8,7 @@ journal fields, so ``journalctl INBOXD_EVENT=stats -o json`` sees exactly what s
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import sys
@@ -21,6 +22,7 @@ log = logging.getLogger(LOGGER_NAME)
 _FIELD_NAME = re.compile(r"^[A-Z][A-Z0-9_]*$")
 
 
+@functools.lru_cache(maxsize=256)  # the keys are the code's own few dozen; checked once each
 def field_name(key: str) -> str:
     name = key.upper()
     if not _FIELD_NAME.match(name):
@@ -37,13 +39,17 @@ def emit(level: int, event: str, message: str, **fields: Any) -> None:
         for k, v in fields.items()
         if v is not None
     }
-    log.log(level, printable(message),
+    # stacklevel 2: the record's file, line and function (the journal's CODE_FILE, CODE_LINE,
+    # CODE_FUNC) are those of the code that called emit, not this line.
+    log.log(level, printable(message), stacklevel=2,
             extra={"inboxd_event": event, "inboxd_fields": record_fields})
 
 
 def printable(text: str) -> str:
     """File names may hold bytes that are not UTF-8 (kept by Python as lone surrogates); the
     journal and terminals need UTF-8, so show those bytes as ``\\xNN`` escapes."""
+    if text.isascii():  # nearly every name: nothing to escape
+        return text
     return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 

@@ -244,8 +244,16 @@ from inboxd import logs
 from inboxd.service import journal
 print(journal.stderr_is_journal(), flush=True)
 journal.setup_logging("info")
-logs.emit(logging.INFO, "started", "hello through the native protocol", inboxd_test_run=sys.argv[1])
+
+
+def announce():
+    logs.emit(logging.INFO, "started", "hello through the native protocol",
+              inboxd_test_run=sys.argv[1])
+
+
+announce()
 """
+ANNOUNCE_LINE = 10  # of _STREAM_CHILD, where announce() calls logs.emit
 
 
 def test_journal_stream_is_detected_and_native_protocol_used(
@@ -280,6 +288,9 @@ def test_journal_stream_is_detected_and_native_protocol_used(
     assert native[0]["_TRANSPORT"] == "journal"
     assert native[0]["SYSLOG_IDENTIFIER"] == "inboxd"
     assert native[0]["INBOXD_EVENT"] == "started"
+    # The code that logged, not logs.emit, which every record passes through.
+    assert (native[0]["CODE_FILE"], native[0]["CODE_FUNC"], native[0]["CODE_LINE"]) == (
+        "<string>", "announce", str(ANNOUNCE_LINE))
     # Once our sentinel line arrived, anything the child wrote to stderr would have too.
     streamed = wait_for_entries({"SYSLOG_IDENTIFIER": ident}, 1)
     assert [e["MESSAGE"] for e in streamed] == ["stream sentinel"]
