@@ -138,8 +138,9 @@ def overhead_lines(r: dict[str, Any]) -> list[str]:
     if "memory" in r:
         mem = r["memory"]
         small, big = (mem[k]["peak_rss_above_idle"] for k in sorted(mem, key=int)[:2])
-        out.append("  peak RSS above idle: " + ", ".join(
-            f"{int(k):,} files {v['peak_rss_above_idle'] / 2**20:.1f} MB"
+        out.append("  peak RSS above idle, median of the floods in brackets: " + ", ".join(
+            f"{int(k):,} files {v['peak_rss_above_idle'] / 2**20:.1f} MB ("
+            + ", ".join(f"{r['peak_rss_above_idle'] / 2**20:.1f}" for r in v["runs"]) + ")"
             for k, v in sorted(mem.items(), key=lambda kv: int(kv[0])))
                    + f" (target: within 10%: {'yes' if big <= small * 1.1 else 'NO'})")
     if "profile" in r:
