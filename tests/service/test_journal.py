@@ -253,7 +253,9 @@ def announce():
 
 announce()
 """
-ANNOUNCE_LINE = 10  # of _STREAM_CHILD, where announce() calls logs.emit
+# The line of _STREAM_CHILD where announce() calls logs.emit.
+ANNOUNCE_LINE = 1 + [line.strip() for line in _STREAM_CHILD.splitlines()].index(
+    'logs.emit(logging.INFO, "started", "hello through the native protocol",')
 
 
 def test_journal_stream_is_detected_and_native_protocol_used(
