@@ -12,7 +12,8 @@ results-folder fsync per 64, then the 64 sources renamed to ``done/``):
   minutes away from a flood measures the drift); one daemon's figure is the median of ``TURNS``;
 - a second daemon run under cProfile (``bench/profiled.py``): where its time goes per file;
 - CPU seconds per file of the daemon process and of its decode workers;
-- peak RSS growth of a fresh daemon under a 2,000- and a 20,000-file flood.
+- peak RSS growth of a fresh daemon under a 2,000- and a 20,000-file flood, per size the median
+  of ``MEMORY_ROUNDS`` floods taken in turns.
 
     python -m bench.overhead [--count 4000] [--memory 2000,20000]  →  one JSON line on stdout
 """
