@@ -6,8 +6,10 @@ fixed sleep.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -135,15 +137,21 @@ class DaemonProcess:
             self.proc.wait(30)
 
 
+# A KEY=value field of a daemon's stderr record. A value holding whitespace, a quote or "=" is
+# written as repr() writes it (inboxd.logs.format_value), spaces and all.
+_FIELD = re.compile(
+    r"""(?<!\S)([A-Z][A-Z0-9_]*)=(?:('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")(?!\S)|(\S+))""")
+
+
+def line_fields(line: str) -> dict[str, str]:
+    """The KEY=value fields of one stderr record line, quoted values unquoted."""
+    return {key: ast.literal_eval(quoted) if quoted else bare
+            for key, quoted, bare in _FIELD.findall(line)}
+
+
 def last_stats(lines: list[str]) -> dict[str, str]:
     """The KEY=value fields of the last stats line a daemon printed."""
-    line = lines[-1]
-    fields = {}
-    for token in line.split():
-        key, sep, value = token.partition("=")
-        if sep and key.isupper():
-            fields[key] = value
-    return fields
+    return line_fields(lines[-1])
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from tests.conftest import drop, read_json, wait_until, write_config
+from tests.conftest import drop, line_fields, read_json, wait_until, write_config
 from tests.photos import photo_paths
 
 # One photo saved in every format, under the names phones, browsers and scanners give them.
@@ -45,9 +45,9 @@ def top1(results: Path, name: str) -> str:
 
 def stats_field(daemon: object, key: str) -> int | None:
     for line in reversed(daemon.records("stats")):  # type: ignore[attr-defined]
-        for token in line.split():
-            if token.startswith(f"{key}="):
-                return int(token.split("=", 1)[1])
+        fields = line_fields(line)
+        if key in fields:
+            return int(fields[key])
     return None
 
 

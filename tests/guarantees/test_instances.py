@@ -11,17 +11,20 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import DaemonProcess, last_stats, make_image, wait_until, write_config
+from tests.conftest import (
+    DaemonProcess,
+    last_stats,
+    line_fields,
+    make_image,
+    wait_until,
+    write_config,
+)
 
 
 def completed_names(daemon: DaemonProcess) -> list[str]:
     """Files this daemon ran through the model (not the ones it only finished as duplicates)."""
     return [line.split("PATH=")[1].split()[0] for line in daemon.records("completed")
             if "DUPLICATE=" not in line]
-
-
-def field(line: str, key: str) -> str:
-    return line.split(f" {key}=")[1].split()[0]
 
 
 def test_a_survivor_returns_a_killed_instances_files_by_itself(tmp_path: Path,
@@ -57,8 +60,9 @@ def test_a_survivor_returns_a_killed_instances_files_by_itself(tmp_path: Path,
 
     taken = b.wait_for("instance_taken_over", 30)
     print(taken[0])
-    assert len(taken) == 1 and field(taken[0], "DEAD_INSTANCE") == "a", taken
-    assert int(field(taken[0], "RETURNED")) > 0, "a held nothing when it was killed"
+    taken_over = line_fields(taken[0])
+    assert len(taken) == 1 and taken_over["DEAD_INSTANCE"] == "a", taken
+    assert int(taken_over["RETURNED"]) > 0, "a held nothing when it was killed"
     results = tmp_path / "results"
     wait_until(lambda: len(list(results.glob("*.json"))) == total, 300, "every result")
     assert b.stop() == 0
@@ -73,7 +77,7 @@ def test_a_survivor_returns_a_killed_instances_files_by_itself(tmp_path: Path,
     assert not list(processing.rglob("*.png"))
     assert not (tmp_path / "failed").exists() or not list((tmp_path / "failed").iterdir())
     assert "TAKEN_OVER=" in b.records("stats")[-1]
-    assert int(last_stats(b.records("stats"))["TAKEN_OVER"]) == int(field(taken[0], "RETURNED"))
+    assert int(last_stats(b.records("stats"))["TAKEN_OVER"]) == int(taken_over["RETURNED"])
     # The planted link: reported once, neither it nor what it points to touched.
     assert any("x.lock" in line for line in b.records("takeover_refused"))
     assert outside.read_bytes() == b"someone else's" and (processing / "x.lock").is_symlink()

@@ -9,7 +9,6 @@ Ray process of ours is left.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import json
 import os
@@ -26,7 +25,14 @@ import pytest
 import yaml
 
 from bench.ray_vs_local import tiny_program  # the bench's model: tests and figures agree
-from tests.conftest import DaemonProcess, last_stats, make_image, wait_until, write_config
+from tests.conftest import (
+    DaemonProcess,
+    last_stats,
+    line_fields,
+    make_image,
+    wait_until,
+    write_config,
+)
 
 ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
 
@@ -196,9 +202,8 @@ def stopped_stats(proc: DaemonProcess) -> dict[str, str]:
 
 
 def stats_values(proc: DaemonProcess, key: str) -> list[str]:
-    """``key``'s value in each stats record, unquoted (the log quotes a value as repr does)."""
-    values = [last_stats([line])[key] for line in proc.records("stats") if f"{key}=" in line]
-    return [ast.literal_eval(v) if v[:1] in "'\"" else v for v in values]
+    """``key``'s value in each stats record that has it."""
+    return [fields[key] for fields in map(line_fields, proc.records("stats")) if key in fields]
 
 
 def stats_series(proc: DaemonProcess, key: str) -> list[float]:
