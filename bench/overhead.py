@@ -13,7 +13,8 @@ results-folder fsync per 64, then the 64 sources renamed to ``done/``):
 - a second daemon run under cProfile (``bench/profiled.py``): where its time goes per file;
 - CPU seconds per file of the daemon process and of its decode workers;
 - peak RSS growth of a fresh daemon under a 2,000- and a 20,000-file flood, per size the median
-  of ``MEMORY_ROUNDS`` floods taken in turns.
+  of ``MEMORY_ROUNDS`` floods taken in turns; and of one daemon under ``REPEATED_FLOODS``
+  floods in a row of half the larger size (does it level off?).
 
     python -m bench.overhead [--count 4000] [--memory 2000,20000]  →  one JSON line on stdout
 """
@@ -395,6 +396,28 @@ def memory(scratch: Scratch, program: Path, labels: Path, photos: list[Photo],
             for count, found in runs.items()}
 
 
+# Whether the daemon's memory levels off: one daemon, REPEATED_FLOODS floods in a row. The
+# fresh-daemon figures above cannot say it; a slow leak would hide in their spread.
+REPEATED_FLOODS = 5
+
+
+def memory_over_floods(scratch: Scratch, program: Path, labels: Path, photos: list[Photo],
+                       count: int) -> dict[str, Any]:
+    """One daemon flooded ``REPEATED_FLOODS`` times with ``count`` files: each flood's peak RSS
+    and the RSS once it is done, both above the daemon's idle figure before the first."""
+    root = scratch("memory-repeated")
+    run = start(root, write_config(root, program, labels))
+    floods = []
+    try:
+        for index in range(REPEATED_FLOODS):
+            figures = flood(run, photos, count, timeout_s=count / 20 + 120, prefix=f"rep{index}-")
+            floods.append({"peak_rss_above_idle": figures["peak_rss_above_idle"],
+                           "rss_after_above_idle": run.rss.now() - run.idle_rss})
+    finally:
+        run.stop()
+    return {"count": count, "floods": floods}
+
+
 def run(count: int, memory_counts: list[int], profile: bool) -> dict[str, Any]:
     program, labels, photos = make_inputs(WORK_DIR)
     scratch = Scratch()
@@ -423,6 +446,8 @@ def measure(result: dict[str, Any], scratch: Scratch, program: Path, labels: Pat
         result["profile"] = profiled.summary(str(out), count)
     if memory_counts:
         result["memory"] = memory(scratch, program, labels, photos, memory_counts)
+        result["memory_repeated"] = memory_over_floods(scratch, program, labels, photos,
+                                                       max(memory_counts) // 2)
     return result
 
 

@@ -105,6 +105,10 @@ def rows(r: dict[str, Any]) -> list[Row]:
     return out
 
 
+def _mb_float(value: float) -> str:
+    return f"{value / 2**20:.1f}"
+
+
 def overhead_lines(r: dict[str, Any]) -> list[str]:
     """The overhead scenario's part of the bench table."""
     one, two, loops = r["one"], r["two"], r["loops"]
@@ -143,6 +147,12 @@ def overhead_lines(r: dict[str, Any]) -> list[str]:
             + ", ".join(f"{r['peak_rss_above_idle'] / 2**20:.1f}" for r in v["runs"]) + ")"
             for k, v in sorted(mem.items(), key=lambda kv: int(kv[0])))
                    + f" (target: within 10%: {'yes' if big <= small * 1.1 else 'NO'})")
+    if "memory_repeated" in r:
+        rep = r["memory_repeated"]
+        out.append(f"  one daemon, {len(rep['floods'])} floods of {rep['count']:,} in a row, "
+                   "RSS above idle after each (peak during it): " + ", ".join(
+                       f"{_mb_float(f['rss_after_above_idle'])} "
+                       f"({_mb_float(f['peak_rss_above_idle'])})" for f in rep["floods"]) + " MB")
     if "profile" in r:
         p = r["profile"]
         out.append(f"  profile (cProfile, every thread; {p['busy_ms_per_file']:.2f} ms busy "
