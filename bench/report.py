@@ -105,8 +105,9 @@ def rows(r: dict[str, Any]) -> list[Row]:
     return out
 
 
-def _mb_float(value: float) -> str:
-    return f"{value / 2**20:.1f}"
+def _mb_tenths(value: float) -> str:
+    """MB to a tenth, no unit: for lists of small figures that differ by less than a MB."""
+    return f"{value / MB:.1f}"
 
 
 def overhead_lines(r: dict[str, Any]) -> list[str]:
@@ -143,16 +144,16 @@ def overhead_lines(r: dict[str, Any]) -> list[str]:
         mem = r["memory"]
         small, big = (mem[k]["peak_rss_above_idle"] for k in sorted(mem, key=int)[:2])
         out.append("  peak RSS above idle, median of the floods in brackets: " + ", ".join(
-            f"{int(k):,} files {v['peak_rss_above_idle'] / 2**20:.1f} MB ("
-            + ", ".join(f"{r['peak_rss_above_idle'] / 2**20:.1f}" for r in v["runs"]) + ")"
+            f"{int(k):,} files {_mb_tenths(v['peak_rss_above_idle'])} MB ("
+            + ", ".join(_mb_tenths(r["peak_rss_above_idle"]) for r in v["runs"]) + ")"
             for k, v in sorted(mem.items(), key=lambda kv: int(kv[0])))
                    + f" (target: within 10%: {'yes' if big <= small * 1.1 else 'NO'})")
     if "memory_repeated" in r:
         rep = r["memory_repeated"]
         out.append(f"  one daemon, {len(rep['floods'])} floods of {rep['count']:,} in a row, "
                    "RSS above idle after each (peak during it): " + ", ".join(
-                       f"{_mb_float(f['rss_after_above_idle'])} "
-                       f"({_mb_float(f['peak_rss_above_idle'])})" for f in rep["floods"]) + " MB")
+                       f"{_mb_tenths(f['rss_after_above_idle'])} "
+                       f"({_mb_tenths(f['peak_rss_above_idle'])})" for f in rep["floods"]) + " MB")
     if "profile" in r:
         p = r["profile"]
         out.append(f"  profile (cProfile, every thread; {p['busy_ms_per_file']:.2f} ms busy "
