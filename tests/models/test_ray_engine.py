@@ -266,7 +266,8 @@ def kill_nodes_until_a_batch_is_lost(cluster: LocalCluster, proc: DaemonProcess,
     """Replace worker nodes, one at a time, until one takes a batch with it (or the flood ends):
     how many were killed."""
     kills = 0
-    while kills < MAX_NODE_KILLS and not proc.records("batch_lost"):
+    while (kills < MAX_NODE_KILLS and not proc.records("batch_lost")
+           and len(results_of(root)) < total):
         served_before = replicas_served(proc)
         cluster.replace_worker_node()
         kills += 1
