@@ -249,7 +249,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_once(args: argparse.Namespace) -> int:
-    from inboxd.service.runner import run_once
+    from inboxd.service.once import run_once
 
     config = read_config(args)
     setup_logging(config.log_level)
