@@ -24,6 +24,7 @@ from inboxd import wire
 from inboxd.children import die_with_parent, protocol_fds
 from inboxd.files.commits import commit, config_from_json, entries_from, reply_header
 from inboxd.files.lifecycle import Lifecycle
+from inboxd.heap import freeze_startup_heap
 
 # A batch's documents and paths (hex, up to PATH_MAX each), from the daemon, which is trusted:
 # as large as the batch and top_k it was configured with (1,000 of each make 75 MB).
@@ -36,6 +37,7 @@ def main() -> None:
     init, _ = reader.recv()
     die_with_parent(init["parent_pid"])
     lifecycle = Lifecycle(config_from_json(init["config"]))
+    freeze_startup_heap()
     wire.send(replies, {"ready": True, "pid": os.getpid()})
     while True:
         try:

@@ -11,6 +11,7 @@ import signal
 import sys
 
 from inboxd.config import Config
+from inboxd.heap import freeze_startup_heap
 from inboxd.service.runner import Service, exit_status
 
 
@@ -31,6 +32,7 @@ async def _once(config: Config, progress: bool) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(signum, on_signal, signum)
     pipeline = await service.load()
+    freeze_startup_heap()
     counters = pipeline.stats.counters
 
     def show() -> None:

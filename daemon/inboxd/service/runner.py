@@ -21,6 +21,7 @@ from inboxd.files.filesystems import describe as describe_watch
 from inboxd.files.layout import load_checked_config
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.settling import survive_lease_breaks
+from inboxd.heap import freeze_startup_heap
 from inboxd.models import faults
 from inboxd.models.device import device_fields, with_device_defaults
 from inboxd.models.engines import load_here, make_engine
@@ -137,6 +138,7 @@ class Service:
     async def run(self) -> int:
         self.install_signal_handlers()
         pipeline = await self.load()
+        heap = freeze_startup_heap()
 
         def ready() -> None:
             # STATUS= first: `systemctl start` returns on READY=1, and what it shows next must
@@ -145,7 +147,7 @@ class Service:
             self.notifier.ready()
             logs.emit(logging.INFO, "ready", "ready: watching "
                       + ", ".join(str(p) for p in self.config.inbox.paths),
-                      instance=self.config.instance)
+                      instance=self.config.instance, **heap)
 
         helpers = [asyncio.create_task(coro) for coro in (
             self._keep_status(pipeline), self._keep_watchdog(pipeline),
