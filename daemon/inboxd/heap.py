@@ -5,7 +5,7 @@ held, so every thread of the process stops for it. torch, numpy and the model le
 350,000 such objects in the daemon, and they live as long as it does. Measured 12-02 (null
 model, floods of 4,000 tiny JPEGs): a full collection took 150-200 ms and came once every
 12,000-32,000 files; no result was filed meanwhile (a 166 ms gap between two ``completed``
-records, where the longest gap otherwise was 39 ms), and the flood that held it ran 10-15%
+records, where the longest gap otherwise was 38 ms), and the flood that held it ran 10-15%
 slower than the others. The commit process's took 13-20 ms, in the middle of a group commit.
 
 ``gc.freeze()`` moves every object there is to a permanent generation that no collection walks;
