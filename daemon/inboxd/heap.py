@@ -1,7 +1,7 @@
 """Keep the garbage collector's full collections short: freeze what start-up left.
 
 A full collection (generation 2) walks every container object the process has, with the GIL
-held, so every thread of the process stops for it. torch, numpy and the model leave about
+held, so no thread of the process runs Python meanwhile. torch, numpy and the model leave about
 350,000 such objects in the daemon, and they live as long as it does. Measured 12-02 (null
 model, floods of 4,000 tiny JPEGs): a full collection took 150-200 ms and came once every
 12,000-32,000 files; no result was filed meanwhile (a 166 ms gap between two ``completed``
