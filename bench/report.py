@@ -35,9 +35,8 @@ def in_turns_rows(r: dict[str, Any], target: float) -> list[Row]:
     in_order = turns["ceilings"][:1]  # ceiling, inboxd, ceiling, ...
     for flood, ceiling in zip(turns["floods"], turns["ceilings"][1:], strict=True):
         in_order += [flood, ceiling]
-    # Older runs took each ceiling at one batch size only.
-    batches = " or ".join(map(str, turns.get("ceiling_batches", [])))
-    at = f"; ceiling at batch {batches}" if " or " in batches else ""
+    batches = turns.get("ceiling_batches", [])  # older runs: one batch size, not recorded
+    at = f"; ceiling at batch {' or '.join(map(str, batches))}" if len(batches) > 1 else ""
     return [(f"inboxd / ceiling, taken in turns ({len(turns['floods'])} × {turns['count']:,} "
              f"files{at}; median)",
              f"{turns['ratio']:.2f} ({ratios})", f"≥ {target:.2f}", _ok(turns["ratio"] >= target)),
