@@ -51,4 +51,3 @@ def test_every_field_of_a_stderr_record_reads_back_as_logged(stderr_stream: io.S
     expected = {key.upper(): value for key, value in AWKWARD_VALUES.items()}
     assert {key: fields.get(key) for key in expected} == expected, line
     assert (fields["COUNT"], fields["RATIO"]) == ("3", "0.25")
-
