@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from inboxd.decode import formats
 from inboxd.decode.pillow import decode_image
@@ -58,3 +59,17 @@ def test_a_listed_format_under_another_listed_name_still_decodes() -> None:
     data = io.BytesIO()
     Image.new("RGB", (8, 8), (1, 2, 3)).save(data, "PNG")  # as if named photo.jpg
     assert decode_image(data.getvalue(), SPEC, 10**6).format == "PNG"
+
+
+def test_a_broken_jpeg_xl_is_refused_in_words_for_its_user() -> None:
+    """pillow-jxl-plugin raises RuntimeError("Generic Error. Please build `libjxl` from source
+    ...") for any JPEG XL it cannot decode; the file's reason says what is wrong with it."""
+    noise = np.random.default_rng(3).integers(0, 256, (150, 200, 3), dtype=np.uint8)
+    data = io.BytesIO()
+    Image.fromarray(noise).save(data, "JXL")
+    whole = data.getvalue()
+    assert decode_image(whole, SPEC, 10**6).format == "JXL"
+    for cut in (len(whole) // 2, 40):
+        with pytest.raises(PermanentError, match="corrupt or truncated JPEG XL") as refused:
+            decode_image(whole[:cut], SPEC, 10**6)
+        assert "libjxl" not in str(refused.value)

@@ -32,6 +32,7 @@ INTERPOLATIONS = {
     "nearest": Image.Resampling.NEAREST,
     "lanczos": Image.Resampling.LANCZOS,
 }
+JXL_PLUGIN = "pillow_jxl"  # the package whose opener decodes JPEG XL (decode/formats.py)
 # Up to this many times the resize target's square, the whole image is resized, then cropped
 # (bit-for-bit what torchvision does); beyond it (an aspect ratio past 16:1, no photo) only the
 # crop window is resized, which is the same to rounding and bounded in memory.
@@ -99,7 +100,25 @@ def decode_image(data: bytes | BinaryIO, spec: PreprocessSpec, max_pixels: int) 
     except (ValueError, SyntaxError, EOFError) as exc:
         # Pillow reports truncated and corrupt data as OSError/ValueError/SyntaxError.
         raise PermanentError(f"corrupt or truncated image: {exc}") from exc
+    except RuntimeError as exc:
+        # pillow-jxl-plugin says the same of every JPEG XL file it cannot decode: "Generic
+        # Error. Please build `libjxl` from source ... in debug mode": advice for its
+        # developers, not for whoever reads the file's .error.json.
+        if not _raised_in(exc, JXL_PLUGIN):
+            raise
+        raise PermanentError("corrupt or truncated JPEG XL image: the JPEG XL decoder could "
+                             "not read it") from exc
     return DecodedImage(pixels, oriented_w, oriented_h, source_format, source_mode)
+
+
+def _raised_in(exc: BaseException, module_prefix: str) -> bool:
+    """Whether the innermost Python frame of ``exc``'s traceback is in that module (package)."""
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return str(tb.tb_frame.f_globals.get("__name__", "")).startswith(module_prefix)
 
 
 def _oriented_size(width: int, height: int, image: Image.Image) -> tuple[int, int]:
