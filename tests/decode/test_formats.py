@@ -70,6 +70,6 @@ def test_a_broken_jpeg_xl_is_refused_in_words_for_its_user() -> None:
     whole = data.getvalue()
     assert decode_image(whole, SPEC, 10**6).format == "JXL"
     for cut in (len(whole) // 2, 40):
-        with pytest.raises(PermanentError, match="corrupt or truncated JPEG XL") as refused:
+        with pytest.raises(PermanentError, match="corrupt or truncated") as refused:
             decode_image(whole[:cut], SPEC, 10**6)
-        assert "libjxl" not in str(refused.value)
+        assert "JPEG XL" in str(refused.value) and "libjxl" not in str(refused.value)

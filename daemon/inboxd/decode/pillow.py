@@ -19,7 +19,7 @@ from typing import BinaryIO
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from inboxd.decode import formats  # (importing it registers the HEIF and JPEG XL openers)
+from inboxd.decode import formats, jxl_header  # (formats registers the HEIF and JXL openers)
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.item import DecodedImage, PermanentError
 
@@ -57,20 +57,23 @@ def decode_image(data: bytes | BinaryIO, spec: PreprocessSpec, max_pixels: int) 
     """Bytes (or a file open at its start) → RGB uint8 crop of ``spec.crop``², the way the model
     was trained to see it."""
     source = io.BytesIO(data) if isinstance(data, bytes) else data
-    if source.read(1) == b"":
+    prefix = source.read(len(jxl_header.CONTAINER_SIGNATURE))
+    if prefix == b"":
         raise PermanentError("empty file: 0 bytes")
     source.seek(0)
+    if jxl_header.is_jxl(prefix):  # its plugin decodes it all in Image.open: check the size first
+        try:
+            _check_pixels(*jxl_header.declared_size(source), max_pixels)
+        except jxl_header.UnreadableHeader as exc:
+            raise PermanentError(f"corrupt or truncated JPEG XL image: {exc}") from exc
+        source.seek(0)
     try:
         with warnings.catch_warnings():
             # Pillow only warns between MAX_IMAGE_PIXELS and twice that: make both an error.
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             opened = Image.open(source, formats=open_formats())
             width, height = opened.size
-            if width * height > max_pixels:
-                raise PermanentError(
-                    f"image is {width}×{height} = {width * height} pixels, more than "
-                    f"preprocess.max_image_pixels = {max_pixels} (a decompression bomb?)"
-                )
+            _check_pixels(width, height, max_pixels)
             source_format, source_mode = opened.format, opened.mode
             if opened.format == "JPEG":
                 # Let libjpeg decode at 1/2, 1/4 or 1/8 scale, but only down to DRAFT_MARGIN ×
@@ -106,9 +109,18 @@ def decode_image(data: bytes | BinaryIO, spec: PreprocessSpec, max_pixels: int) 
         # developers, not for whoever reads the file's .error.json.
         if not _raised_in(exc, JXL_PLUGIN):
             raise
-        raise PermanentError("corrupt or truncated JPEG XL image: the JPEG XL decoder could "
-                             "not read it") from exc
+        raise PermanentError("the JPEG XL decoder could not decode this image: corrupt or "
+                             "truncated, or it needs more memory than "
+                             "preprocess.decode_memory_mb allows") from exc
     return DecodedImage(pixels, oriented_w, oriented_h, source_format, source_mode)
+
+
+def _check_pixels(width: int, height: int, max_pixels: int) -> None:
+    if width * height > max_pixels:
+        raise PermanentError(
+            f"image is {width}×{height} = {width * height} pixels, more than "
+            f"preprocess.max_image_pixels = {max_pixels} (a decompression bomb?)"
+        )
 
 
 def _raised_in(exc: BaseException, module_prefix: str) -> bool:
