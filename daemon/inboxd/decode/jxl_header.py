@@ -36,7 +36,10 @@ class UnreadableHeader(Exception):
 
 
 def is_jxl(prefix: bytes) -> bool:
-    """Whether a file starting with ``prefix`` (12 bytes) is a JPEG XL codestream or container."""
+    """Whether a file starting with ``prefix`` (12 bytes) is a JPEG XL codestream or container.
+    The plugin's own test is looser (``JXL`` at offset 4), but libjxl decodes nothing that does
+    not start with one of these two signatures (measured: it refuses the rest with "does not
+    contain a valid codestream or container")."""
     return prefix.startswith(CODESTREAM_SIGNATURE) or prefix.startswith(CONTAINER_SIGNATURE)
 
 
