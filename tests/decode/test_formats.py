@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -73,3 +76,31 @@ def test_a_broken_jpeg_xl_is_refused_in_words_for_its_user() -> None:
         with pytest.raises(PermanentError, match="corrupt or truncated") as refused:
             decode_image(whole[:cut], SPEC, 10**6)
         assert "JPEG XL" in str(refused.value) and "libjxl" not in str(refused.value)
+
+
+def test_a_jpeg_xl_is_decoded_on_one_core() -> None:
+    """A decode worker takes one file at a time and there are as many workers as cores; the
+    JPEG XL plugin would otherwise start a thread per core for each file."""
+    noise = np.random.default_rng(5).integers(0, 256, (2000, 2000, 3), dtype=np.uint8)
+    data = io.BytesIO()
+    Image.fromarray(noise).save(data, "JXL", effort=1)
+    threads_seen: list[int] = []
+    decoding = threading.Event()
+
+    def count_threads() -> None:
+        while not decoding.is_set():
+            time.sleep(0.0005)
+        while decoding.is_set():
+            threads_seen.append(len(os.listdir("/proc/self/task")))
+            time.sleep(0.0005)
+
+    sampler = threading.Thread(target=count_threads)
+    sampler.start()
+    before = len(os.listdir("/proc/self/task"))
+    decoding.set()
+    try:
+        decode_image(data.getvalue(), SPEC, 10**7)
+    finally:
+        decoding.clear()
+        sampler.join()
+    assert threads_seen and max(threads_seen) <= before + 1, (before, max(threads_seen))
