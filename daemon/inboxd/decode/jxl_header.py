@@ -24,6 +24,7 @@ CODESTREAM_SIGNATURE = b"\xff\x0a"
 CONTAINER_SIGNATURE = b"\x00\x00\x00\x0cJXL \r\n\x87\n"
 # The SizeHeader after the codestream's signature takes at most 1 + 32 + 3 + 32 bits.
 SIZE_HEADER_BYTES = 9
+HEAD_BYTES = len(CODESTREAM_SIGNATURE) + SIZE_HEADER_BYTES  # what is read of a codestream
 # Boxes before the codestream (ftyp, jxll, Exif, xml, ...): a real file has a handful.
 MAX_BOXES = 64
 # ratio (1-7) → width = height × numerator // denominator
@@ -64,25 +65,25 @@ def _side(bits: _Bits, small: int) -> int:
 def _size_header_bytes(source: BinaryIO) -> bytes:
     start = source.read(len(CONTAINER_SIGNATURE))
     if start.startswith(CODESTREAM_SIGNATURE):
-        return (start + source.read(SIZE_HEADER_BYTES))[2:2 + SIZE_HEADER_BYTES]
+        return (start + source.read(SIZE_HEADER_BYTES))[len(CODESTREAM_SIGNATURE):HEAD_BYTES]
     if start != CONTAINER_SIGNATURE:
         raise UnreadableHeader("no JPEG XL signature")
     found = b""  # the codestream's first bytes, from one jxlc box or consecutive jxlp boxes
     for _ in range(MAX_BOXES):
         kind, content_bytes = _box_header(source)
         if kind == b"jxlc":
-            found = source.read(len(CODESTREAM_SIGNATURE) + SIZE_HEADER_BYTES)
+            found = source.read(HEAD_BYTES)
         elif kind == b"jxlp":  # a 4-byte part number, then a piece of the codestream
             if content_bytes is not None and content_bytes < 4:
                 raise UnreadableHeader("a jxlp box too short for its part number")
             source.read(4)
-            wanted = len(CODESTREAM_SIGNATURE) + SIZE_HEADER_BYTES - len(found)
+            wanted = HEAD_BYTES - len(found)
             piece = source.read(wanted if content_bytes is None
                                 else min(wanted, content_bytes - 4))
             found += piece
-            if len(found) < len(CODESTREAM_SIGNATURE) + SIZE_HEADER_BYTES and (
-                    content_bytes is not None and len(piece) == content_bytes - 4):
-                continue  # the codestream goes on in the next jxlp box
+            if len(found) < HEAD_BYTES and content_bytes is not None and (
+                    len(piece) == content_bytes - 4):
+                continue  # the codestream goes on in the next jxlp box (after other boxes)
         elif content_bytes is not None:
             source.seek(content_bytes, os.SEEK_CUR)
             continue
@@ -90,7 +91,7 @@ def _size_header_bytes(source: BinaryIO) -> bytes:
             raise UnreadableHeader("no codestream box")
         if not found.startswith(CODESTREAM_SIGNATURE):
             raise UnreadableHeader("the codestream box holds no codestream")
-        return found[2:]
+        return found[len(CODESTREAM_SIGNATURE):]
     raise UnreadableHeader(f"more than {MAX_BOXES} boxes before the codestream")
 
 
