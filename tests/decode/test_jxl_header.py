@@ -104,6 +104,7 @@ def hostile() -> Iterator[bytes]:
     yield container(struct.pack(">I4s", 0, b"Exif") + b"x" * 50)  # runs to the end
     yield container(struct.pack(">I4s", 4, b"jxlc"))  # smaller than its header
     yield container(struct.pack(">I4s", 0xFFFFFFFF, b"Exif"))  # past the end
+    yield container(struct.pack(">I4sQ", 1, b"Exif", (1 << 64) - 1))  # past any seek
     yield container(box(b"jxlp", b"\x00\x00"))  # no room for its part number
     yield container(box(b"jxlc", b"\x00\x01\x02\x03"))  # not a codestream
     too_many = [box(b"free", b"")] * (jxl_header.MAX_BOXES + 1)

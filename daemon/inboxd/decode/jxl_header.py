@@ -27,6 +27,9 @@ SIZE_HEADER_BYTES = 9
 HEAD_BYTES = len(CODESTREAM_SIGNATURE) + SIZE_HEADER_BYTES  # what is read of a codestream
 # Boxes before the codestream (ftyp, jxll, Exif, xml, ...): a real file has a handful.
 MAX_BOXES = 64
+# A box's 64-bit size may say anything; past this (256 TiB) it is no file's, and skipping it
+# would overflow the seek.
+MAX_BOX_BYTES = 1 << 48
 # ratio (1-7) → width = height × numerator // denominator
 RATIOS = {1: (1, 1), 2: (12, 10), 3: (4, 3), 4: (3, 2), 5: (16, 9), 6: (5, 4), 7: (2, 1)}
 U32_BITS = (9, 13, 18, 30)  # a side that is not a multiple of 8 (below 257): 1 + u(bits)
@@ -111,6 +114,8 @@ def _box_header(source: BinaryIO) -> tuple[bytes, int | None]:
         return kind, None
     if size < header_bytes:
         raise UnreadableHeader("a box smaller than its own header")
+    if size > MAX_BOX_BYTES:
+        raise UnreadableHeader("a box larger than any file")
     return kind, size - header_bytes
 
 
