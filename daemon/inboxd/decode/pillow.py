@@ -32,7 +32,6 @@ INTERPOLATIONS = {
     "nearest": Image.Resampling.NEAREST,
     "lanczos": Image.Resampling.LANCZOS,
 }
-JXL_PLUGIN = "pillow_jxl"  # the package whose opener decodes JPEG XL (decode/formats.py)
 # Up to this many times the resize target's square, the whole image is resized, then cropped
 # (bit-for-bit what torchvision does); beyond it (an aspect ratio past 16:1, no photo) only the
 # crop window is resized, which is the same to rounding and bounded in memory.
@@ -61,7 +60,8 @@ def decode_image(data: bytes | BinaryIO, spec: PreprocessSpec, max_pixels: int) 
     if prefix == b"":
         raise PermanentError("empty file: 0 bytes")
     source.seek(0)
-    if jxl_header.is_jxl(prefix):  # its plugin decodes it all in Image.open: check the size first
+    is_jxl = jxl_header.is_jxl(prefix)
+    if is_jxl:  # its plugin decodes it all in Image.open: check the size first
         try:
             _check_pixels(*jxl_header.declared_size(source), max_pixels)
         except jxl_header.UnreadableHeader as exc:
@@ -106,8 +106,9 @@ def decode_image(data: bytes | BinaryIO, spec: PreprocessSpec, max_pixels: int) 
     except RuntimeError as exc:
         # pillow-jxl-plugin says the same of every JPEG XL file it cannot decode: "Generic
         # Error. Please build `libjxl` from source ... in debug mode": advice for its
-        # developers, not for whoever reads the file's .error.json.
-        if not _raised_in(exc, JXL_PLUGIN):
+        # developers, not for whoever reads the file's .error.json. (Any other decoder's
+        # RuntimeError is reported with its own words by the decode worker.)
+        if not is_jxl:
             raise
         raise PermanentError("the JPEG XL decoder could not decode this image: corrupt or "
                              "truncated, or it needs more memory than "
@@ -121,16 +122,6 @@ def _check_pixels(width: int, height: int, max_pixels: int) -> None:
             f"image is {width}×{height} = {width * height} pixels, more than "
             f"preprocess.max_image_pixels = {max_pixels} (a decompression bomb?)"
         )
-
-
-def _raised_in(exc: BaseException, module_prefix: str) -> bool:
-    """Whether the innermost Python frame of ``exc``'s traceback is in that module (package)."""
-    tb = exc.__traceback__
-    if tb is None:
-        return False
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    return str(tb.tb_frame.f_globals.get("__name__", "")).startswith(module_prefix)
 
 
 def _oriented_size(width: int, height: int, image: Image.Image) -> tuple[int, int]:
