@@ -154,6 +154,14 @@ def last_stats(lines: list[str]) -> dict[str, str]:
     return line_fields(lines[-1])
 
 
+@pytest.fixture(autouse=True)
+def fresh_log_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The record budget is process-wide: each test starts with a full one, whatever the tests
+    before it logged."""
+    from inboxd import log_budget, logs
+    monkeypatch.setattr(logs, "budget", log_budget.RecordBudget())
+
+
 @pytest.fixture
 def daemon_factory() -> Iterator[Callable[..., DaemonProcess]]:
     started: list[DaemonProcess] = []

@@ -4,10 +4,13 @@ Every record that matters to an operator is emitted through :func:`emit`, which 
 ``INBOXD_EVENT`` and a dict of uppercase fields. The stderr formatter prints them as
 ``KEY=value`` pairs; the journal handler (``inboxd.service.journal``) sends them as native
 journal fields, so ``journalctl INBOXD_EVENT=stats -o json`` sees exactly what stderr shows.
+The frequent records pass :data:`budget` first (``inboxd.log_budget`` says why), whichever
+the sink.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import re
@@ -15,8 +18,11 @@ import sys
 import time
 from typing import Any
 
+from inboxd.log_budget import RecordBudget, Summary
+
 LOGGER_NAME = "inboxd"
 log = logging.getLogger(LOGGER_NAME)
+budget = RecordBudget()  # process-wide, like the logger
 
 # journald silently drops fields whose names are not [A-Z0-9_], starting with a letter.
 _FIELD_NAME = re.compile(r"^[A-Z][A-Z0-9_]*$")
@@ -31,9 +37,13 @@ def field_name(key: str) -> str:
 
 
 def emit(level: int, event: str, message: str, **fields: Any) -> None:
-    """Log one record carrying ``INBOXD_EVENT=event`` and ``fields`` (names upper-cased)."""
-    if not log.isEnabledFor(level):
+    """Log one record carrying ``INBOXD_EVENT=event`` and ``fields`` (names upper-cased),
+    unless the budget holds it back."""
+    if not log.isEnabledFor(level) or not budget.admit(level, event):
         return
+    summary = budget.summary()
+    if summary is not None:
+        _log_summary(summary)
     record_fields = {
         field_name(k): printable(v) if isinstance(v, str) else v
         for k, v in fields.items()
@@ -43,6 +53,21 @@ def emit(level: int, event: str, message: str, **fields: Any) -> None:
     # CODE_FUNC) are those of the code that called emit, not this line.
     log.log(level, printable(message), stacklevel=2,
             extra={"inboxd_event": event, "inboxd_fields": record_fields})
+
+
+def _log_summary(summary: Summary) -> None:
+    # handle, not info: held-back warnings are summarised even where the level hides info.
+    log.handle(log.makeRecord(LOGGER_NAME, logging.INFO, __file__, 0, summary.message, (), None,
+                              extra={"inboxd_event": "suppressed",
+                                     "inboxd_fields": summary.fields}))
+
+
+@atexit.register  # runs before logging's own exit hook (registered earlier), so handlers are open
+def flush_suppressed() -> None:
+    """Log what the budget held back since its last summary, whatever the interval."""
+    summary = budget.summary(force=True)
+    if summary is not None:
+        _log_summary(summary)
 
 
 def printable(text: str) -> str:

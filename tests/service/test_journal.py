@@ -1,5 +1,5 @@
-"""inboxd.service.journal against a real journald: fields, stream detection, fallback, rate
-limiting."""
+"""inboxd.service.journal against a real journald: fields, stream detection, fallback, and the
+record budget (inboxd.log_budget) under journald's own rate limit."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from inboxd import log_budget
 from inboxd.service import journal as dj
 
 from tests.journald import (  # noqa: F401
@@ -27,16 +28,6 @@ from tests.journald import (  # noqa: F401
 )
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _record(
-    level: int, event: str | None, message: str, fields: dict[str, Any] | None = None
-) -> logging.LogRecord:
-    record = logging.LogRecord("inboxd", level, __file__, 1, message, None, None, func="fn")
-    if event is not None:
-        record.inboxd_event = event
-    record.inboxd_fields = fields or {}
-    return record
 
 
 @pytest.fixture
@@ -87,50 +78,6 @@ def test_journal_value(value: object, text: str | bytes) -> None:
 def test_syslog_priority() -> None:
     levels = [logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR, logging.CRITICAL]
     assert [dj.syslog_priority(lv) for lv in levels] == [7, 6, 4, 3, 2]
-
-
-# --- the rate limiter (fake clock) ----------------------------------------------------------
-
-
-def test_limiter_passes_a_burst_then_the_rate_and_summarises() -> None:
-    limiter = dj.RecordLimiter(burst=10, rate_per_s=2.0, summary_interval_s=5.0)
-    admitted = [limiter.admit(_record(logging.INFO, "completed", "f"), 0.0) for _ in range(15)]
-    assert admitted.count(True) == 10
-    assert limiter.summary(1.0) is None  # first summary one interval after the first drop
-    assert [limiter.admit(_record(logging.INFO, "completed", "f"), 1.0) for _ in range(3)] == [
-        True,
-        True,
-        False,
-    ]
-    summary = limiter.summary(5.0)
-    assert summary is not None
-    assert summary.inboxd_event == "suppressed"  # type: ignore[attr-defined]
-    assert summary.inboxd_fields == {  # type: ignore[attr-defined]
-        "SUPPRESSED": 6,
-        "SUPPRESSED_TOTAL": 6,
-        "SUPPRESSED_COMPLETED": 6,
-    }
-    assert limiter.summary(100.0) is None  # nothing new held back
-
-
-def test_limiter_never_drops_stats_lifecycle_or_errors() -> None:
-    limiter = dj.RecordLimiter(burst=1, rate_per_s=0.0)
-    assert limiter.admit(_record(logging.INFO, "completed", "f"), 0.0)
-    for event in ("stats", "started", "ready", "reloaded", "stopping"):
-        assert all(limiter.admit(_record(logging.INFO, event, "x"), 0.0) for _ in range(100))
-    assert all(limiter.admit(_record(logging.ERROR, "completed", "x"), 0.0) for _ in range(100))
-    assert not limiter.admit(_record(logging.INFO, "completed", "f"), 0.0)
-
-
-def test_limiter_budgets_priority_classes_separately() -> None:
-    """Like journald: a flood of info lines must not use up the warnings' budget."""
-    limiter = dj.RecordLimiter(burst=5, rate_per_s=0.0)
-    for _ in range(100):
-        limiter.admit(_record(logging.INFO, "completed", "f"), 0.0)
-    assert [limiter.admit(_record(logging.WARNING, "failed", "f"), 0.0) for _ in range(6)] == [
-        *[True] * 5,
-        False,
-    ]
 
 
 # --- fallback to stderr ---------------------------------------------------------------------
@@ -366,31 +313,26 @@ def test_records_and_fields_reach_the_journal(
 
 _BURST = """
 import json, logging, sys, time
+from inboxd import log_budget, logs
 from inboxd.service import journal as dj
 
 run, total, exempt_completed = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
-events = set(dj.EXEMPT_EVENTS) | ({"completed"} if exempt_completed else set())
-handler = dj.JournalHandler(
-    limiter=dj.RecordLimiter(exempt_events=events), extra_fields={"INBOXD_TEST_RUN": run}
-)
-log = logging.getLogger("inboxd.burst")
-log.addHandler(handler)
-log.setLevel(logging.INFO)
-log.propagate = False
+if exempt_completed:
+    logs.budget = log_budget.RecordBudget(exempt_events={*log_budget.EXEMPT_EVENTS, "completed"})
+handler = dj.JournalHandler(extra_fields={"INBOXD_TEST_RUN": run})
+logs.install_handler(handler, "info")
 chunk, stats = 1000, 0
 start = time.monotonic()
 for done in range(1, total + 1):
-    log.info("completed f%d.jpg", done, extra={"inboxd_event": "completed",
-             "inboxd_fields": {"PATH": f"f{done}.jpg"}})
+    logs.emit(logging.INFO, "completed", f"completed f{done}.jpg", path=f"f{done}.jpg")
     if done % chunk == 0:
         stats += 1
-        log.info("stats", extra={"inboxd_event": "stats",
-                 "inboxd_fields": {"COMPLETED": done, "SEQ": stats}})
+        logs.emit(logging.INFO, "stats", "stats", completed=done, seq=stats)
         if not exempt_completed:
             time.sleep(0.1)  # 30,000 records over about 3 s
 elapsed = time.monotonic() - start
-handler.close()  # flushes the last "suppressed" summary
 print(json.dumps({"stats": stats, "elapsed_s": elapsed, "fell_back": handler.fell_back}))
+# The last "suppressed" summary is logged on the way out (logs.flush_suppressed, at exit).
 """
 
 
@@ -448,19 +390,19 @@ def test_burst_of_per_file_records_keeps_every_stats_record(
     # Every record is accounted for: in the journal, or counted in a summary.
     assert len(completed) + suppressed == 30_000
     # ... and the journal got no more than the bucket allows, far below journald's 10,000/30 s.
-    allowed = dj.BUCKET_BURST + dj.BUCKET_RATE_PER_S * (result["elapsed_s"] + 1)
+    allowed = log_budget.BUCKET_BURST + log_budget.BUCKET_RATE_PER_S * (result["elapsed_s"] + 1)
     assert len(completed) <= allowed
     if os.geteuid() == 0:
         assert in_unit, "burst did not run as a unit: journald's rate limit was not in play"
 
 
-def test_burst_without_the_limiter_loses_stats(
+def test_burst_without_the_budget_loses_stats(
     journald: None,  # noqa: F811
     run_id: str,
 ) -> None:
     """The control: the same kind of flood with per-file records exempt from the bucket trips
     journald's limit (10,000 per 30 s, scaled up to at most 40,000 by free space) and the
-    stats records after that point are lost. This is what the limiter is for."""
+    stats records after that point are lost. This is what the budget is for."""
     if os.geteuid() != 0:
         pytest.skip("needs root to run the flood inside a unit-like cgroup")
     result, in_unit = _burst(run_id, 60_000, exempt_completed=True)
