@@ -96,6 +96,15 @@ def test_a_codestream_box_with_a_64_bit_size_or_running_to_the_end_is_read() -> 
     assert declared_size(io.BytesIO(container(to_the_end))) == (5000, 4000)
 
 
+def test_a_size_header_is_never_read_past_its_codestream_box() -> None:
+    """A jxlc box of 4 bytes holds a SizeHeader only in part; the box after it, whose bytes
+    would complete the header, is not the codestream's."""
+    header = size_header(5000, 4000)
+    data = container(box(b"jxlc", header[:4]), box(b"Exif", header[4:]))
+    with pytest.raises(UnreadableHeader, match="cut short"):
+        declared_size(io.BytesIO(data))
+
+
 def hostile() -> Iterator[bytes]:
     real = jxl(200, 100, container=True)
     for cut in range(len(real) if len(real) < 400 else 400):

@@ -74,8 +74,9 @@ def _size_header_bytes(source: BinaryIO) -> bytes:
     found = b""  # the codestream's first bytes, from one jxlc box or consecutive jxlp boxes
     for _ in range(MAX_BOXES):
         kind, content_bytes = _box_header(source)
-        if kind == b"jxlc":
-            found = source.read(HEAD_BYTES)
+        if kind == b"jxlc":  # never past the box: what follows is another box's
+            found = source.read(HEAD_BYTES if content_bytes is None
+                                else min(HEAD_BYTES, content_bytes))
         elif kind == b"jxlp":  # a 4-byte part number, then a piece of the codestream
             if content_bytes is not None and content_bytes < 4:
                 raise UnreadableHeader("a jxlp box too short for its part number")
