@@ -51,6 +51,11 @@ def test_stats_lifecycle_and_errors_are_never_held_back() -> None:
     assert budget.admit(logging.INFO, "completed")
     for event in ("stats", "started", "ready", "reloaded", "stopping", "stopped"):
         assert all(budget.admit(logging.INFO, event) for _ in range(100))
+    # An episode's start and end, however long the flood between them used the budget.
+    for event in ("deferred", "watching", "model_unavailable", "model_available",
+                  "model_connected", "recovered", "metrics", "gpu_decode", "no_cuda", "faults"):
+        assert all(budget.admit(logging.WARNING, event) for _ in range(3)), event
+        assert all(budget.admit(logging.INFO, event) for _ in range(3)), event
     assert all(budget.admit(logging.ERROR, "completed") for _ in range(100))
     assert not budget.admit(logging.INFO, "completed")
 
@@ -174,6 +179,8 @@ def test_a_real_daemons_stderr_keeps_to_the_budget_and_accounts_for_every_file(
           f"{len(summaries)} summaries")
     assert len(lines) <= log_budget.BUCKET_BURST + log_budget.BUCKET_RATE_PER_S * (
         last_s - first_s) + 1
+    # 3,000 files overflow the event buffer (1,024): the episode is told, start and end.
+    assert daemon.records("deferred") and daemon.records("watching"), daemon.output()[-2000:]
 
 
 def _seconds(line: str) -> float:

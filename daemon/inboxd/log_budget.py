@@ -27,10 +27,17 @@ from typing import Any
 BUCKET_BURST = 1000
 BUCKET_RATE_PER_S = 100.0
 SUMMARY_INTERVAL_S = 5.0
-# Never held back. Per-file "failed" warnings are *not* exempt: a flood of bad files must not
-# use up the warning class and hide a warning that matters, such as a rejected reload.
-EXEMPT_EVENTS = frozenset({"started", "ready", "stats", "reloaded", "stopping", "stopped",
-                           "suppressed"})
+# Never held back: the lifecycle, and the start and end of an episode (a backlog on disk, the
+# model out of reach), which no file can make more frequent than the pipeline's own pace or the
+# engine's reconnect backoff. A flood of files spends the budget before its episode ends, and
+# "watching again" or "the model is reachable again" must not be what it hides. Per-file
+# "failed" warnings are *not* exempt: a flood of bad files must not use up the warning class
+# and hide a warning that matters, such as a rejected reload.
+EXEMPT_EVENTS = frozenset({
+    "started", "ready", "stats", "reloaded", "stopping", "stopped", "suppressed",
+    "recovered", "metrics", "gpu_decode", "no_cuda", "faults",  # once, at start-up
+    "deferred", "watching", "model_unavailable", "model_available", "model_connected",
+})
 
 
 @dataclass

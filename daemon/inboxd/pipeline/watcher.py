@@ -111,7 +111,7 @@ class Watcher:
                       path=str(path), event_buffer_size=self.buffer.size)
         elif admitted is False:
             self.stats.counters.deferred += 1
-            if not self.backlog_on_disk:  # once per episode, not once per file
+            if not self.paused:  # once per episode (until "watching"), not once per scan
                 logs.emit(logging.INFO, "deferred",
                           f"event buffer full ({self.buffer.capacity} paths): new files wait on "
                           "disk and are picked up by scans as it drains; the watcher pauses "
