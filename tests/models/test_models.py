@@ -14,11 +14,13 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 import torch
 import torchvision
@@ -26,6 +28,7 @@ import yaml
 from inboxd import cli
 from inboxd.config import EX_CONFIG, ConfigError, ModelConfig, parse_config
 from inboxd.decode.pillow import decode_image
+from inboxd.decode.spec import PreprocessSpec
 from inboxd.models.efficientnet_lite import EMBEDDING_DIM, load_efficientnet_lite0
 from inboxd.models.loading import load_model, strip_classifier
 from inboxd.models.model import Color, Model
@@ -236,6 +239,60 @@ def test_colour_modes_convert_on_the_device_as_pillow_would() -> None:
     luma = np.asarray(Image.fromarray(pixels).convert("L"), dtype=np.float32)
     for channel in raw["gray"]:
         assert torch.equal(channel, torch.from_numpy(luma))
+
+
+def test_cpu_batches_reuse_their_host_buffers_and_give_the_same_bits() -> None:
+    """On the CPU a batch is stacked and normalised into buffers each thread keeps
+    (``_HostStaging`` says why): the outputs are those of fresh tensors, bit for bit, for every
+    colour mode and batch size, the buffers are not made again for a smaller batch, and two
+    threads taking turns every microsecond each keep their own."""
+    spec = PreprocessSpec(16, 16, "bilinear", TORCHVISION_INPUT.mean, TORCHVISION_INPUT.std)
+    torch.manual_seed(0)
+    network = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten()).eval()
+    rng = np.random.default_rng(1)
+
+    def batch(count: int) -> list[npt.NDArray[np.uint8]]:
+        return [rng.integers(0, 256, (16, 16, 3), dtype=np.uint8) for _ in range(count)]
+
+    def fresh(model: Model, images: list[npt.NDArray[np.uint8]]) -> torch.Tensor:
+        with torch.inference_mode():
+            return network(model.to_input(images))
+
+    colors: tuple[Color, ...] = ("rgb", "bgr", "gray")
+    for color in colors:
+        model = Model("conv", network, spec, None, torch.device("cpu"), "fp32", 1,
+                      output="embed", color=color)
+        for count in (3, 64, 5, 64, 1):
+            images = batch(count)
+            assert torch.equal(model.outputs(images), fresh(model, images)), (color, count)
+        staged = model._staging.inputs
+        assert staged is not None and model.outputs(batch(7)) is not None
+        assert model._staging.inputs is staged  # reused, not made again
+
+    model = Model("conv", network, spec, None, torch.device("cpu"), "fp32", 1, output="embed")
+    work = [[batch(count) for count in (64, 9, 33) * 10] for _ in range(2)]
+    expected = [[fresh(model, images) for images in thread] for thread in work]
+    wrong: list[str] = []
+
+    def run(index: int) -> None:
+        try:
+            for images, want in zip(work[index], expected[index], strict=True):
+                if not torch.equal(model.outputs(images), want):
+                    wrong.append(f"thread {index}: other outputs")
+        except Exception as exc:  # a buffer resized under the other thread's feet
+            wrong.append(f"thread {index}: {exc!r}")
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=run, args=(index,)) for index in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not wrong, wrong[:3]
 
 
 # -- torch.export programs ------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """The model at run time: loaded once, on CUDA when there is one, run under ``inference_mode``.
 
 Images arrive as uint8 H×W×3 RGB arrays. They are stacked on the host (pinned when the target is
-a GPU, so the copy can be asynchronous), copied once, and colour-converted and normalised on the
-device in a single batched operation; the network runs in channels_last, which is what cuDNN and
-the CPU kernels are fastest with for convolutions.
+a GPU, so the copy can be asynchronous; on the CPU into buffers each thread keeps), copied once,
+and colour-converted and normalised on the device in a single batched operation; the network
+runs in channels_last, which is what cuDNN and the CPU kernels are fastest with for convolutions.
 
 What to load, and every check that the configured files and device can work, lives in
 ``inboxd.models.loading``; this module only runs what it was given.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -87,6 +88,32 @@ class ModelInfo:
     max_batch: int | None = None  # a .pt2 program's bound on its dynamic batch dimension
 
 
+class _HostStaging(threading.local):
+    """A batch's host buffers on the CPU path, kept and reused: the stacked crops (uint8
+    N×H×W×3) and the network's input (float32 N×3×H×W, channels_last). Made afresh for every
+    batch, these hundreds of KB each come from the model thread's malloc arena once glibc's
+    adaptive mmap threshold has risen past them, and the small objects that outlive them
+    fragment it. Measured 12-03, a fresh daemon per null-model flood, three of each: peak RSS
+    above idle 3.7 / 4.7 MiB (2,000 / 20,000 files, medians) with the buffers kept, 5.6 / 6.2
+    made afresh (``bench/RESULTS.md``). Per thread, so concurrent callers never share one;
+    each call's outputs are consumed before the thread's next call reuses them."""
+
+    pixels: npt.NDArray[np.uint8] | None = None
+    inputs: torch.Tensor | None = None
+
+    def buffers(self, count: int, crop_shape: tuple[int, ...]
+                ) -> tuple[npt.NDArray[np.uint8], torch.Tensor]:
+        """Views of ``count`` images, the buffers grown to the largest batch seen."""
+        if self.pixels is None or self.pixels.shape[1:] != crop_shape or (
+                len(self.pixels) < count):
+            self.pixels = np.empty((count, *crop_shape), dtype=np.uint8)
+            height, width, channels = crop_shape
+            self.inputs = torch.empty((count, channels, height, width)).contiguous(
+                memory_format=torch.channels_last)
+        assert self.inputs is not None
+        return self.pixels[:count], self.inputs[:count]
+
+
 class Model:
     """One network with its preprocessing, labels, output kind and device.
 
@@ -132,6 +159,7 @@ class Model:
         self.before_forward: Callable[[int], None] | None = None
         # The device boundary of the stats probe: a test puts a fake memory API here.
         self.cuda_memory: Any = torch.cuda
+        self._staging = _HostStaging()
 
     @property
     def on_gpu(self) -> bool:
@@ -162,14 +190,17 @@ class Model:
     def to_input(self, images: Sequence[Pixels]) -> torch.Tensor:
         return self.normalise(self.to_device(images))
 
-    def normalise(self, pixels: torch.Tensor) -> torch.Tensor:
-        """N×H×W×3 uint8 on the device → the network's N×3×H×W float input, channels_last."""
+    def normalise(self, pixels: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """N×H×W×3 uint8 on the device → the network's N×3×H×W float input, channels_last;
+        written into ``out`` when given (float32, that shape, channels_last)."""
         batch = pixels.permute(0, 3, 1, 2)  # channels_last view
         if self.color == "bgr":
             batch = batch.flip(1)
         elif self.color == "gray":
             luma = ((batch.int() * self._luma).sum(1, keepdim=True) + 0x8000) >> 16
             batch = luma.expand(-1, 3, -1, -1)
+        if out is not None:  # the same operations in the same order: the same bits
+            return out.copy_(batch).sub_(self._mean).div_(self._std)
         return ((batch.float() - self._mean) / self._std).contiguous(
             memory_format=torch.channels_last
         )
@@ -179,12 +210,17 @@ class Model:
         if self.before_forward is not None:
             self.before_forward(len(images))
         with torch.inference_mode():
-            return self.forward(self.to_device(images))
+            if self.on_gpu or not all(isinstance(image, np.ndarray) for image in images):
+                return self.forward(self.to_device(images))
+            pixels, inputs = self._staging.buffers(len(images), images[0].shape)
+            np.stack(images, out=pixels)
+            return self.forward(torch.from_numpy(pixels), inputs)
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        """N×H×W×3 uint8 on the device → the network's float32 output (call in inference_mode)."""
+    def forward(self, pixels: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """N×H×W×3 uint8 on the device → the network's float32 output (call in inference_mode);
+        ``out`` as for ``normalise``."""
         with self._autocast():
-            return self._forward(self.normalise(pixels)).float()
+            return self._forward(self.normalise(pixels, out)).float()
 
     def reduce(self, outputs: torch.Tensor) -> list[torch.Tensor]:
         """On the device, what the predictions need: top-k (scores, indices), or the vectors."""
