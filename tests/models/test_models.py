@@ -243,9 +243,9 @@ def test_colour_modes_convert_on_the_device_as_pillow_would() -> None:
 
 def test_cpu_batches_reuse_their_host_buffers_and_give_the_same_bits() -> None:
     """On the CPU a batch is stacked and normalised into buffers each thread keeps
-    (``_HostStaging`` says why): the outputs are those of fresh tensors, bit for bit, for every
-    colour mode and batch size, the buffers are not made again for a smaller batch, and two
-    threads taking turns every microsecond each keep their own."""
+    (``models/staging.py`` says why): the outputs are those of fresh tensors, bit for bit, for
+    every colour mode and batch size, the buffers are not made again for a smaller batch, and
+    two threads taking turns every microsecond each keep their own."""
     spec = PreprocessSpec(16, 16, "bilinear", TORCHVISION_INPUT.mean, TORCHVISION_INPUT.std)
     torch.manual_seed(0)
     network = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten()).eval()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from torch import nn
 from inboxd.config import ConfigError
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.models.memory import cuda_memory_fields
+from inboxd.models.staging import HostStaging
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # Pillow's convert("L") in fixed point (ITU-R 601-2 luma: 0.299 R + 0.587 G + 0.114 B, scaled
@@ -88,32 +88,6 @@ class ModelInfo:
     max_batch: int | None = None  # a .pt2 program's bound on its dynamic batch dimension
 
 
-class _HostStaging(threading.local):
-    """A batch's host buffers on the CPU path, kept and reused: the stacked crops (uint8
-    N×H×W×3) and the network's input (float32 N×3×H×W, channels_last). Made afresh for every
-    batch, these hundreds of KB each come from the model thread's malloc arena once glibc's
-    adaptive mmap threshold has risen past them, and the small objects that outlive them
-    fragment it. Measured 12-03, a fresh daemon per null-model flood, three of each: peak RSS
-    above idle 3.7 / 4.7 MiB (2,000 / 20,000 files, medians) with the buffers kept, 5.6 / 6.2
-    made afresh (``bench/RESULTS.md``). Per thread, so concurrent callers never share one;
-    each call's outputs are consumed before the thread's next call reuses them."""
-
-    pixels: npt.NDArray[np.uint8] | None = None
-    inputs: torch.Tensor | None = None
-
-    def buffers(self, count: int, crop_shape: tuple[int, ...]
-                ) -> tuple[npt.NDArray[np.uint8], torch.Tensor]:
-        """Views of ``count`` images, the buffers grown to the largest batch seen."""
-        if self.pixels is None or self.pixels.shape[1:] != crop_shape or (
-                len(self.pixels) < count):
-            self.pixels = np.empty((count, *crop_shape), dtype=np.uint8)
-            height, width, channels = crop_shape
-            self.inputs = torch.empty((count, channels, height, width)).contiguous(
-                memory_format=torch.channels_last)
-        assert self.inputs is not None
-        return self.pixels[:count], self.inputs[:count]
-
-
 class Model:
     """One network with its preprocessing, labels, output kind and device.
 
@@ -159,7 +133,7 @@ class Model:
         self.before_forward: Callable[[int], None] | None = None
         # The device boundary of the stats probe: a test puts a fake memory API here.
         self.cuda_memory: Any = torch.cuda
-        self._staging = _HostStaging()
+        self._staging = HostStaging()
 
     @property
     def on_gpu(self) -> bool:
