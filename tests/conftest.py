@@ -39,6 +39,21 @@ def wait_until(predicate: Callable[[], Any], timeout_s: float = 30, what: str = 
         time.sleep(every_s)
 
 
+def run_interleaved(targets: list[Callable[[], None]]) -> None:
+    """Each target in a thread of its own, the threads switching every microsecond: at
+    Python's 5 ms two short calls almost never interleave, and a race would not show."""
+    threads = [threading.Thread(target=target) for target in targets]
+    interval_s = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval_s)
+
+
 def write_config(root: Path, **sections: Any) -> Path:
     """A config with every folder under ``root``; ``sections`` override keys (dicts merge)."""
     config: dict[str, Any] = {

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import sys
-import threading
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -17,7 +15,14 @@ from inboxd import log_budget, logs
 
 from bench.overhead import NullModel
 from tests.byo_models import export
-from tests.conftest import DaemonProcess, line_fields, make_image, wait_until, write_config
+from tests.conftest import (
+    DaemonProcess,
+    line_fields,
+    make_image,
+    run_interleaved,
+    wait_until,
+    write_config,
+)
 
 
 class FakeClock:
@@ -78,16 +83,7 @@ def test_threads_logging_at_once_are_each_counted_once() -> None:
     def flood() -> None:
         admitted.append(sum(budget.admit(logging.INFO, "completed") for _ in range(5000)))
 
-    threads = [threading.Thread(target=flood) for _ in range(4)]
-    interval_s = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        sys.setswitchinterval(interval_s)
+    run_interleaved([flood] * 4)
     assert sum(admitted) == 1000
     summary = budget.summary(force=True)
     assert summary is not None and summary.fields["SUPPRESSED"] == 19_000

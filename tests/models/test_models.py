@@ -14,7 +14,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import warnings
 from pathlib import Path
 from typing import Any, Literal
@@ -50,7 +49,7 @@ from tests.byo_models import (
     softmax,
     vector,
 )
-from tests.conftest import REPO, make_image, write_config
+from tests.conftest import REPO, make_image, run_interleaved, write_config
 from tests.photos import photo_paths
 
 PHOTOS = ("chelsea", "rocket", "camera")  # PNG and JPEG, RGB and greyscale, three sizes
@@ -282,16 +281,7 @@ def test_cpu_batches_reuse_their_host_buffers_and_give_the_same_bits() -> None:
         except Exception as exc:  # a buffer resized under the other thread's feet
             wrong.append(f"thread {index}: {exc!r}")
 
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=run, args=(index,)) for index in range(2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        sys.setswitchinterval(interval)
+    run_interleaved([lambda: run(0), lambda: run(1)])
     assert not wrong, wrong[:3]
 
 
