@@ -58,6 +58,16 @@ def pool() -> Iterator[DecodePool]:
     decode_pool.close()
 
 
+@pytest.fixture
+def balloon_pool(tmp_path: Path) -> Iterator[DecodePool]:
+    """A pool of its own for the files that balloon to the memory limit, without the shared
+    pool's 3 s timeout: zeroing 512 MiB took longer than that once, in a fresh clone's
+    `make test` on a loaded machine (12-03), and the file failed as a hang instead."""
+    balloon = faulty_pool(tmp_path, FAULTS, decode_timeout_s=60)
+    yield balloon
+    balloon.close()
+
+
 def faulty_pool(tmp_path: Path, faults: str, **overrides: float) -> DecodePool:
     """A one-worker pool, started, whose workers have ``faults`` armed (read at their start)."""
     os.environ["INBOXD_DECODE_FAULTS"] = faults
@@ -197,18 +207,13 @@ def test_a_hang_is_cut_at_decode_timeout_s(pool: DecodePool, tmp_path: Path) -> 
     still_works(pool, tmp_path)
 
 
-def test_a_runaway_allocation_stops_at_the_memory_limit(tmp_path: Path) -> None:
-    # A pool of its own, without the shared one's 3 s timeout: zeroing 512 MiB took longer
-    # than that once, in a fresh clone's `make test` on a loaded machine (12-03).
-    pool = faulty_pool(tmp_path, "alloc=balloon", decode_timeout_s=60)
-    try:
-        result = pool.decode(make_image(tmp_path / "balloon.png"))
-        assert isinstance(result.error, PermanentError)
-        assert "more memory than preprocess.decode_memory_mb = 512" in str(result.error)
-        assert result.peak_rss_bytes < 1024 * MiB
-        still_works(pool, tmp_path)
-    finally:
-        pool.close()
+def test_a_runaway_allocation_stops_at_the_memory_limit(balloon_pool: DecodePool,
+                                                        tmp_path: Path) -> None:
+    result = balloon_pool.decode(make_image(tmp_path / "balloon.png"))
+    assert isinstance(result.error, PermanentError)
+    assert "more memory than preprocess.decode_memory_mb = 512" in str(result.error)
+    assert result.peak_rss_bytes < 1024 * MiB
+    still_works(balloon_pool, tmp_path)
 
 
 def test_a_worker_killed_while_idle_costs_no_file(pool: DecodePool, tmp_path: Path) -> None:
@@ -324,14 +329,14 @@ def test_workers_that_cannot_start_leave_their_slots_to_try_again(
         pool.close()
 
 
-def test_one_request_of_many_files_costs_only_the_bad_ones(pool: DecodePool,
+def test_one_request_of_many_files_costs_only_the_bad_ones(balloon_pool: DecodePool,
                                                            tmp_path: Path) -> None:
     """A crash, an exit and a memory recycle in the middle of one request: each costs only the
     file it was on, and the files after it are decoded by the replacement."""
     names = ["a.png", "segv.png", "b.png", "exits.png", "c.png", "balloon.png", "d.png"]
     files = [make_image(tmp_path / name, size=(120 + i, 90)) for i, name in enumerate(names)]
-    replaced = pool.replaced
-    results = pool.decode_many([(path, None) for path in files])
+    replaced = balloon_pool.replaced
+    results = balloon_pool.decode_many([(path, None) for path in files])
     assert len(results) == len(files)
     for name, result in zip(names, results, strict=True):
         bad = name in ("segv.png", "exits.png", "balloon.png")
@@ -340,8 +345,8 @@ def test_one_request_of_many_files_costs_only_the_bad_ones(pool: DecodePool,
             assert result.image is not None and result.image.width == 120 + names.index(name)
     assert "SIGSEGV" in str(results[1].error) and "exit status 3" in str(results[3].error)
     assert "more memory than" in str(results[5].error)
-    assert pool.replaced == replaced + 3
-    still_works(pool, tmp_path)
+    assert balloon_pool.replaced == replaced + 3
+    still_works(balloon_pool, tmp_path)
 
 
 def test_a_hang_inside_a_request_is_cut_and_the_rest_decoded(pool: DecodePool,
@@ -406,14 +411,14 @@ def test_a_request_of_64_paths_near_path_max_fits_the_worker_s_header_limit(
 
 
 def test_a_recycle_on_the_last_file_of_a_request_leaves_a_working_slot(
-        pool: DecodePool, tmp_path: Path) -> None:
+        balloon_pool: DecodePool, tmp_path: Path) -> None:
     files = [make_image(tmp_path / n) for n in ("one.png", "two.png", "balloon.png")]
-    replaced = pool.replaced
-    results = pool.decode_many([(f, None) for f in files])
+    replaced = balloon_pool.replaced
+    results = balloon_pool.decode_many([(f, None) for f in files])
     assert results[0].image is not None and results[1].image is not None
     assert "more memory than" in str(results[2].error)
-    assert pool.replaced == replaced + 1
-    still_works(pool, tmp_path)
+    assert balloon_pool.replaced == replaced + 1
+    still_works(balloon_pool, tmp_path)
 
 
 def test_a_close_between_the_check_and_the_wait_for_a_worker_ends_the_call() -> None:
