@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -133,9 +134,64 @@ def test_decoders_take_a_fair_share_of_the_queue_up_to_files_per_request() -> No
         pre.close()
         assert sorted(n for request in pool.requests for n in request) == sorted(names)
         assert max(len(request) for request in pool.requests) == 4
-        # 4 of 10, then a fair share of the 6 left (3): never above workers × files_per_request
-        assert (pre.high_water, pre.capacity, pre.size) == (7, 8, 0)
+        # 4 of 10, then a fair share of the 6 left (3); the capacity has room for a second
+        # request per worker (REQUESTS_PER_WORKER decoders per worker)
+        assert (pre.high_water, pre.capacity, pre.size) == (7, 16, 0)
         assert failed == ["bad.png"] and cache.size == 9
+
+    asyncio.run(scenario())
+
+
+class OneWorkerPool:
+    """The decode pool's boundary with one worker: a request waits for it, and each request's
+    decode lasts until the test lets one finish."""
+
+    def __init__(self) -> None:
+        self.worker = threading.Lock()
+        self.finish = threading.Semaphore(0)
+
+    def decode_many(self, files: list[tuple[Path, str | None]]) -> list[DecodeResult]:
+        with self.worker:
+            assert self.finish.acquire(timeout=10), "the test never let the decode finish"
+            return [DecodeResult("0" * 64, 1, image=DecodedImage(
+                np.zeros((2, 2, 3), np.uint8), 2, 2, "PNG", "RGB")) for _ in files]
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_worker_s_next_request_is_ready_while_it_decodes() -> None:
+    """One worker, one file per request: while the worker decodes the first file, the second
+    file's request is already prepared (its earlier result looked up) and waiting for it, so
+    the worker does not wait for the event loop and a thread between requests; the third
+    waits in the queue."""
+    async def scenario() -> None:
+        queue, cache = PipelineQueue(4), PreprocessCache(capacity=16, capacity_mb=16)
+        pool, looked_up = OneWorkerPool(), []
+
+        async def unexpected(work: WorkItem, *args: object) -> None:
+            raise AssertionError(f"{work.key}: every file here decodes")
+
+        pre = Preprocessor(queue, cache, pool, 1, 1,  # type: ignore[arg-type]
+                           on_error=unexpected, existing_sha256=looked_up.append,
+                           on_duplicate=unexpected, on_changing=unexpected)
+        for name in ("a", "b", "c"):
+            queue.put_nowait(item(name))
+        decoders = [asyncio.create_task(pre.run_worker()) for _ in range(pre.decoders)]
+        for _ in range(500):
+            if looked_up == ["a", "b"]:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # room for a third request that must not come
+        assert looked_up == ["a", "b"] and cache.size == 0
+        assert (pre.size, pre.capacity, queue.size) == (2, 2, 1)
+        for _ in range(3):
+            pool.finish.release()
+        await asyncio.wait_for(queue.join(), 5)
+        for task in decoders:
+            task.cancel()
+        pre.close()
+        assert looked_up == ["a", "b", "c"] and cache.size == 3
 
     asyncio.run(scenario())
 

@@ -9,7 +9,9 @@ one file gets the reason. One request names several files (the worker opens, che
 each itself) and is acknowledged once; then one reply per file, in order, carries its crop
 (``crop``×``crop``×3 bytes), so a death or a hang is the doing of the first file not answered.
 
-Blocking and thread-safe: each call holds one worker; callers run it in their own threads.
+Blocking and thread-safe: each call holds one worker; callers run it in their own threads, and
+one beyond the workers waits for the next free one (the decode stage keeps a request ready
+that way).
 Workers are started from one dedicated thread, because ``PR_SET_PDEATHSIG`` fires when the
 *thread* that started a child exits, not only the process.
 """

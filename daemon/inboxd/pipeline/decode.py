@@ -3,12 +3,12 @@
 The untrusted bytes are never parsed in the daemon: ``decode/pool.py`` runs ``preprocess.workers``
 worker processes, each under a memory and a time limit, and every outcome of one file — whatever
 a decoder raised, a hang, a crash — comes back as that file's ``PermanentError`` or
-``TransientError``. ``workers`` threads here wait on them, so the event loop stays free; each
-takes up to ``files_per_request`` files from the queue and hands them to its worker in one
-request (one hop to a thread and one round trip per request, not per file). Each worker decodes
-one file at a time, so the memory in this stage is bounded by ``workers`` ×
-``decode_memory_mb``, plus at most ``workers`` × ``files_per_request`` crops waiting for room
-in the cache.
+``TransientError``. ``REQUESTS_PER_WORKER`` × ``workers`` decoders here (a coroutine and a
+thread each) wait on them, so the event loop stays free; each takes up to ``files_per_request``
+files from the queue and hands them to a worker in one request (one hop to a thread and one
+round trip per request, not per file). Each worker decodes one file at a time, so the memory in
+this stage is bounded by ``workers`` × ``decode_memory_mb``, plus at most ``REQUESTS_PER_WORKER``
+× ``workers`` × ``files_per_request`` crops waiting for room in the cache.
 
 With the model on a GPU, baseline JPEGs are decoded there instead (``decode/device_route.py``:
 the header is checked on the CPU first, everything else still goes to the workers). A request's
@@ -48,6 +48,15 @@ class Prepared(enum.Enum):
     CHANGING = "changing"  # still being written: back to the inbox to settle
 
 
+# Two decoders per worker: while one request is decoded, the next is ready behind it (its files'
+# earlier results looked up, its thread waiting for the worker), and the worker starts on it the
+# moment it has answered its last file. With one, the worker idled meanwhile, while the event
+# loop handed the outcomes on and a thread looked up the next request's results: measured 12-03
+# in the overhead bench, +11-17% files/s (B ÷ A in three rounds: 1.17, 1.16, 1.11), CPU per
+# file 1.08 → 1.04 ms.
+REQUESTS_PER_WORKER = 2
+
+
 class Preprocessor:
     """The decode stage: its tasks and threads are called ``preprocess`` (as its time in each
     result's ``timings_ms``), the layer it holds in the stats ``decoding``."""
@@ -79,7 +88,8 @@ class Preprocessor:
         self.on_changing = on_changing
         self.clock = clock
         self.device_route = device_route
-        self.executor = ThreadPoolExecutor(workers, thread_name_prefix="inboxd-preprocess",
+        self.decoders = workers * REQUESTS_PER_WORKER  # run_worker tasks the pipeline starts
+        self.executor = ThreadPoolExecutor(self.decoders, thread_name_prefix="inboxd-preprocess",
                                            initializer=name_this_thread)
         self.in_progress = 0
         self.high_water = 0
@@ -123,7 +133,7 @@ class Preprocessor:
 
     @property
     def capacity(self) -> int:
-        return self.workers * self.files_per_request
+        return self.decoders * self.files_per_request
 
     async def _take(self) -> list[WorkItem]:
         """The next file, and as many more as a fair share of what waits allows (every decoder

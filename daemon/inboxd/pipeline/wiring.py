@@ -37,7 +37,7 @@ from inboxd.models.model import Model
 from inboxd.os_threads import name_this_thread
 from inboxd.pipeline.awatch import WatchFn, real_awatch
 from inboxd.pipeline.batcher import Batcher
-from inboxd.pipeline.decode import Preprocessor
+from inboxd.pipeline.decode import REQUESTS_PER_WORKER, Preprocessor
 from inboxd.pipeline.event_buffer import EventBuffer
 from inboxd.pipeline.intake import Intake
 from inboxd.pipeline.model_stage import ModelWorker
@@ -104,7 +104,7 @@ class Pipeline:
             on_changing=self.outcomes.release, clock=clock,
             device_route=device_route.build(pre.gpu_decode, model.device, model.spec,
                                             pre.max_image_pixels, pre.max_file_mb << 20,
-                                            pre.workers),
+                                            pre.workers * REQUESTS_PER_WORKER),
         )
         self.batcher = Batcher(
             self.cache, config.batch.max_size, config.batch.max_delay_ms, clock,
@@ -198,7 +198,7 @@ class Pipeline:
         # numpy while the rest starts up.
         self.decode_pool.start()
         self.commits.start()
-        for n in range(self.config.preprocess.workers):
+        for n in range(self.preprocessor.decoders):
             self._spawn(self._processing_tasks, self.preprocessor.run_worker(), f"preprocess-{n}")
         self._spawn(self._processing_tasks, self.worker.run(), "model-worker")
         self._spawn(self._processing_tasks, self.writer.run(), "result-writer")
