@@ -57,6 +57,11 @@ class Prepared(enum.Enum):
 REQUESTS_PER_WORKER = 2
 
 
+def decoders_for(workers: int) -> int:
+    """The decoders (a coroutine and a thread each) the stage runs for ``workers``."""
+    return workers * REQUESTS_PER_WORKER
+
+
 class Preprocessor:
     """The decode stage: its tasks and threads are called ``preprocess`` (as its time in each
     result's ``timings_ms``), the layer it holds in the stats ``decoding``."""
@@ -88,7 +93,7 @@ class Preprocessor:
         self.on_changing = on_changing
         self.clock = clock
         self.device_route = device_route
-        self.decoders = workers * REQUESTS_PER_WORKER  # run_worker tasks the pipeline starts
+        self.decoders = decoders_for(workers)  # run_worker tasks the pipeline starts
         self.executor = ThreadPoolExecutor(self.decoders, thread_name_prefix="inboxd-preprocess",
                                            initializer=name_this_thread)
         self.in_progress = 0

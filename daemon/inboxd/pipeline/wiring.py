@@ -37,7 +37,7 @@ from inboxd.models.model import Model
 from inboxd.os_threads import name_this_thread
 from inboxd.pipeline.awatch import WatchFn, real_awatch
 from inboxd.pipeline.batcher import Batcher
-from inboxd.pipeline.decode import REQUESTS_PER_WORKER, Preprocessor
+from inboxd.pipeline.decode import Preprocessor, decoders_for
 from inboxd.pipeline.event_buffer import EventBuffer
 from inboxd.pipeline.intake import Intake
 from inboxd.pipeline.model_stage import ModelWorker
@@ -104,7 +104,7 @@ class Pipeline:
             on_changing=self.outcomes.release, clock=clock,
             device_route=device_route.build(pre.gpu_decode, model.device, model.spec,
                                             pre.max_image_pixels, pre.max_file_mb << 20,
-                                            pre.workers * REQUESTS_PER_WORKER),
+                                            decoders_for(pre.workers)),
         )
         self.batcher = Batcher(
             self.cache, config.batch.max_size, config.batch.max_delay_ms, clock,
