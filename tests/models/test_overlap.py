@@ -14,7 +14,8 @@ import torch
 from inboxd.item import DecodedImage, WorkItem
 from inboxd.models.engine import DeviceFault
 from inboxd.models.local_engine import LocalEngine, infer_splitting
-from inboxd.models.overlap import SLOTS, Overlap
+from inboxd.models.overlap import Overlap
+from inboxd.models.staging import SLOTS
 
 from tests.models.test_gpu_faults import (
     CROP,

@@ -39,6 +39,11 @@ Color = Literal["rgb", "bgr", "gray"]
 Pixels = npt.NDArray[np.uint8] | torch.Tensor
 
 
+def on_host(images: Sequence[Pixels]) -> bool:
+    """Whether every crop of a batch is a host array (none was decoded on the device)."""
+    return all(isinstance(image, np.ndarray) for image in images)
+
+
 def imagenet_labels() -> list[str]:
     from torchvision.models._meta import _IMAGENET_CATEGORIES
 
@@ -147,7 +152,7 @@ class Model:
     def to_device(self, images: Sequence[Pixels]) -> torch.Tensor:
         """N×H×W×3 uint8 on the device. Host arrays are stacked (pinned on a GPU, so the copy
         is asynchronous); crops decoded on the device (``decode/tensor.py``) are used in place."""
-        if all(isinstance(image, np.ndarray) for image in images):
+        if on_host(images):
             host = torch.from_numpy(np.stack(images))
             if self.on_gpu:
                 host = host.pin_memory()
@@ -184,11 +189,9 @@ class Model:
         if self.before_forward is not None:
             self.before_forward(len(images))
         with torch.inference_mode():
-            if self.on_gpu or not all(isinstance(image, np.ndarray) for image in images):
+            if self.on_gpu or not on_host(images):
                 return self.forward(self.to_device(images))
-            pixels, inputs = self._staging.buffers(len(images), images[0].shape)
-            np.stack(images, out=pixels)
-            return self.forward(torch.from_numpy(pixels), inputs)
+            return self.forward(*self._staging.stage(images))  # type: ignore[arg-type]
 
     def forward(self, pixels: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """N×H×W×3 uint8 on the device → the network's float32 output (call in inference_mode);

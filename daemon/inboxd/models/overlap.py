@@ -23,7 +23,6 @@ and the split on it); the daemon takes this path only on CUDA.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,45 +30,8 @@ import numpy as np
 import torch
 
 from inboxd.item import WorkItem
-from inboxd.models.model import Model, Pixels, Prediction
-
-SLOTS = 2  # batch n's buffer may still be copying while batch n+1 fills the other
-
-
-@dataclass
-class _Slot:
-    buffer: torch.Tensor  # capacity×H×W×3 uint8, pinned on a GPU
-    copied: Any = None  # a CUDA event: the copy out of this buffer has finished
-
-
-class Staging:
-    """Reused host buffers for the crops of a batch, ``SLOTS`` of them in turn."""
-
-    def __init__(self, pin: bool) -> None:
-        self.pin = pin
-        self.slots: list[_Slot] = []
-        self.turn = 0
-        self.allocations = 0  # a test reads it: buffers are made once, not per batch
-
-    def fill(self, images: Sequence[np.ndarray[Any, Any]]) -> tuple[torch.Tensor, _Slot]:
-        """The images stacked in the next free buffer: an N×H×W×3 view of it, and its slot."""
-        shape = (len(images), *images[0].shape)
-        if len(self.slots) < SLOTS:  # as large as the largest batch so far: few reallocations
-            largest = max([shape[0], *(s.buffer.shape[0] for s in self.slots)])
-            self.slots.append(self._new((largest, *shape[1:])))
-        slot = self.slots[self.turn % SLOTS]
-        self.turn += 1
-        if slot.copied is not None:
-            slot.copied.synchronize()  # its last copy must be done before it is overwritten
-        if tuple(slot.buffer.shape[1:]) != shape[1:] or slot.buffer.shape[0] < shape[0]:
-            slot.buffer = self._new(shape).buffer  # a larger batch after a reload
-        view = slot.buffer[: shape[0]]
-        np.stack(images, out=view.numpy())
-        return view, slot
-
-    def _new(self, shape: tuple[int, ...]) -> _Slot:
-        self.allocations += 1
-        return _Slot(torch.empty(shape, dtype=torch.uint8, pin_memory=self.pin))
+from inboxd.models.model import Model, Pixels, Prediction, on_host
+from inboxd.models.staging import Staging
 
 
 @dataclass
@@ -119,7 +81,7 @@ class Overlap:
         return Pending(model, items, host, done, started_s)
 
     def _to_device(self, images: list[Pixels]) -> torch.Tensor:
-        if not all(isinstance(image, np.ndarray) for image in images):
+        if not on_host(images):
             return self.model.to_device(images)  # crops decoded on the device: no copy
         arrays = [image for image in images if isinstance(image, np.ndarray)]
         view, slot = self.staging.fill(arrays)
