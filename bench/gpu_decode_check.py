@@ -101,7 +101,7 @@ def parity(model: Any, dry_run: bool) -> Result:
 def overlap(model: Any, dry_run: bool) -> Result:
     import numpy as np
     from inboxd.item import DecodedImage, WorkItem
-    from inboxd.models.local_engine import LocalEngine
+    from inboxd.models.engines.local import LocalEngine
 
     batch, batches = (4, 3) if dry_run else (64, 40)
     crop = model.spec.crop

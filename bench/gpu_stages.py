@@ -169,8 +169,8 @@ def precision(dry_run: bool, out: Path) -> Result:
 def throughput(dry_run: bool, out: Path) -> Result:
     import torch
     from inboxd.config import PreprocessConfig, load_config
+    from inboxd.models.engines.local import LocalEngine
     from inboxd.models.loading import load_model
-    from inboxd.models.local_engine import LocalEngine
     from inboxd.pipeline.wiring import Pipeline
 
     from bench.ceiling import run_loop
@@ -312,8 +312,8 @@ def oom_split(dry_run: bool, out: Path) -> Result:
     from inboxd.config import load_config
     from inboxd.decode.pillow import decode_image
     from inboxd.item import DecodedImage, WorkItem
+    from inboxd.models.engines.local import infer_splitting
     from inboxd.models.loading import load_model
-    from inboxd.models.local_engine import infer_splitting
     from inboxd.models.model import Classification
 
     count = sizes(dry_run)["oom_batch"]

@@ -118,7 +118,7 @@ def _stat_cpu_s(path: str) -> float:
 
 
 # The daemon's helper processes, by the module each runs (its command line).
-HELPERS = {"inboxd.decode.worker": "decode_workers", "inboxd.files.commit_worker": "commit"}
+HELPERS = {"inboxd.decode.worker_child": "decode_workers", "inboxd.files.commit_child": "commit"}
 
 
 def cpu_s(pid: int) -> dict[str, float]:

@@ -74,7 +74,7 @@ def flood(root: Path, files: int, size: int) -> None:
 
 async def run_once(config_path: Path) -> dict[str, Any]:
     from inboxd.config import load_config
-    from inboxd.models.engines import load_here, make_engine
+    from inboxd.models.engines.choice import load_here, make_engine
     from inboxd.pipeline.wiring import Pipeline
 
     config = load_config(config_path)

@@ -208,7 +208,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
 
 
 def cmd_retry(args: argparse.Namespace) -> int:
-    from inboxd.files import retry
+    from inboxd.files import retry_failed as retry
 
     if not (args.paths or args.all or args.reason):
         print("inboxd retry: name the failed files (PATH…), or use --reason TEXT or --all",
@@ -258,7 +258,7 @@ def cmd_once(args: argparse.Namespace) -> int:
 
 def cmd_models(args: argparse.Namespace) -> int:
     from inboxd.models import listing as model_listing
-    from inboxd.models.engines import load_here
+    from inboxd.models.engines.choice import load_here
 
     config = read_config(args)
     where = str(args.config or "config/inboxd.yaml, the embedded default")

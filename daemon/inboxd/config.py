@@ -297,13 +297,16 @@ def _absolute(path: Path | None) -> Path | None:
     return Path(os.path.normpath(Path.cwd() / path.expanduser()))
 
 
-class RetryConfig(Section):
+class RetryPolicyConfig(Section):
+    """`retry:`: how often and how far apart a transient failure is tried again (the retry list
+    holds the files meanwhile; `inboxd retry` is something else: failed files back by hand)."""
+
     max_attempts: Positive = 5
     backoff_initial_ms: Annotated[float, Field(gt=0)] = 500
     backoff_max_ms: Annotated[float, Field(gt=0)] = 60_000
 
     @model_validator(mode="after")
-    def _ordered(self) -> RetryConfig:
+    def _ordered(self) -> RetryPolicyConfig:
         if self.backoff_max_ms < self.backoff_initial_ms:
             raise ValueError("backoff_max_ms must be >= backoff_initial_ms")
         return self
@@ -382,7 +385,7 @@ class Config(Section):
     batch: BatchConfig = BatchConfig()
     preprocess: PreprocessConfig = PreprocessConfig()
     model: ModelConfig = ModelConfig()
-    retry: RetryConfig = RetryConfig()
+    retry: RetryPolicyConfig = RetryPolicyConfig()
     stats: StatsConfig = StatsConfig()
     shutdown: ShutdownConfig = ShutdownConfig()
     metrics: MetricsConfig = MetricsConfig()

@@ -26,7 +26,7 @@ def decode_workers_of(pid: int) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(stat[1]) == pid and b"inboxd.decode.worker" in cmdline:
+        if int(stat[1]) == pid and b"inboxd.decode.worker_child" in cmdline:
             found.append(int(entry.name))
     return found
 
@@ -36,7 +36,8 @@ def decode_workers_in(cwd: Path) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
         try:
-            if (entry.name.isdigit() and b"inboxd.decode.worker" in (entry / "cmdline").read_bytes()
+            if (entry.name.isdigit()
+                    and b"inboxd.decode.worker_child" in (entry / "cmdline").read_bytes()
                     and Path(os_readlink(entry / "cwd")) == cwd and alive(int(entry.name))):
                 found.append(int(entry.name))
         except OSError:

@@ -1,4 +1,4 @@
-"""A stand-in for ``inboxd.decode.worker`` that speaks its protocol without decoding anything,
+"""A stand-in for ``inboxd.decode.worker_child`` that speaks its protocol without decoding anything,
 and misbehaves as ``SCRIPTED_WORKER`` says (run by ``tests/decode/test_pool_protocol.py``).
 
 Each reply is a duplicate (no payload) whose ``sha256`` is the file's own ``path_hex``, so a

@@ -43,7 +43,7 @@ def route() -> Iterator[DeviceRoute]:
 
 def decode(route: DeviceRoute, pool: DecodePool, path: Path,
            expected: str | None = None) -> DecodeResult:
-    """What pipeline/decode.py does per file."""
+    """What pipeline/preprocess.py does per file."""
     return route.decode(path, expected) or pool.decode(path, expected)
 
 

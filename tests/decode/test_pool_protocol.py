@@ -29,7 +29,7 @@ def scripted_pool(monkeypatch: pytest.MonkeyPatch, mode: str, workers: int = 1,
     real_popen = subprocess.Popen
 
     def popen(args: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
-        assert args[1:] == ["-m", "inboxd.decode.worker"], args
+        assert args[1:] == ["-m", "inboxd.decode.worker_child"], args
         env = {**kwargs.pop("env"), MODE_ENV: mode}
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
         return real_popen([sys.executable, str(SCRIPT)], env=env, **kwargs)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from inboxd.cli import main
 from inboxd.config import Config, load_config
-from inboxd.files import retry as retry_mod
+from inboxd.files import retry_failed as retry_mod
 from inboxd.files.lifecycle import Lifecycle
 
 from tests.conftest import DaemonProcess, drop, make_image, wait_until, write_config

@@ -80,15 +80,15 @@ def _called_name(call: ast.Call) -> str:
 # The subprocesses the daemon starts, each by a fixed command line (its start, as written in the
 # source). File names reach them only as data over a pipe, never as arguments, never through a
 # shell: the decode workers, the commit process (files/commit_process.py: a batch's results and
-# paths, as JSON), and with `model.engine: ray` the Ray bridge (models/ray_pipe.py), whose
+# paths, as JSON), and with `model.engine: ray` the Ray bridge (models/engines/ray_bridge.py), whose
 # replies are unpickled by multiprocessing's Connection: it is our own child, and Ray itself
 # unpickles whatever the cluster sends, so trusting the cluster is the premise of that engine
 # (README, "Running on a Ray cluster").
 FIXED_COMMANDS = {Path("decode/worker_process.py"): ["sys.executable", "'-m'",
-                                                    "'inboxd.decode.worker'"],
+                                                    "'inboxd.decode.worker_child'"],
                   Path("files/commit_process.py"): ["sys.executable", "'-m'",
-                                                    "'inboxd.files.commit_worker'"],
-                  Path("models/ray_pipe.py"): ["sys.executable", "*BRIDGE_COMMAND"]}
+                                                    "'inboxd.files.commit_child'"],
+                  Path("models/engines/ray_bridge.py"): ["sys.executable", "*BRIDGE_COMMAND"]}
 
 
 def _is_fixed_popen(call: ast.Call, where: Path) -> bool:

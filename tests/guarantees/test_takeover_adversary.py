@@ -20,7 +20,7 @@ from inboxd.config import load_config
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.results import ResultEntry
 from inboxd.files.takeover import take_over_dead
-from inboxd.pipeline.takeover import Takeovers
+from inboxd.pipeline.takeover_sweep import Takeovers
 from inboxd.pipeline.wiring import Pipeline
 from inboxd.stats import Stats
 

@@ -1,5 +1,6 @@
-"""A stand-in for ``inboxd.models.ray_bridge`` that speaks its protocol without Ray, and
-misbehaves as ``settings["script"]`` says (run by ``tests/models/test_ray_bridge_faults.py``)."""
+"""A stand-in for ``inboxd.models.engines.ray_bridge_child`` that speaks its protocol without Ray,
+and misbehaves as ``settings["script"]`` says (run by
+``tests/models/test_ray_bridge_faults.py``)."""
 
 from __future__ import annotations
 

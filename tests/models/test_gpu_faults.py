@@ -17,8 +17,8 @@ import pytest
 import torch
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.item import DecodedImage, PermanentError, TransientError, WorkItem
-from inboxd.models.engine import DeviceFault
-from inboxd.models.local_engine import LocalEngine, infer_splitting
+from inboxd.models.engines.interface import DeviceFault
+from inboxd.models.engines.local import LocalEngine, infer_splitting
 from inboxd.models.model import Model
 from torch import nn
 
@@ -316,7 +316,7 @@ def test_a_real_cuda_oom_is_split_until_every_file_completes_back_at_baseline(
 @gpu
 def test_a_real_device_side_error_is_recognised_as_a_device_fault() -> None:
     """In a child process: the error leaves its CUDA context unusable."""
-    code = ("import torch\nfrom inboxd.models.engine import is_device_error\n"
+    code = ("import torch\nfrom inboxd.models.engines.interface import is_device_error\n"
             "x = torch.zeros(4, device='cuda')\n"
             "try:\n    x[torch.tensor([10], device='cuda')] = 1\n    torch.cuda.synchronize()\n"
             "except Exception as exc:\n    print('device fault:', is_device_error(exc), exc)\n")

@@ -242,7 +242,7 @@ def test_colour_modes_convert_on_the_device_as_pillow_would() -> None:
 
 def test_cpu_batches_reuse_their_host_buffers_and_give_the_same_bits() -> None:
     """On the CPU a batch is stacked and normalised into buffers each thread keeps
-    (``models/staging.py`` says why): the outputs are those of fresh tensors, bit for bit, for
+    (``models/host_buffers.py`` says why): the outputs are those of fresh tensors, bit for bit, for
     every colour mode and batch size, the buffers are not made again for a smaller batch, and
     two threads taking turns every microsecond each keep their own."""
     spec = PreprocessSpec(16, 16, "bilinear", TORCHVISION_INPUT.mean, TORCHVISION_INPUT.std)

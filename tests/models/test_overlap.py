@@ -1,6 +1,6 @@
-"""The launch/collect split of the local engine (``models/overlap.py``), forced on the CPU: the
-same staging, split and fallback code the GPU runs, without the streams. The GPU itself (copy
-stream, events, pinned memory, the overlap measured) is bench/gpu_check.sh's ``gpu_decode``
+"""The launch/collect split of the local engine (``models/engines/cuda_overlap.py``), forced on the
+CPU: the same staging, split and fallback code the GPU runs, without the streams. The GPU itself
+(copy stream, events, pinned memory, the overlap measured) is bench/gpu_check.sh's ``gpu_decode``
 stage."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 from inboxd.item import DecodedImage, WorkItem
-from inboxd.models.engine import DeviceFault
-from inboxd.models.local_engine import LocalEngine, infer_splitting
-from inboxd.models.overlap import Overlap
-from inboxd.models.staging import SLOTS
+from inboxd.models.engines.cuda_overlap import Overlap
+from inboxd.models.engines.interface import DeviceFault
+from inboxd.models.engines.local import LocalEngine, infer_splitting
+from inboxd.models.host_buffers import SLOTS
 
 from tests.models.test_gpu_faults import (
     CROP,

@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 from inboxd.config import load_config
 from inboxd.item import DecodedImage, TransientError, WorkItem
-from inboxd.models import ray_engine, ray_pipe
-from inboxd.models.engine import EngineUnavailable
+from inboxd.models.engines import ray_bridge as ray_pipe
+from inboxd.models.engines import ray_serve as ray_engine
+from inboxd.models.engines.interface import EngineUnavailable
+from inboxd.models.engines.ray_bridge_child import Bridge
+from inboxd.models.engines.ray_replica import Replica, decode_reply
+from inboxd.models.engines.ray_serve import RayEngine
 from inboxd.models.model import Classification
-from inboxd.models.ray_bridge import Bridge
-from inboxd.models.ray_engine import RayEngine
-from inboxd.models.ray_replica import Replica, decode_reply
 
 from tests.conftest import write_config
 from tests.fakes import POISON_RED, FakeModel

@@ -325,7 +325,7 @@ def test_a_ctrl_c_to_the_whole_group_does_not_end_the_ray_bridge(
     try:
         proc.wait_for("ready", 180)
         bridges = [pid for pid in children_of(proc.proc.pid)
-                   if b"inboxd.models.ray_bridge" in cmdline(pid)]
+                   if b"inboxd.models.engines.ray_bridge_child" in cmdline(pid)]
         assert len(bridges) == 1, bridges
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             os.kill(bridges[0], sig)
@@ -416,7 +416,8 @@ def test_no_ray_process_is_left_behind(cluster: LocalCluster) -> None:
         listing = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True,
                                  text=True, check=True).stdout.splitlines()
         return [line for line in listing if any(
-            name in line for name in ("raylet", "gcs_server", "ray::", "inboxd.models.ray_bridge",
+            name in line for name in ("raylet", "gcs_server", "ray::",
+                                      "inboxd.models.engines.ray_bridge_child",
                                       "default_worker.py"))]
 
     wait_until(lambda: not leftovers(), 60, "every Ray process to exit")

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from inboxd.decode.replies import DecodeResult
 from inboxd.item import DecodedImage, TransientError, WorkItem
-from inboxd.pipeline.decode import Preprocessor
+from inboxd.pipeline.preprocess import Preprocessor
 from inboxd.pipeline.preprocess_cache import PreprocessCache
 from inboxd.pipeline.queue import PipelineQueue
 

@@ -8,12 +8,12 @@ import threading
 from pathlib import Path
 
 import numpy as np
-from inboxd.config import RetryConfig
+from inboxd.config import RetryPolicyConfig
 from inboxd.decode.replies import DecodeResult
 from inboxd.item import DecodedImage, PermanentError, WorkItem
 from inboxd.pipeline.batcher import Batcher
-from inboxd.pipeline.decode import Preprocessor
 from inboxd.pipeline.event_buffer import Candidate, EventBuffer
+from inboxd.pipeline.preprocess import Preprocessor
 from inboxd.pipeline.preprocess_cache import MB, PreprocessCache
 from inboxd.pipeline.queue import PipelineQueue
 from inboxd.pipeline.retry_list import RetryList, backoff_s
@@ -266,7 +266,7 @@ def test_retry_list_refuses_beyond_capacity_and_requeues_when_due() -> None:
 
 
 def test_backoff_grows_exponentially_with_jitter_and_a_cap() -> None:
-    config = RetryConfig(max_attempts=10, backoff_initial_ms=100, backoff_max_ms=1000)
+    config = RetryPolicyConfig(max_attempts=10, backoff_initial_ms=100, backoff_max_ms=1000)
     rng = random.Random(1)
     for attempt, cap_s in [(1, 0.1), (2, 0.2), (3, 0.4), (4, 0.8), (5, 1.0), (9, 1.0)]:
         delays = [backoff_s(attempt, config, rng) for _ in range(50)]

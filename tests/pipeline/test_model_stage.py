@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from inboxd.config import ConfigError, load_config, parse_config
 from inboxd.item import WorkItem
-from inboxd.models.engine import EngineUnavailable, Outcome
-from inboxd.models.local_engine import LocalEngine
+from inboxd.models.engines.interface import EngineUnavailable, Outcome
+from inboxd.models.engines.local import LocalEngine
 from inboxd.models.model import Classification
-from inboxd.pipeline.model_stage import ModelWorker
+from inboxd.pipeline.model_stage import ModelStage
 from inboxd.pipeline.wiring import Pipeline
 
 from tests.conftest import make_image, write_config
@@ -145,7 +145,7 @@ def test_the_watchdog_waits_out_an_engine_s_own_call_limit(
     if call_limit_s is not None:
         engine.call_limit_s = call_limit_s  # type: ignore[attr-defined]
     clock = Clock()
-    worker = ModelWorker(engine, None, None, clock, in_flight=4)  # type: ignore[arg-type]
+    worker = ModelStage(engine, None, None, clock, in_flight=4)  # type: ignore[arg-type]
     assert worker.overdue_s(30) is None, "idle"
     worker._busy.update({1: clock.now_s, 2: clock.now_s + 10})
     clock.now_s += overdue_after_s - 1
@@ -195,7 +195,7 @@ class Resizing(ParallelEngine):
 
     def __init__(self) -> None:
         super().__init__(delay_s=0.03)
-        self.worker: ModelWorker | None = None
+        self.worker: ModelStage | None = None
         self.after_down: list[int] = []  # calls out, this one included, at each later start
         self.after_up: list[int] = []
 

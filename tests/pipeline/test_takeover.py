@@ -1,4 +1,4 @@
-"""The pipeline's side of taking over dead instances (``pipeline/takeover.py``): at start-up a
+"""The pipeline's side of taking over dead instances (``pipeline/takeover_sweep.py``): at start-up a
 run returns what a dead instance had claimed, counts it and says so; and a file that crashes
 whichever instance takes it still ends in failed/ instead of going round the inbox."""
 

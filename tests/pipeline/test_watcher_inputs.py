@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import watchfiles
 from inboxd.files.names import NameFilter
-from inboxd.pipeline.awatch import ChangeSet
 from inboxd.pipeline.event_buffer import EventBuffer
+from inboxd.pipeline.watch_events import ChangeSet
 from inboxd.pipeline.watcher import Watcher
 from inboxd.stats import Stats
 

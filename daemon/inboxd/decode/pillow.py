@@ -5,7 +5,7 @@ one batched operation. Memory per file is bounded by the decoded size (``max_ima
 whatever the aspect ratio: beyond ``FULL_RESIZE_MAX_RATIO`` only the crop is resized, so a 1×40000
 strip no longer becomes a 256×10,240,000 intermediate image.
 
-In the daemon this runs in a decode worker process (``decode/worker.py``); the exceptions it
+In the daemon this runs in a decode worker process (``decode/worker_child.py``); the exceptions it
 does not map to ``PermanentError`` are mapped there.
 """
 

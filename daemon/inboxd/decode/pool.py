@@ -2,7 +2,7 @@
 
 Not ``concurrent.futures.ProcessPoolExecutor``: one dead worker breaks that whole pool
 (``BrokenProcessPool``), and a hang cannot be cut short. Here each worker is a separate
-``python -m inboxd.decode.worker`` with a request and a reply pipe; a request that is not
+``python -m inboxd.decode.worker_child`` with a request and a reply pipe; a request that is not
 answered within ``decode_timeout_s`` gets the worker SIGKILLed, a worker that dies (a C decoder's
 segfault, an abort, the OOM killer) is reaped, and either way a new one takes its place and that
 one file gets the reason. One request names several files (the worker opens, checks and hashes
@@ -31,7 +31,7 @@ from typing import Any
 from inboxd import logs, wire
 from inboxd.children import describe_exit
 from inboxd.decode.replies import DecodeResult, death_error, result_from
-from inboxd.decode.worker import FAULTS_ENV
+from inboxd.decode.worker_child import FAULTS_ENV
 from inboxd.decode.worker_process import WorkerProcess, WorkerSettings, worker_env
 from inboxd.item import PermanentError, TransientError
 from inboxd.os_threads import name_this_thread

@@ -1,6 +1,6 @@
 """One decode worker process, as the pool sees it: started by a fixed command line with the
-daemon's own inboxd on its path, killed, reaped. What it does is ``decode/worker.py``; what the
-pool asks of it, ``decode/pool.py``.
+daemon's own inboxd on its path, killed, reaped. What it does is ``decode/worker_child.py``;
+what the pool asks of it, ``decode/pool.py``.
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ class WorkerSettings:
 
 
 class WorkerProcess:
-    """One ``python -m inboxd.decode.worker``: its pipes, its reader, its request numbers."""
+    """One ``python -m inboxd.decode.worker_child``: its pipes, its reader, its request numbers."""
 
     def __init__(self, settings: WorkerSettings, env: dict[str, str]) -> None:
         with held_for_start():
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "inboxd.decode.worker"],
+                [sys.executable, "-m", "inboxd.decode.worker_child"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
                 env=env,
             )

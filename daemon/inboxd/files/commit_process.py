@@ -1,4 +1,4 @@
-"""The commit process as the daemon sees it (what it does: ``files/commit_worker.py``): started
+"""The commit process as the daemon sees it (what it does: ``files/commit_child.py``): started
 once with the pipeline, handed batches by the result writer's io thread, ended by EOF on its
 requests when the pipeline stops.
 
@@ -36,7 +36,7 @@ from concurrent.futures import Future
 from inboxd import wire
 from inboxd.children import child_env, describe_exit, held_for_start
 from inboxd.config import Config
-from inboxd.files.commit_worker import MAX_HEADER_BYTES
+from inboxd.files.commit_child import MAX_HEADER_BYTES
 from inboxd.files.commits import (
     CommitEntry,
     Committed,
@@ -83,7 +83,7 @@ class CommitProcess:
         init = {"parent_pid": os.getpid(), "config": config_json(self.config)}
         with held_for_start():
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "inboxd.files.commit_worker"],
+                [sys.executable, "-m", "inboxd.files.commit_child"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env(),
                 pass_fds=self.lifecycle.lock_fds(),
             )

@@ -1,8 +1,8 @@
 """Reading one untrusted input file: links refused, only regular files, its size bounded before a
 byte is read, its sha256 streamed in chunks.
 
-The decode workers (``decode/worker.py``) read each file themselves through these functions, so a
-file's bytes never cross a pipe, and only a file that fits in one read (``HASH_CHUNK_BYTES``)
+The decode workers (``decode/worker_child.py``) read each file themselves through these functions,
+so a file's bytes never cross a pipe, and only a file that fits in one read (``HASH_CHUNK_BYTES``)
 is held whole in memory, to be decoded from there.
 """
 

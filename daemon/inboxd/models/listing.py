@@ -66,7 +66,7 @@ def ray_lines(config: Config, model: Model) -> list[str]:
     """``engine: ray``: connect, deploy (or find the application running) and say what runs."""
     import asyncio
 
-    from inboxd.models.ray_engine import RayEngine
+    from inboxd.models.engines.ray_serve import RayEngine
 
     ray = config.model.ray
 

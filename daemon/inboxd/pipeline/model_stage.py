@@ -1,12 +1,12 @@
 """Stage 5: the model stage. Batches from the batcher → the model engine → the result writer.
 
-Where the model runs is the engine's business (``inboxd.models.engine``); this stage keeps at most
-``in_flight`` batches sent and unanswered (one for the local engine on the CPU; up to
+Where the model runs is the engine's business (``inboxd.models.engines.interface``); this stage
+keeps at most ``in_flight`` batches sent and unanswered (one for the local engine on the CPU; up to
 ``capacity.in_flight_batches`` for an engine with ``parallel_calls``: the local engine on CUDA,
-where a second call's copy overlaps the first's compute, and Ray's). While
-every slot is taken, the batcher is not asked for another batch: the wait reaches the preprocess
-cache, the decoders and ``await queue.put()``, exactly as a busy local GPU does. The bound is this
-stage's, never a remote queue's.
+where a second call's copy overlaps the first's compute, and Ray's). While every slot is taken, the
+batcher is not asked for another batch: the wait reaches the preprocess cache, the decoders and
+``await queue.put()``, exactly as a busy local GPU does. The bound is this stage's, never a remote
+queue's.
 
 It remembers since when the oldest call has been out (the watchdog reads that), and hands every
 outcome on. When the engine reports a ``DeviceFault`` (the device, not an input, failed) the stage
@@ -26,14 +26,14 @@ from typing import Any
 
 from inboxd import logs
 from inboxd.item import WorkItem
-from inboxd.models.engine import DeviceFault, EngineUnavailable, ModelEngine, Outcome
+from inboxd.models.engines.interface import DeviceFault, EngineUnavailable, ModelEngine, Outcome
 from inboxd.pipeline.batcher import Batcher
 
 # However soon an unavailable engine says to try again: no hot loop.
 MIN_UNAVAILABLE_WAIT_S = 0.2
 
 
-class ModelWorker:
+class ModelStage:
     name = "in_flight"  # the layer: batches sent to the engine and not answered yet
 
     def __init__(

@@ -3,7 +3,7 @@
 A batch's results are written together (group commit, ``files.results``): every JSON to its
 temp file, all of them fdatasynced in parallel, renamed into place, each results folder fsynced
 once, and only then do the sources move (so no source ever moves before its result is safe).
-That commit runs in the commit process (``files/commit_worker.py`` says why), handed each batch
+That commit runs in the commit process (``files/commit_child.py`` says why), handed each batch
 by this stage's io thread. Up to ``COMMITS_IN_FLIGHT`` batches are there at once (the layer
 ``committing``): it commits one while the next waits in its pipe, so it never waits for this
 stage between two, and this stage logs one batch's outcomes while the next is being committed.
@@ -25,7 +25,7 @@ from inboxd.config import Config
 from inboxd.files.commits import CommitEntry, Commits, Committed
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.item import PermanentError, TransientError, WorkItem
-from inboxd.models.engine import Outcome
+from inboxd.models.engines.interface import Outcome
 from inboxd.models.model import Embedding, Model, Prediction, not_finite
 from inboxd.pipeline.outcomes import Outcomes, RunIO, utc_now
 

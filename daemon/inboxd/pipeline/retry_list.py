@@ -17,11 +17,11 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 
-from inboxd.config import RetryConfig
+from inboxd.config import RetryPolicyConfig
 from inboxd.item import WorkItem
 
 
-def backoff_s(attempt: int, config: RetryConfig, rng: random.Random) -> float:
+def backoff_s(attempt: int, config: RetryPolicyConfig, rng: random.Random) -> float:
     """Full jitter (a random delay up to the exponential cap), so that items that failed
     together, say on a full disk, do not all come back in the same instant."""
     cap_ms = min(config.backoff_max_ms, config.backoff_initial_ms * 2 ** max(0, attempt - 1))

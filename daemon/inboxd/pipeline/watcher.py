@@ -28,9 +28,9 @@ import watchfiles
 from inboxd import logs
 from inboxd.files.filesystems import PollMode, StatfsFn, WatchPlan, plan_watch, statfs_type
 from inboxd.files.names import NameFilter, folder_skipped
-from inboxd.pipeline.awatch import ChangeSet, WatchFn, real_awatch
 from inboxd.pipeline.event_buffer import EventBuffer
 from inboxd.pipeline.walk import Walker
+from inboxd.pipeline.watch_events import ChangeSet, WatchFn, real_awatch
 from inboxd.stats import Stats
 
 SCAN_YIELD_EVERY = 512  # paths between yields to the event loop while walking a huge inbox

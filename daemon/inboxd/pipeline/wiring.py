@@ -31,22 +31,22 @@ from inboxd.files.commits import Commits
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.names import NameFilter
 from inboxd.item import WorkItem
-from inboxd.models.engine import DeviceFault, ModelEngine
-from inboxd.models.local_engine import LocalEngine
+from inboxd.models.engines.interface import DeviceFault, ModelEngine
+from inboxd.models.engines.local import LocalEngine
 from inboxd.models.model import Model
 from inboxd.os_threads import name_this_thread
-from inboxd.pipeline.awatch import WatchFn, real_awatch
 from inboxd.pipeline.batcher import Batcher
-from inboxd.pipeline.decode import Preprocessor, decoders_for
 from inboxd.pipeline.event_buffer import EventBuffer
 from inboxd.pipeline.intake import Intake
-from inboxd.pipeline.model_stage import ModelWorker
+from inboxd.pipeline.model_stage import ModelStage
 from inboxd.pipeline.outcomes import Outcomes
+from inboxd.pipeline.preprocess import Preprocessor, decoders_for
 from inboxd.pipeline.preprocess_cache import PreprocessCache
 from inboxd.pipeline.queue import PipelineQueue
 from inboxd.pipeline.result_writer import ResultWriter
 from inboxd.pipeline.retry_list import RetryList
-from inboxd.pipeline.takeover import Takeovers
+from inboxd.pipeline.takeover_sweep import Takeovers
+from inboxd.pipeline.watch_events import WatchFn, real_awatch
 from inboxd.pipeline.watcher import Watcher
 from inboxd.stats import Stats
 
@@ -115,7 +115,7 @@ class Pipeline:
         self.writer = ResultWriter(config, model, self.lifecycle, self.commits, self.outcomes,
                                    self.run_io, clock)
         self.engine = engine or LocalEngine(model)
-        self.worker = ModelWorker(self.engine, self.batcher, self.writer.submit, clock,
+        self.worker = ModelStage(self.engine, self.batcher, self.writer.submit, clock,
                                   release=self.outcomes.release,
                                   on_device_fault=self._device_fault,
                                   on_inferred=lambda s: self.stats.inference_ms.add(s * 1000),

@@ -24,7 +24,7 @@ from inboxd.files.settling import survive_lease_breaks
 from inboxd.heap import freeze_startup_heap
 from inboxd.models import faults
 from inboxd.models.device import device_fields, with_device_defaults
-from inboxd.models.engines import load_here, make_engine
+from inboxd.models.engines.choice import load_here, make_engine
 from inboxd.pipeline.wiring import Pipeline
 from inboxd.service.notify import Notifier, abort_with_stacks
 

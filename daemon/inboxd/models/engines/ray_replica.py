@@ -27,8 +27,8 @@ import numpy.typing as npt
 
 from inboxd.config import ModelConfig
 from inboxd.item import DecodedImage, PermanentError, TransientError, WorkItem
-from inboxd.models.engine import DeviceFault
-from inboxd.models.local_engine import infer_splitting
+from inboxd.models.engines.interface import DeviceFault
+from inboxd.models.engines.local import infer_splitting
 from inboxd.models.model import Classification, Embedding, Model
 
 # Test-only fault hook: seconds every batch sleeps on the replica (a slow GPU), read from the

@@ -1,6 +1,6 @@
 """One decode worker process: reads, hashes and decodes one untrusted file at a time.
 
-Started by ``decode/worker_process.py`` as ``python -m inboxd.decode.worker``: a fresh
+Started by ``decode/worker_process.py`` as ``python -m inboxd.decode.worker_child``: a fresh
 interpreter, never a fork of the daemon (which has threads and torch), importing only Pillow,
 numpy and the small modules below. Whatever a file does to it — any exception, a runaway
 allocation (it runs under ``RLIMIT_AS``), a hang (the daemon kills it), a crash in a C decoder —

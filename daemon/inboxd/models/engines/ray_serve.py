@@ -30,10 +30,10 @@ from typing import Any
 from inboxd import logs
 from inboxd.config import ModelConfig
 from inboxd.item import TransientError, WorkItem
-from inboxd.models.engine import EngineUnavailable, Outcome
+from inboxd.models.engines.interface import EngineUnavailable, Outcome
+from inboxd.models.engines.ray_bridge import BridgeGone, BridgeProcess
+from inboxd.models.engines.ray_replica import DELAY_ENV, BadReply, decode_reply, model_files
 from inboxd.models.model import Model
-from inboxd.models.ray_pipe import BridgeGone, BridgeProcess
-from inboxd.models.ray_replica import DELAY_ENV, BadReply, decode_reply, model_files
 from inboxd.stats import Window
 
 # Deploying loads and warms the model on every replica; past this the attempt counts as failed.

@@ -13,7 +13,7 @@ input: it poisons the CUDA context for the whole process, so it is raised as ``D
 for the pipeline to return the files and the service to exit for a restart.
 
 On CUDA a call is launched on the model thread and its results collected on a second thread
-(``models/overlap.py``: pinned staging, a copy stream, events), so a second call in flight can
+(``cuda_overlap.py``: pinned staging, a copy stream, events), so a second call in flight can
 copy its batch while the first computes. Any failure there sends the batch down the careful
 path above, on the model thread; on the CPU that path is the only one.
 """
@@ -29,9 +29,9 @@ import torch
 
 from inboxd import logs
 from inboxd.item import PermanentError, TransientError, WorkItem
-from inboxd.models.engine import DeviceFault, Outcome, is_device_error
+from inboxd.models.engines.cuda_overlap import Overlap
+from inboxd.models.engines.interface import DeviceFault, Outcome, is_device_error
 from inboxd.models.model import Model
-from inboxd.models.overlap import Overlap
 from inboxd.os_threads import name_this_thread
 
 # The CLI looks for a live thread of this name at exit: a hung model call must not keep the

@@ -1,4 +1,5 @@
-"""``engine: ray``'s Ray driver, in a process of its own: ``python -m inboxd.models.ray_bridge``.
+"""``engine: ray``'s Ray driver, in a process of its own:
+``python -m inboxd.models.engines.ray_bridge_child``.
 
 Why a process and not ``import ray`` in the daemon: a Ray driver whose cluster head is gone
 exits its whole process once its GCS reconnection timeout runs out, and re-initialising Ray in
@@ -53,7 +54,7 @@ def connect(settings: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     import ray
     from ray import serve
 
-    from inboxd.models.ray_replica import Replica
+    from inboxd.models.engines.ray_replica import Replica
 
     address = settings["address"]
     ray.init(address=address, namespace="inboxd", logging_level=logging.WARNING,

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from inboxd.item import WorkItem
+from inboxd.models.host_buffers import Staging
 from inboxd.models.model import Model, Pixels, Prediction, on_host
-from inboxd.models.staging import Staging
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """A batch's host buffers, kept and reused: the crops' stack (``Staging``; pinned for the GPU's
-overlapped copies, ``models/overlap.py``) and, on the CPU path, the network's float input too
-(``HostStaging``, per thread, for ``Model.outputs``)."""
+overlapped copies, ``models/engines/cuda_overlap.py``) and, on the CPU path, the network's float
+input too (``HostStaging``, per thread, for ``Model.outputs``)."""
 
 from __future__ import annotations
 

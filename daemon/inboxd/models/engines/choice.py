@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from inboxd.config import Config, ModelConfig
-from inboxd.models.engine import ModelEngine
-from inboxd.models.local_engine import LocalEngine
+from inboxd.models.engines.interface import ModelEngine
+from inboxd.models.engines.local import LocalEngine
 from inboxd.models.model import Model
 
 
@@ -25,7 +25,7 @@ def load_here(config: ModelConfig) -> Model:
 
 def make_engine(config: Config, model: Model) -> ModelEngine:
     if config.model.engine == "ray":
-        from inboxd.models.ray_engine import RayEngine
+        from inboxd.models.engines.ray_serve import RayEngine
 
         return RayEngine(model, config.model, config.batch.max_size)
     return LocalEngine(model)

@@ -1,6 +1,7 @@
-"""The daemon's end of the Ray bridge: the child process (``inboxd.models.ray_bridge``) and the
-socket to it. A reader thread hands each message to the event loop; a pipe that closes or
-goes out of step (bytes that do not unpickle) ends the bridge, and ``on_closed`` says so."""
+"""The daemon's end of the Ray bridge: the child process
+(``inboxd.models.engines.ray_bridge_child``) and the socket to it. A reader thread hands each
+message to the event loop; a pipe that closes or goes out of step (bytes that do not unpickle) ends
+the bridge, and ``on_closed`` says so."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from inboxd.children import child_env, held_for_start
 from inboxd.os_threads import name_this_thread
 
 # What the child runs (after the interpreter); a test puts a scripted bridge of its own here.
-BRIDGE_COMMAND: tuple[str, ...] = ("-m", "inboxd.models.ray_bridge")
+BRIDGE_COMMAND: tuple[str, ...] = ("-m", "inboxd.models.engines.ray_bridge_child")
 
 
 class BridgeGone(Exception):
@@ -28,7 +29,7 @@ class BridgeGone(Exception):
 
 
 class BridgeProcess:
-    """The child running ``inboxd.models.ray_bridge``, and the socket to it."""
+    """The child running ``inboxd.models.engines.ray_bridge_child``, and the socket to it."""
 
     def __init__(self, on_message: Callable[[Any], None], on_closed: Callable[[], None]) -> None:
         ours, theirs = socket.socketpair()

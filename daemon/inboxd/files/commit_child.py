@@ -1,6 +1,6 @@
 """The commit process: each batch's results filed durably, then its sources moved
 (``files.commits``), in a process of its own. Started by ``files/commit_process.py`` as
-``python -m inboxd.files.commit_worker``.
+``python -m inboxd.files.commit_child``.
 
 Why a process: a group commit is a few hundred short syscalls (per file a create, a write, a
 rename, a move, a few lookups), and CPython lets go of the GIL around every one. Inside the
