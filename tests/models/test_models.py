@@ -456,12 +456,11 @@ def test_models_lists_the_builtin_and_what_the_config_loads(
 
 
 def readme_examples() -> dict[str, tuple[list[str], list[str]]]:
-    """"### Example" subsections of the README's "Your own model" section: their Python and
-    YAML blocks."""
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## Your own model", 1)[1].split("\n## ", 1)[0]
+    """"## Example" sections of docs/models.md (README's "Your own model" points there): their
+    Python and YAML blocks."""
+    guide = (REPO / "docs" / "models.md").read_text()
     examples = {}
-    for part in section.split("\n### ")[1:]:
+    for part in guide.split("\n## ")[1:]:
         title, _, body = part.partition("\n")
         if title.startswith("Example"):
             examples[title] = (re.findall(r"```python\n(.*?)```", body, re.S),
