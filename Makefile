@@ -80,7 +80,7 @@ $(VENV)/.runtime-installed: pyproject.toml | system-deps $(VENV)/bin/python
 	touch $@
 
 $(VENV)/.test-installed: pyproject.toml | system-deps $(VENV)/bin/python
-	$(BIN)/python -m pip install -q -e '.[test,ray]'
+	$(BIN)/python -m pip install -q -e '.[test,ray,bench]'
 	touch $(VENV)/.runtime-installed $@
 
 clean:

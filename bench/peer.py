@@ -90,13 +90,16 @@ def ensure_model(folder: Path = MODEL_DIR) -> Path:
     network = builtin().network.eval()  # BatchNorm folded: the network inboxd runs
     target.parent.mkdir(parents=True, exist_ok=True)
     example = torch.zeros(2, 3, CROP, CROP)
-    partial = target.with_suffix(".partial")
+    # A name of this process's own: two exports at once (test runs, a bench) must not share it.
+    partial = target.with_suffix(f".{os.getpid()}.partial")
     program = torch.onnx.export(network, (example,), dynamo=True, input_names=["pixels"],
                                 output_names=["logits"],
                                 dynamic_shapes=({0: torch.export.Dim("batch", max=1024)},))
     assert program is not None
     program.save(str(partial))
-    (target.parent / "labels.json").write_text(json.dumps(imagenet_labels()))
+    labels = target.parent / f"labels.json.{os.getpid()}.partial"
+    labels.write_text(json.dumps(imagenet_labels()))
+    labels.rename(target.parent / "labels.json")
     partial.rename(target)
     return target
 
