@@ -33,6 +33,8 @@ from bench.overhead import HELPERS, cpu_by_thread_s, cpu_s
 from bench.photos import Photo
 from bench.scenarios import Running
 
+OTHER = "other (event loop, claims, scans, stats)"
+COMMIT = "commit (results, fsync, moves)"
 SAMPLE_RATE_HZ = 97  # not a divisor of the stats/scan periods
 # (stage, substrings of "function (file)"): the first rule a frame matches, leaf first, wins.
 STAGE_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -41,12 +43,12 @@ STAGE_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("decode", ("PIL/", "pyvips/", "pillow_heif/", "decode/pillow.py", "decode/vips",
                 "decode_image")),
     ("model", ("torch/", "onnxruntime/", "inboxd/models/")),
-    ("commit (results, fsync, moves)", ("files/commit", "files/durable", "files/results",
+    (COMMIT, ("files/commit", "files/durable", "files/results",
                                         "result_writer", "files/renames", "fsync")),
     ("decode IPC", ("inboxd/wire.py", "decode/pool.py", "decode/replies.py",
                     "decode/worker")),
 )
-OTHER = "other (event loop, claims, scans, stats)"
+HELPER_STAGES = {"commit": COMMIT, "decode_workers": "decode"}
 INTRA_OP_NAMES = ("python", "python3", "pt_main_thread", "")
 MODEL = "model"
 
@@ -104,8 +106,8 @@ def by_stage(cpu_ms: dict[str, float], threads_ms: dict[str, float],
             stages[stage] += ms * count / total
 
     for kind, ms in cpu_ms.items():
-        if kind != "daemon":
-            split(ms, samples.get((kind, "process")), OTHER)
+        if kind != "daemon":  # a helper without samples does what it is there for
+            split(ms, samples.get((kind, "process")), HELPER_STAGES.get(kind, OTHER))
     named = 0.0
     for thread, ms in threads_ms.items():
         fallback = MODEL if thread in INTRA_OP_NAMES else OTHER
@@ -122,6 +124,7 @@ def profile_flood(run: Running, photos: list[Photo], count: int, out: Path,
     py-spy sampling it; figures per file."""
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     raw = out / "py-spy-12MP.txt"
+    raw.unlink(missing_ok=True)
     pid = run.daemon.pid
     recorder = subprocess.Popen(
         [spy, "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--threads",
