@@ -200,6 +200,7 @@ def start_inboxd(root: Path, photos: list[Photo], warm: int, settle_s: float
 def inboxd_turn(run: Running, photos: list[Photo], count: int, prefix: str) -> dict[str, Any]:
     pid = run.daemon.pid
     cpu_before = sum(cpu_s(pid).values())
+    timings_from = len(run.results.timings)
     started = run.rss.mark()
     names = drop_many(photos, run.inbox, count, prefix)
     if not run.results.wait_for(names, 120 + count * 2):
@@ -210,7 +211,8 @@ def inboxd_turn(run: Running, photos: list[Photo], count: int, prefix: str) -> d
     return {"files_per_s": round(steady_files_per_s(stamps), 2),
             "first_result_s": round(min(stamps) - started, 2),
             "cpu_ms_per_file": round(cpu * 1000 / count, 1),
-            "peak_rss_mb": round(run.rss.span_peak(started) / 2**20, 1)}
+            "peak_rss_mb": round(run.rss.span_peak(started) / 2**20, 1),
+            "stages_ms": run.results.stage_summary(timings_from)}
 
 
 def peer_turn(work: Path, photos: list[Photo], count: int, model: Path,
