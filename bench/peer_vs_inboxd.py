@@ -17,7 +17,8 @@ Both are timed the same way, from outside: a thread lists the results folder eve
 stamps each new result (``bench.measure.ResultWatcher``). Steady files/s counts from the first
 result to the last: the files after the first stamp over the time between the two, which leaves
 out start-up (process, model, session) on both sides. The machine drifts, so each inboxd turn is
-compared with the peer turn right after it and the median of the turns is the figure. CPU per
+compared with the mean of the peer turns either side of it (the first with the one after it)
+and the median of the turns is the figure. CPU per
 file is each side's own (inboxd: the daemon and its helper processes; the peer: its process).
 
 After the 12-MP JPEG turns, one more flood of 12-MP JPEGs is profiled (``bench/cpu_profile.py``:
@@ -254,6 +255,14 @@ def peer_turn(work: Path, photos: list[Photo], count: int, model: Path,
 # -- the run ----------------------------------------------------------------------------------
 
 
+def turn_ratios(inboxd: list[float], peer: list[float]) -> list[float]:
+    """Turn order inboxd₀ peer₀ inboxd₁ peer₁ ...: each inboxd turn ÷ the mean of the peer turns
+    either side of it (the first has one), which cancels a steady drift of the machine."""
+    return [rate / ((peer[max(0, turn - 1)] + peer[turn]) / 2)
+            for turn, rate in enumerate(inboxd)]
+
+
+
 def compare(fmt: Format, scale: str, turns: int, model: Path, out: Path) -> dict[str, Any]:
     sizes = SCALES[scale]
     count = fmt.full if scale == "full" else fmt.quick
@@ -277,7 +286,7 @@ def compare(fmt: Format, scale: str, turns: int, model: Path, out: Path) -> dict
                                                 timeout_s=120 + sizes["profile"] * 2)
     finally:
         stopped = run.stop()
-    ratios = [i["files_per_s"] / p["files_per_s"] for i, p in zip(inboxd, peer, strict=True)]
+    ratios = turn_ratios([t["files_per_s"] for t in inboxd], [t["files_per_s"] for t in peer])
     result: dict[str, Any] = {
         "format": fmt.label, "count": count, "mean_bytes": round(
             sum(p.nbytes for p in photos) / len(photos)),
