@@ -80,7 +80,7 @@ $(VENV)/.runtime-installed: pyproject.toml | system-deps $(VENV)/bin/python
 	touch $@
 
 $(VENV)/.test-installed: pyproject.toml | system-deps $(VENV)/bin/python
-	$(BIN)/python -m pip install -q -e '.[test,ray]'
+	$(BIN)/python -m pip install -q -e '.[test,ray,bench]'
 	touch $(VENV)/.runtime-installed $@
 
 clean:
@@ -97,7 +97,7 @@ uninstall:
 	@PREFIX=$(PREFIX) bash systemd/install.sh uninstall
 
 # Benchmarks (bench/): one table + JSON + PNG under bench/out/. Not tests: figures, not asserts.
-.PHONY: bench bench-sweep bench-ray bench-overhead
+.PHONY: bench bench-sweep bench-ray bench-overhead bench-peer
 bench: setup-test
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
@@ -106,6 +106,13 @@ bench: setup-test
 # saturated machine).
 bench-overhead: setup-test
 	$(BIN)/python -m bench.overhead $(BENCH_ARGS)
+
+# Only inboxd (default config) against the peer, bench/peer.py (libvips + ONNX Runtime, what a
+# user would write instead), in turns at 0.3-MP JPEG, 12-MP JPEG and 12-MP HEIC, with a profile
+# of a 12-MP JPEG's CPU by process and stage: 3-5 minutes on a quiet 2-core machine (the first
+# run also encodes the HEIC photos). BENCH_ARGS="--scale quick" checks it works in about 2.
+bench-peer: setup-test
+	$(BIN)/python -m bench.peer_vs_inboxd $(BENCH_ARGS)
 
 bench-sweep: setup-test
 	$(BIN)/python -m bench.sweep $(BENCH_ARGS)

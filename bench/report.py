@@ -203,6 +203,11 @@ def table(r: dict[str, Any]) -> str:
     if "overhead" in r:
         lines.append("")
         lines.extend(overhead_lines(r["overhead"]))
+    if "peer" in r:
+        from bench import peer_vs_inboxd
+
+        lines.append("")
+        lines.append(peer_vs_inboxd.table(r["peer"]))
     lines.append(f"bench wall time {r['wall_s']:.0f} s")
     return "\n".join(lines)
 

@@ -56,6 +56,9 @@ class Profile:
     # Pipeline overhead (bench/overhead.py): null model, tiny JPEGs, batch 64.
     overhead_count: int = 4000
     overhead_memory: str = "2000,20000"
+    # inboxd against the peer (bench/peer_vs_inboxd.py): its SCALES key; "" skips it (the GPU
+    # profile: the peer runs ONNX Runtime's CPU provider, a GPU comparison needs its CUDA one).
+    peer_scale: str = "full"
 
 
 # Which corpus files a run floods with. The CPU mix leaves out 3- and 12-MP PNGs: one costs
@@ -73,11 +76,11 @@ PROFILES = {
     "cpu": Profile("cpu", "mixed", ceiling_count=400, probe_count=96, batch_sizes="1,4,8,16,32"),
     "gpu": Profile("gpu", "small-jpeg", ceiling_count=6000, probe_count=1500,
                    batch_sizes="16,32,64,128", flood=6000, big_window_s=30, latency_drops=60,
-                   open_loop_s=10, baseline_count=1000, ceiling_s=5),
+                   open_loop_s=10, baseline_count=1000, ceiling_s=5, peer_scale=""),
     "quick": Profile("quick", "mixed", ceiling_count=60, probe_count=24, batch_sizes="1,8",
                      flood=120, big_flood=2000, big_window_s=8, latency_drops=10,
                      open_loop_s=4, baseline_count=30, guard_mb=512, ceiling_s=3,
-                     overhead_count=600, overhead_memory="300,3000"),
+                     overhead_count=600, overhead_memory="300,3000", peer_scale="quick"),
 }
 
 
@@ -145,6 +148,10 @@ class Bench:
         shutil.rmtree(WORK_DIR / "inboxd-big", ignore_errors=True)  # 20,000 links
         r["overhead"] = self.stage("pipeline overhead", lambda: run_json(
             "bench.overhead", "--count", str(p.overhead_count), "--memory", p.overhead_memory))
+        # The libvips + ONNX Runtime script a user would write instead, in turns with inboxd.
+        if p.peer_scale:
+            r["peer"] = self.stage("inboxd vs peer", lambda: run_json(
+                "bench.peer_vs_inboxd", "--scale", p.peer_scale, "--emit"))
         return r
 
     def inboxd(self, mix: list[Photo]) -> None:
