@@ -9,13 +9,13 @@ import pytest
 from bench.cpu_profile import COMMIT, MODEL, OTHER, by_stage, parse_raw
 
 DAEMON = 'process 10:"python -m inboxd run -c x.yaml"'
-WORKER = DAEMON + ';process 11:"python -m inboxd.decode.worker"'
+WORKER = DAEMON + ';process 11:"python -m inboxd.decode.worker_child"'
 RAW = "\n".join([
-    f"{WORKER};thread (11): MainThread;main (inboxd/decode/worker.py);"
+    f"{WORKER};thread (11): MainThread;main (inboxd/decode/worker_child.py);"
     "decode_image (inboxd/decode/pillow.py);Image.resize (PIL/Image.py) 30",
-    f"{WORKER};thread (11): MainThread;main (inboxd/decode/worker.py);"
+    f"{WORKER};thread (11): MainThread;main (inboxd/decode/worker_child.py);"
     "decode_image (inboxd/decode/pillow.py);ImageFile.load (PIL/ImageFile.py) 60",
-    f"{WORKER};thread (11): MainThread;main (inboxd/decode/worker.py);"
+    f"{WORKER};thread (11): MainThread;main (inboxd/decode/worker_child.py);"
     "read_and_hash (inboxd/files/reading.py) 10",
     f"{DAEMON};thread (10): inboxd-model_0;run (threading.py);"
     "forward (inboxd/models/model.py) 5",
