@@ -22,6 +22,8 @@ from inboxd.files.durable import (
     fsync_dir,
     json_bytes,
     move,
+    output_mode,
+    source_mode_of,
     tmp_dir_for,
     unlink_quietly,
     walk_files,
@@ -289,8 +291,9 @@ class Lifecycle:
         failed_dir = self.config.failed_dir
         sha = report.get("sha256")
         token = sha_token(sha) if isinstance(sha, str) else time_token()
+        mode = output_mode(None if claimed is None else source_mode_of(claimed))
         tmp = write_tmp(tmp_dir_for(failed_dir, self.config.instance), json_bytes(report),
-                        ERROR_SUFFIX)
+                        ERROR_SUFFIX, mode)
         try:
             folder, _, leaf = key.rpartition("/")
             for name in name_variants(leaf, token):
