@@ -320,7 +320,7 @@ class MetricsConfig(Section):
     drop-in, since it has no network)."""
 
     textfile: Path | None = None  # e.g. /var/lib/inboxd/metrics/inboxd.prom
-    listen: str | None = None  # e.g. 127.0.0.1:9464
+    listen: str | None = None  # e.g. 127.0.0.1:9464, or unix:/var/lib/inboxd/metrics.sock
 
     @field_validator("textfile")
     @classmethod
@@ -336,16 +336,15 @@ class MetricsConfig(Section):
     def _host_port(cls, listen: str | None) -> str | None:
         if listen is None:
             return None
+        if listen.startswith("unix:"):
+            if not listen.startswith("unix:/"):
+                raise ValueError("give an absolute socket path: unix:/var/lib/inboxd/metrics.sock")
+            return listen
         host, sep, port = listen.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError("give HOST:PORT, e.g. 127.0.0.1:9464 (or [::1]:9464)")
+            raise ValueError("give HOST:PORT, e.g. 127.0.0.1:9464 (or [::1]:9464), or "
+                             "unix:/PATH")
         return listen
-
-    def address(self) -> tuple[str, int]:
-        """``listen`` as (host, port), brackets of an IPv6 host removed."""
-        assert self.listen is not None
-        host, _, port = self.listen.rpartition(":")
-        return host.strip("[]"), int(port)
 
 
 # Defaults that depend on where the model runs, for the keys the YAML leaves unset (a key it

@@ -9,18 +9,32 @@ Real mounts, real processes, other uids (as root; each test skips with its reaso
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import resource
+import socket
 import stat
 import subprocess
+import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from inboxd.config import load_config
 from inboxd.pipeline.wiring import Pipeline
+from inboxd.service.metrics_http import LISTEN_BACKLOG, MAX_CONNECTIONS
 
-from tests.conftest import make_image, read_json, write_config
+from tests.conftest import (
+    DaemonProcess,
+    line_fields,
+    make_image,
+    read_json,
+    wait_until,
+    write_config,
+)
 from tests.fakes import FakeModel
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0,
@@ -98,3 +112,158 @@ def test_a_move_to_another_filesystem_keeps_mode_owner_times_and_xattrs(tmp_path
         assert read_json(tmp_path / "results" / "private.png.json")["source"] == "private.png"
         # Nothing readable by others was left on the way.
         assert not [p for p in other.rglob("*.tmp") if p.is_file()]
+
+
+# -- class 4: a resource any local process can exhaust ----------------------------------------
+
+
+def null_model_config(tmp_path: Path, **sections: Any) -> Path:
+    """A config with the overhead bench's tiny exported model: loads in a second."""
+    import torch
+
+    from bench.overhead import NullModel
+    from tests.byo_models import export
+
+    torch.manual_seed(0)
+    program = export(NullModel().eval(), tmp_path / "null.pt2", size=32)
+    labels = tmp_path / "labels.txt"
+    labels.write_text("".join(f"c{i}\n" for i in range(10)))
+    sections["inbox"] = {"settle_ms": 0, "rescan_interval_s": 1, **sections.get("inbox", {})}
+    return write_config(
+        tmp_path, model={"export": str(program), "labels": str(labels), "device": "cpu",
+                         "input": {"resize": 32, "crop": 32}}, **sections)
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return str(response.read().decode())
+
+
+def drop_photos(inbox: Path, prefix: str, count: int) -> set[str]:
+    names = set()
+    for n in range(count):
+        path = make_image(inbox.parent / "staging" / f"{prefix}{n}.png", size=(8, 8),
+                          color=(n, 9, 99))
+        os.rename(path, inbox / path.name)
+        names.add(path.name)
+    return names
+
+
+def done_names(tmp_path: Path) -> set[str]:
+    return {p.name for p in (tmp_path / "done").glob("*.png")}
+
+
+@needs_root
+def test_an_idle_connection_flood_on_metrics_listen_stops_nothing(tmp_path: Path) -> None:
+    """300 idle connections to ``metrics.listen``, the daemon allowed 48 descriptors more than
+    it holds at ready: files still complete, a scrape still answers, the daemon's descriptors
+    stay within the cap; and with no descriptor left at all, files wait (not failed) and
+    complete once descriptors are back."""
+    port = free_port()
+    config = null_model_config(tmp_path, metrics={"listen": f"127.0.0.1:{port}"})
+    daemon = DaemonProcess(config)
+    idle: list[socket.socket] = []
+    try:
+        daemon.wait_for("ready", 120)
+        pid = daemon.proc.pid
+        url = f"http://127.0.0.1:{port}/metrics"
+        assert "inboxd_completed_total" in scrape(url)
+        baseline = open_fds(pid)
+        # The soft limit only: raising a hard limit again needs CAP_SYS_RESOURCE.
+        soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (baseline + 48, hard))
+        for _ in range(300):
+            client = socket.socket()
+            client.settimeout(0.05)  # a full accept queue drops the SYN: go on to the next
+            with contextlib.suppress(OSError):
+                client.connect(("127.0.0.1", port))
+            idle.append(client)
+        peak = open_fds(pid)
+        time.sleep(1)  # the daemon takes (or refuses) what the kernel queued
+        peak = max(peak, open_fds(pid))
+        names = drop_photos(tmp_path / "inbox", "a", 5)
+        wait_until(lambda: done_names(tmp_path) >= names, 60,
+                   "the files to complete beside 300 idle connections")
+        assert "inboxd_completed_total" in scrape(url), "a scrape must still answer"
+        # The cap, and one accept batch whose evicted connections close on the next loop turn:
+        # a bound of the server's own, whatever the clients do (the old server: the limit).
+        bound = baseline + MAX_CONNECTIONS + LISTEN_BACKLOG + 4
+        assert max(peak, open_fds(pid)) <= bound, (peak, baseline)
+
+        # No descriptor to spare at all: claims, reads and commits fail for now; files wait.
+        for client in idle:
+            client.close()
+        idle.clear()
+        wait_until(lambda: open_fds(pid) <= baseline + 2, 20, "the idle connections to end")
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (open_fds(pid), hard))
+        squeezed = drop_photos(tmp_path / "inbox", "b", 5)
+        time.sleep(4)
+        assert daemon.proc.poll() is None, daemon.output()[-3000:]
+        assert not list((tmp_path / "failed").glob("b*.png")), "EMFILE is nobody's fault"
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+        wait_until(lambda: done_names(tmp_path) >= names | squeezed, 90,
+                   "the squeezed files once descriptors are back")
+        assert "inboxd_completed_total" in scrape(url)
+        assert not list((tmp_path / "failed").iterdir()) or not list(
+            (tmp_path / "failed").glob("*.png")), daemon.output()[-3000:]
+    finally:
+        for client in idle:
+            client.close()
+        code = daemon.stop()
+    assert code == 0, daemon.output()[-3000:]
+
+
+# -- class 7: smaller ones --------------------------------------------------------------------
+
+
+def stats_field(daemon: DaemonProcess, field: str, after: int) -> int:
+    """``field`` of the first stats record printed after line ``after``."""
+    def found() -> str | None:
+        with daemon._lock:
+            lines = daemon.lines[after:]
+        stats = [line for line in lines if "[stats]" in line]
+        return stats[0] if stats else None
+
+    return int(line_fields(wait_until(found, 20, "a stats record"))[field])
+
+
+@needs_root  # the lease that tells a file is held open needs its owner or CAP_LEASE
+def test_a_photo_held_open_for_writing_is_not_claimed_again_and_again(tmp_path: Path) -> None:
+    """A finished photo whose writer keeps its handle open, writing nothing: given back each
+    time it is claimed (it may still grow), but with a growing wait, not ~13 times a second;
+    taken as soon as possible once the handle is closed."""
+    config = null_model_config(tmp_path, retry={"backoff_initial_ms": 200,
+                                                "backoff_max_ms": 1600},
+                               inbox={"settle_ms": 0, "rescan_interval_s": 5})
+    daemon = DaemonProcess(config)
+    try:
+        daemon.wait_for("ready", 120)
+        staged = make_image(tmp_path / "staging" / "held.png", size=(8, 8))
+        handle = os.open(staged, os.O_WRONLY)  # the writer's handle, kept open across the move
+        try:
+            old = time.time() - 60
+            os.utime(staged, (old, old))
+            os.rename(staged, tmp_path / "inbox" / "held.png")
+            wait_until(lambda: daemon.records("released"), 30, "the first give-back")
+            time.sleep(4)
+            mark = len(daemon.lines)
+            released = stats_field(daemon, "RELEASED", mark)
+        finally:
+            os.close(handle)
+        wait_until(lambda: (tmp_path / "done" / "held.png").exists(), 30,
+                   "the photo once its handle is closed")
+    finally:
+        code = daemon.stop()
+    assert code == 0, daemon.output()[-3000:]
+    # 0.2 + 0.4 + 0.8 + 1.6 + 1.6 s: about five give-backs in four seconds (it was ~50).
+    assert 1 <= released <= 8, (released, daemon.output()[-3000:])
