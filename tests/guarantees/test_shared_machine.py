@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
+import json
 import os
 import resource
 import socket
 import stat
 import subprocess
+import sys
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,6 +40,7 @@ from tests.conftest import (
     write_config,
 )
 from tests.fakes import FakeModel
+from tests.journald import journald, wait_for_entries  # noqa: F401
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0,
                                 reason="mounts, other owners and other uids need root")
@@ -267,3 +272,40 @@ def test_a_photo_held_open_for_writing_is_not_claimed_again_and_again(tmp_path: 
     assert code == 0, daemon.output()[-3000:]
     # 0.2 + 0.4 + 0.8 + 1.6 + 1.6 s: about five give-backs in four seconds (it was ~50).
     assert 1 <= released <= 8, (released, daemon.output()[-3000:])
+
+
+def send_as(uid: int, gid: int, **fields: str) -> None:
+    """One journal record sent by a forked child running as ``uid``/``gid`` (the module is
+    imported before the fork: the child needs no access to the venv)."""
+    journal: Any = importlib.import_module("systemd.journal")
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.setgroups([])
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)
+            journal.send("inboxd stats", **fields)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+@needs_root
+def test_inboxd_stats_ignores_records_a_neighbour_forges(
+        tmp_path: Path, journald: None) -> None:  # noqa: F811
+    """Any local user can send ``SYSLOG_IDENTIFIER=inboxd INBOXD_EVENT=stats`` to the journal;
+    ``inboxd stats`` (without ``-u``) must show the daemon's record, not a later forged one."""
+    instance = f"forge-{uuid.uuid4().hex[:12]}"
+    record = {"SYSLOG_IDENTIFIER": "inboxd", "INBOXD_EVENT": "stats", "INSTANCE": instance}
+    send_as(0, 0, **record, COMPLETED="7")  # as the daemon (root here) sends its own
+    wait_for_entries({"INSTANCE": instance}, 1)
+    send_as(NEIGHBOUR_UID, NEIGHBOUR_GID, **record, COMPLETED="999999")
+    forged = wait_for_entries({"INSTANCE": instance}, 2)
+    assert {entry["_UID"] for entry in forged} == {"0", str(NEIGHBOUR_UID)}
+    shown = subprocess.run([sys.executable, "-m", "inboxd", "stats", "--json", "--instance",
+                            instance], capture_output=True, text=True, timeout=60, check=False)
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout.splitlines()[0])["COMPLETED"] == 7, shown.stdout
