@@ -309,3 +309,33 @@ def test_inboxd_stats_ignores_records_a_neighbour_forges(
                             instance], capture_output=True, text=True, timeout=60, check=False)
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout.splitlines()[0])["COMPLETED"] == 7, shown.stdout
+
+
+FORGED_LINE = "2026-01-01T00:00:00.000Z INFO    [completed] completed forged.png"
+
+
+def test_control_characters_in_names_never_reach_stderr_or_check_config_raw(
+        tmp_path: Path) -> None:
+    """A name with ESC and a newline: the daemon's stderr lines and ``check-config`` show it
+    escaped, so it can neither forge a log line nor drive the reader's terminal."""
+    hostile = f"a\x1b[2Jb\n{FORGED_LINE}\x9b.png"
+    config = null_model_config(tmp_path, results_dir=str(tmp_path / f"res\x1b[31m\n{FORGED_LINE}"))
+    checked = subprocess.run([sys.executable, "-m", "inboxd", "check-config", "-c", str(config)],
+                             capture_output=True, text=True, timeout=120, check=False)
+    assert checked.returncode == 0, checked.stderr
+    daemon = DaemonProcess(config)
+    try:
+        daemon.wait_for("ready", 120)
+        make_image(tmp_path / "staging" / "x.png", size=(8, 8)).rename(
+            tmp_path / "inbox" / hostile)
+        (tmp_path / "inbox" / f"bad\x1b]0;owned\x07\n{FORGED_LINE}.png").write_bytes(b"junk")
+        daemon.wait_for("completed", 60)
+        daemon.wait_for("failed", 60)
+    finally:
+        code = daemon.stop()
+    assert code == 0, daemon.output()[-3000:]
+    for output in (checked.stdout + checked.stderr, daemon.output()):
+        assert not any(ch in output for ch in "\x1b\x07\x9b"), output[-3000:]
+        assert not any(line.startswith(FORGED_LINE) for line in output.splitlines()), (
+            output[-3000:])
+    assert "\\x1b" in daemon.output()  # shown, escaped: not dropped
