@@ -339,3 +339,35 @@ def test_control_characters_in_names_never_reach_stderr_or_check_config_raw(
         assert not any(line.startswith(FORGED_LINE) for line in output.splitlines()), (
             output[-3000:])
     assert "\\x1b" in daemon.output()  # shown, escaped: not dropped
+
+
+@contextmanager
+def no_spare_descriptors() -> Iterator[None]:
+    """This process at its descriptor limit (the soft one: it is raised again after)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # listdir counts its own descriptor too, closed again before the limit applies.
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) - 1, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_giving_a_file_back_with_no_descriptor_to_spare_is_not_a_crash(tmp_path: Path) -> None:
+    """Out of descriptors (a neighbour's flood, a leak elsewhere), handing a claimed file back
+    must not raise into the stage (a crash that counts against every file in flight): the
+    file stays claimed for now, and goes back once descriptors are there again."""
+    from inboxd.files.lifecycle import Lifecycle
+
+    config = load_config(write_config(tmp_path))
+    lifecycle = Lifecycle(config)
+    lifecycle.prepare()
+    inbox = config.inbox.paths[0]
+    make_image(inbox / "a.png", size=(8, 8))
+    claimed = lifecycle.claim(inbox, "a.png")
+    assert claimed is not None
+    with no_spare_descriptors():
+        outcome = lifecycle.release(claimed, inbox / "a.png")
+    assert outcome is None and os.path.exists(claimed)  # still ours, nothing lost
+    assert lifecycle.release(claimed, inbox / "a.png") == str(inbox / "a.png")
+    assert (inbox / "a.png").exists()
