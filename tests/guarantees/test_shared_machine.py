@@ -226,6 +226,8 @@ def test_an_idle_connection_flood_on_metrics_listen_stops_nothing(tmp_path: Path
             client.close()
         code = daemon.stop()
     assert code == 0, daemon.output()[-3000:]
+    # An accept that fails for want of descriptors is one warning, not a traceback a second.
+    assert "out of system resource" not in daemon.output(), daemon.output()[-3000:]
 
 
 # -- class 7: smaller ones --------------------------------------------------------------------
@@ -270,6 +272,7 @@ def test_a_photo_held_open_for_writing_is_not_claimed_again_and_again(tmp_path: 
     finally:
         code = daemon.stop()
     assert code == 0, daemon.output()[-3000:]
+    print(f"give-backs in 4 s while held open: {released}")
     # 0.2 + 0.4 + 0.8 + 1.6 + 1.6 s: about five give-backs in four seconds (it was ~50).
     assert 1 <= released <= 8, (released, daemon.output()[-3000:])
 

@@ -18,10 +18,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import logging
 import os
 import socket
 import stat
 from collections.abc import Callable
+from typing import Any
+
+from inboxd import logs
 
 MAX_CONNECTIONS = 16
 MAX_REQUEST_BYTES = 8192
@@ -31,6 +35,7 @@ LISTEN_BACKLOG = 16
 # Who may connect to the unix socket: the daemon's user and group (add Prometheus's user to
 # the group), nobody else.
 UNIX_SOCKET_MODE = 0o660
+_SHORT_OF = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # prometheus_client's text format
 
 
@@ -50,10 +55,12 @@ class MetricsServer:
         # Connections whose request has not arrived yet, oldest first (a dict keeps order).
         self._waiting: dict[asyncio.StreamWriter, None] = {}
         self._unix_path: str | None = None
+        self._accept_failing = False
         self.refused = 0  # connections closed early because MAX_CONNECTIONS were open
 
     async def start(self, listen: str) -> None:
         """Listen on ``HOST:PORT`` or ``unix:/path``; ``OSError`` when it cannot."""
+        self._quiet_accept_failures(asyncio.get_running_loop())
         if listen.startswith("unix:"):
             path = listen.removeprefix("unix:")
             _remove_stale_socket(path)
@@ -67,7 +74,32 @@ class MetricsServer:
             self._serve, host.strip("[]"), int(port), limit=MAX_REQUEST_BYTES,
             backlog=LISTEN_BACKLOG, reuse_address=True)
 
+    def _quiet_accept_failures(self, loop: asyncio.AbstractEventLoop) -> None:
+        """asyncio reports an accept that failed for want of descriptors with a traceback,
+        every second while it lasts: one warning per episode instead (until an accept works),
+        everything else to the handler there was."""
+        previous = loop.get_exception_handler()
+
+        def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+            exc = context.get("exception")
+            if isinstance(exc, OSError) and exc.errno in _SHORT_OF and "accept" in str(
+                    context.get("message", "")):
+                if not self._accept_failing:
+                    logs.emit(logging.WARNING, "metrics_error",
+                              f"metrics.listen cannot accept connections: {exc.strerror}; "
+                              "trying again every second (files are not affected)",
+                              error=str(exc))
+                self._accept_failing = True
+                return
+            if previous is not None:
+                previous(loop, context)
+            else:
+                loop.default_exception_handler(context)
+
+        loop.set_exception_handler(handler)
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._accept_failing = False
         if len(self._open) >= self.max_connections:
             self.refused += 1
             if not self._waiting:
