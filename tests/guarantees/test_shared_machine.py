@@ -374,3 +374,17 @@ def test_giving_a_file_back_with_no_descriptor_to_spare_is_not_a_crash(tmp_path:
     assert outcome is None and os.path.exists(claimed)  # still ours, nothing lost
     assert lifecycle.release(claimed, inbox / "a.png") == str(inbox / "a.png")
     assert (inbox / "a.png").exists()
+
+
+def test_status_sent_to_systemd_escapes_control_characters(tmp_path: Path) -> None:
+    """``STATUS=`` is shown by ``systemctl status`` on a terminal: a name in it (a stalled
+    file, say) must arrive as one escaped line, on a real datagram socket."""
+    from inboxd.service.notify import Notifier
+
+    address = tmp_path / "notify"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as receiver:
+        receiver.bind(str(address))
+        receiver.settimeout(5)
+        Notifier({"NOTIFY_SOCKET": str(address)}).status("stalled on a\x1b[2Jb\nREADY=1\x9b")
+        message = receiver.recv(4096).decode()
+    assert message == "STATUS=stalled on a\\x1b[2Jb READY=1\\x9b", message
