@@ -28,7 +28,6 @@ class _Held:
 
 
 class HeldFiles:
-    name = "held_files"
 
     def __init__(self, capacity: int, initial_s: float, max_s: float,
                  clock: Callable[[], float]) -> None:
