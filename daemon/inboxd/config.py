@@ -25,6 +25,8 @@ from pydantic import (
     model_validator,
 )
 
+from inboxd.logs import shown
+
 EX_CONFIG = 78
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "config" / "inboxd.yaml"
 
@@ -448,12 +450,13 @@ class Config(Section):
 
 
 class ConfigError(Exception):
-    """A configuration that cannot be used; ``str()`` lists every problem, one per line."""
+    """A configuration that cannot be used; ``str()`` lists every problem, one per line, each
+    printable (a path or value with a newline or ESC in it is shown escaped)."""
 
     def __init__(self, source: str, problems: list[str]) -> None:
         self.source = source
         self.problems = problems
-        super().__init__("\n".join(f"{source}: {p}" for p in problems))
+        super().__init__("\n".join(shown(f"{source}: {p}") for p in problems))
 
 
 def load_config(path: Path | None, overrides: dict[str, Any] | None = None) -> Config:
