@@ -71,6 +71,39 @@ def set_xattr(path: Path) -> str | None:
     return None
 
 
+def reads_as(uid: int, gid: int, files: dict[str, tuple[Path, str]]) -> dict[str, bool]:
+    """Which of ``files`` (folder, name) a forked child running as ``uid``/``gid`` can open
+    for reading. The folders are opened first (pytest's temp root is 0700): only the files'
+    own modes and their folders' are tried."""
+    folders = {key: os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+               for key, (folder, _) in files.items()}
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.setgroups([])
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)
+            answer = ""
+            for key, (_, name) in files.items():
+                try:
+                    os.close(os.open(name, os.O_RDONLY, dir_fd=folders[key]))
+                    answer += "1"
+                except PermissionError:
+                    answer += "0"
+            os.write(write_end, answer.encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    answer = os.read(read_end, 64).decode()
+    os.waitpid(pid, 0)
+    os.close(read_end)
+    for fd in folders.values():
+        os.close(fd)
+    assert len(answer) == len(files), "the child did not answer"
+    return {key: flag == "1" for key, flag in zip(files, answer, strict=True)}
+
+
 # -- class 3: permissions lost on the way -----------------------------------------------------
 
 
@@ -115,6 +148,13 @@ def test_a_move_to_another_filesystem_keeps_mode_owner_times_and_xattrs(tmp_path
                 written, oct(written.stat().st_mode))
         assert stat.S_IMODE((tmp_path / "results" / "shared.png.json").stat().st_mode) & 0o044
         assert read_json(tmp_path / "results" / "private.png.json")["source"] == "private.png"
+        # A neighbour in the photos' group, as another uid: the private photo and its result
+        # are closed to them, the shared one's result is not.
+        neighbour_reads = reads_as(NEIGHBOUR_UID, OWNER_GID, {
+            "done": (other / "done", "private.png"),
+            "result": (tmp_path / "results", "private.png.json"),
+            "shared": (tmp_path / "results", "shared.png.json")})
+        assert neighbour_reads == {"done": False, "result": False, "shared": True}
         # Nothing readable by others was left on the way.
         assert not [p for p in other.rglob("*.tmp") if p.is_file()]
 
