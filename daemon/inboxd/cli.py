@@ -21,7 +21,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from inboxd import __version__
+from inboxd import __version__, logs
 from inboxd.config import EX_CONFIG, Config, ConfigError
 from inboxd.files.layout import load_checked_config
 from inboxd.files.lifecycle import InstanceBusy
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"inboxd: the configuration cannot be used:\n{exc}", file=sys.stderr)
         return EX_CONFIG
     except InstanceBusy as exc:
-        print(f"inboxd: {exc}", file=sys.stderr)
+        print(f"inboxd: {logs.shown(exc)}", file=sys.stderr)
         return EX_TEMPFAIL
 
 
@@ -137,9 +137,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     problems = preflight(config.model)
     if problems:
         raise ConfigError(str(args.config or "config/inboxd.yaml"), problems)
-    print(f"{args.config or 'config/inboxd.yaml (embedded default)'}: OK")
+    print(f"{logs.shown(args.config or 'config/inboxd.yaml (embedded default)')}: OK")
     for key, value in config.model_dump(mode="json").items():
-        print(f"  {key}: {value}")
+        print(f"  {key}: {logs.shown(value)}")
     print("formats this build decodes (the default inbox.include):")
     print("\n".join(f"  {line}" for line in formats.describe()))
     print(f"  taken: {' '.join(NameFilter(config.inbox.include).include)}")
@@ -156,16 +156,16 @@ def cmd_submit(args: argparse.Namespace) -> int:
         # Copied in, it would sit there for ever: say why instead.
         if reason := names.refusal(source.name) or (
                 None if names.wanted(source.name) else "a temp or OS litter name, never taken"):
-            print(f"inboxd submit: {source}: not submitted: {reason}", file=sys.stderr)
+            print(logs.shown(f"inboxd submit: {source}: not submitted: {reason}"), file=sys.stderr)
             status = 1
             continue
         try:
             target = submit_file(source, inbox)
         except OSError as exc:
-            print(f"inboxd submit: {source}: {exc.strerror or exc}", file=sys.stderr)
+            print(logs.shown(f"inboxd submit: {source}: {exc.strerror or exc}"), file=sys.stderr)
             status = 1
             continue
-        print(target)
+        print(logs.shown(target))
     return status
 
 
@@ -219,21 +219,21 @@ def cmd_retry(args: argparse.Namespace) -> int:
         retry.put_back_stranded(config)
     chosen, problems = retry.select(config, args.paths, args.all, args.reason)
     for problem in problems:
-        print(f"inboxd retry: {problem}", file=sys.stderr)
+        print(f"inboxd retry: {logs.shown(problem)}", file=sys.stderr)
     returned = 0
     for failed in chosen:
         if args.dry_run:
-            print(f"would return {failed.input_path} -> {failed.destination} "
-                  f"({failed.reason})")
+            what = f"{failed.input_path} -> {failed.destination} ({failed.reason})"
+            print(logs.shown(f"would return {what}"))
             returned += 1
             continue
         try:
             target = retry.retry(config, failed)
         except OSError as exc:
-            print(f"inboxd retry: {failed.input_path}: {exc.strerror or exc}", file=sys.stderr)
+            print(logs.shown(f"inboxd retry: {failed.input_path}: {exc.strerror}"), file=sys.stderr)
             problems.append(str(exc))
             continue
-        print(f"returned {failed.input_path} -> {target}")
+        print(f"returned {logs.shown(failed.input_path)} -> {logs.shown(target)}")
         returned += 1
     verb = "would return" if args.dry_run else "returned"
     print(f"{verb} {returned} failed file(s) to the inbox")

@@ -25,6 +25,8 @@ from pydantic import (
     model_validator,
 )
 
+from inboxd.logs import shown
+
 EX_CONFIG = 78
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "config" / "inboxd.yaml"
 
@@ -323,7 +325,7 @@ class MetricsConfig(Section):
     drop-in, since it has no network)."""
 
     textfile: Path | None = None  # e.g. /var/lib/inboxd/metrics/inboxd.prom
-    listen: str | None = None  # e.g. 127.0.0.1:9464
+    listen: str | None = None  # e.g. 127.0.0.1:9464, or unix:/var/lib/inboxd/metrics.sock
 
     @field_validator("textfile")
     @classmethod
@@ -339,16 +341,15 @@ class MetricsConfig(Section):
     def _host_port(cls, listen: str | None) -> str | None:
         if listen is None:
             return None
+        if listen.startswith("unix:"):
+            if not listen.startswith("unix:/"):
+                raise ValueError("give an absolute socket path: unix:/var/lib/inboxd/metrics.sock")
+            return listen
         host, sep, port = listen.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError("give HOST:PORT, e.g. 127.0.0.1:9464 (or [::1]:9464)")
+            raise ValueError("give HOST:PORT, e.g. 127.0.0.1:9464 (or [::1]:9464), or "
+                             "unix:/PATH")
         return listen
-
-    def address(self) -> tuple[str, int]:
-        """``listen`` as (host, port), brackets of an IPv6 host removed."""
-        assert self.listen is not None
-        host, _, port = self.listen.rpartition(":")
-        return host.strip("[]"), int(port)
 
 
 # Defaults that depend on where the model runs, for the keys the YAML leaves unset (a key it
@@ -452,12 +453,13 @@ class Config(Section):
 
 
 class ConfigError(Exception):
-    """A configuration that cannot be used; ``str()`` lists every problem, one per line."""
+    """A configuration that cannot be used; ``str()`` lists every problem, one per line, each
+    printable (a path or value with a newline or ESC in it is shown escaped)."""
 
     def __init__(self, source: str, problems: list[str]) -> None:
         self.source = source
         self.problems = problems
-        super().__init__("\n".join(f"{source}: {p}" for p in problems))
+        super().__init__("\n".join(shown(f"{source}: {p}") for p in problems))
 
 
 def load_config(path: Path | None, overrides: dict[str, Any] | None = None) -> Config:

@@ -78,6 +78,26 @@ def printable(text: str) -> str:
     return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
+def escape_controls(text: str) -> str:
+    """Every character a terminal or a line-based reader would act on — C0/C1 controls (a
+    newline forges a log line, ESC drives the terminal), DEL, line separators, bidi overrides
+    — as ``\\xNN``/``\\uNNNN``. For every line-oriented sink (stderr, ``STATUS=``, command
+    output); the journal's fields keep the bytes, and a JSON file escapes them itself."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else _escaped(ch) for ch in text)
+
+
+def _escaped(ch: str) -> str:
+    code = ord(ch)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def shown(value: object) -> str:
+    """``value`` as one printable line: bytes that are not UTF-8 and controls escaped."""
+    return escape_controls(printable(str(value)))
+
+
 def record_fields(record: logging.LogRecord) -> dict[str, Any]:
     fields: dict[str, Any] = getattr(record, "inboxd_fields", {})
     return fields
@@ -95,8 +115,8 @@ def format_value(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.6g}"
     text = str(value)
-    if not text or _NEEDS_QUOTES.search(text):
-        return repr(text)
+    if not text or _NEEDS_QUOTES.search(text) or not text.isprintable():
+        return repr(text)  # repr escapes every character str.isprintable() refuses
     return text
 
 
@@ -117,7 +137,7 @@ class StderrFormatter(logging.Formatter):
         event = record_event(record)
         if event:
             parts.append(f"[{event}]")
-        parts.append(record.getMessage())
+        parts.append(escape_controls(record.getMessage()))
         fields = record_fields(record)
         if fields:
             parts.append(" ".join(f"{k}={format_value(v)}" for k, v in fields.items()))

@@ -23,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from inboxd.config import Config
+from inboxd.files.durable import output_mode, source_mode_of
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.results import ResultEntry, ResultFiles
 
@@ -66,7 +67,7 @@ def commit(lifecycle: Lifecycle, entries: Sequence[CommitEntry]) -> Committed:
         filed = results.write([
             ResultEntry(entry.key, entry.sha256,
                         functools.partial(filed_document, results, entry.key, entry.document),
-                        entry.vector)
+                        entry.vector, output_mode(source_mode_of(entry.claimed)))
             for entry in entries])
     except OSError as exc:
         return Committed(error=exc)

@@ -20,6 +20,7 @@ import errno
 import json
 import os
 import shutil
+import stat
 import threading
 import time
 import uuid
@@ -32,10 +33,14 @@ from inboxd.files.renames import place
 from inboxd.os_threads import name_this_thread
 
 TMP_DIRNAME = ".tmp"
+RESULT_MODE = 0o644  # before the umask (the unit's 0027 makes it 0640): see output_mode
 SYNC_THREADS = 16  # parallel fdatasync calls of one group commit (8-16: 5-10x a loop here)
 # Test-only: a pause (ms) at each step of a group commit, so that kills land inside commits.
 COMMIT_PAUSE_ENV = "INBOXD_TEST_COMMIT_PAUSE_MS"
 _COMMIT_PAUSE_S = float(os.environ.get(COMMIT_PAUSE_ENV) or 0) / 1000
+# No extended attributes here (the filesystem has none, or this one is not ours to copy).
+_NO_XATTRS = {errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM, errno.EACCES, errno.ENODATA,
+              errno.E2BIG, errno.ERANGE}
 _sync_pool: ThreadPoolExecutor | None = None
 _sync_pool_lock = threading.Lock()
 
@@ -66,11 +71,29 @@ def unlink_quietly(path: str | Path) -> None:
         os.unlink(path)
 
 
-def write_tmp(tmp_dir: str | Path, data: bytes, suffix: str) -> str:
+def output_mode(source_mode: int | None) -> int:
+    """The mode a file the daemon writes about a source gets (before the umask): owner
+    read-write (the daemon reads its own results back), group and others may read it only
+    when they may read the source. A 0600 photo's result is 0600: its name, sha256 and
+    labels are no more public than the photo."""
+    if source_mode is None:
+        return RESULT_MODE
+    return 0o600 | (source_mode & 0o044)
+
+
+def source_mode_of(path: str | Path) -> int | None:
+    """The source's permission bits, None when it is gone (then the default applies)."""
+    try:
+        return os.lstat(path).st_mode & 0o7777
+    except OSError:
+        return None
+
+
+def write_tmp(tmp_dir: str | Path, data: bytes, suffix: str, mode: int = 0o644) -> str:
     """``data`` in a new temp file under ``tmp_dir``, fsynced; removed again if writing fails."""
     ensure_dir(tmp_dir)
     tmp = tmp_name(tmp_dir, suffix)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
     try:
         view = memoryview(data)
         while view:
@@ -119,15 +142,18 @@ def _sync_each(fds: Sequence[int]) -> None:
         os.fdatasync(fd)
 
 
-def write_tmps(tmp_dir: str | Path, blobs: Sequence[bytes], suffix: str) -> list[str]:
-    """Each of ``blobs`` in a new temp file under ``tmp_dir``, all durable together when this
-    returns (group commit); if anything fails, none of them is left."""
+def write_tmps(tmp_dir: str | Path, blobs: Sequence[bytes], suffix: str,
+               modes: Sequence[int] | None = None) -> list[str]:
+    """Each of ``blobs`` in a new temp file under ``tmp_dir`` (with ``modes[i]``, before the
+    umask), all durable together when this returns (group commit); if anything fails, none of
+    them is left."""
     ensure_dir(tmp_dir)
     written: list[tuple[str, int]] = []
     try:
-        for data in blobs:
+        for index, data in enumerate(blobs):
             tmp = tmp_name(tmp_dir, suffix)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            mode = RESULT_MODE if modes is None else modes[index]
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
             written.append((tmp, fd))
             view = memoryview(data)
             while view:
@@ -162,7 +188,9 @@ def _json_key(key: Any) -> str:
 def move(source: str | Path, target: str | Path, token: str, tmp_dir: str | Path) -> str:
     """Move ``source`` to ``target`` or a free variant of its name (never replacing anything);
     across filesystems copy it to ``tmp_dir`` first (fsynced), so the destination only ever
-    holds the whole file. Returns where it went."""
+    holds the whole file, with the source's mode, owner and group (as far as this process may
+    set them), timestamps and extended attributes (ACLs among them): a move must not make a
+    private photo readable by the folder's group. Returns where it went."""
     try:
         return place(source, target, token)
     except OSError as exc:
@@ -176,11 +204,7 @@ def move(source: str | Path, target: str | Path, token: str, tmp_dir: str | Path
             # to, a file from outside the inbox.
             os.symlink(os.readlink(source), tmp)
         else:
-            fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            with os.fdopen(fd, "rb") as src, open(tmp, "xb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-                dst.flush()
-                os.fsync(dst.fileno())
+            _copy_whole(source, tmp)
         final = place(tmp, target, token)
     except BaseException:
         unlink_quietly(tmp)
@@ -188,6 +212,60 @@ def move(source: str | Path, target: str | Path, token: str, tmp_dir: str | Path
     fsync_dir(os.path.dirname(final) or ".")
     os.unlink(source)
     return final
+
+
+def _copy_whole(source: str | Path, tmp: str) -> None:
+    """``source``'s bytes and metadata into the new file ``tmp``, fsynced. The copy is made
+    0600 and only gets the source's mode once its owner is set: never, even for a moment,
+    readable by anybody the source was not."""
+    src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(src)
+        dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                      0o600)
+        try:
+            with os.fdopen(os.dup(src), "rb") as reader, os.fdopen(os.dup(dst), "wb") as writer:
+                shutil.copyfileobj(reader, writer, 1 << 20)
+            _copy_xattrs(src, dst)
+            _copy_owner(dst, st)
+            # After chown (which clears set-id bits); set-id bits are never carried: a photo
+            # has no business with them.
+            os.fchmod(dst, stat.S_IMODE(st.st_mode) & 0o777)
+            os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+            os.fsync(dst)
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
+
+
+def _copy_owner(dst: int, st: os.stat_result) -> None:
+    """The source's owner and group; without the right to give files away (not root), the
+    group alone where we are in it; else the copy stays ours, and its mode (0600 when the
+    source's group could not read it) still keeps it private."""
+    for uid, gid in ((st.st_uid, st.st_gid), (-1, st.st_gid)):
+        try:
+            os.fchown(dst, uid, gid)
+            return
+        except PermissionError:
+            continue
+
+
+def _copy_xattrs(src: int, dst: int) -> None:
+    """Every extended attribute this process may read and set (``user.*``, POSIX ACLs;
+    ``security.*``/``trusted.*`` where privileged); a filesystem without them has none."""
+    try:
+        names = os.listxattr(src)
+    except OSError as exc:
+        if exc.errno in _NO_XATTRS:
+            return
+        raise
+    for name in names:
+        try:
+            os.setxattr(dst, name, os.getxattr(src, name))
+        except OSError as exc:
+            if exc.errno not in _NO_XATTRS:
+                raise
 
 
 def fsync_dir(folder: str | Path) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ from inboxd.files.durable import (
     fsync_dir,
     json_bytes,
     move,
+    output_mode,
+    source_mode_of,
     tmp_dir_for,
     unlink_quietly,
     walk_files,
@@ -34,6 +37,10 @@ from inboxd.files.results import ResultFiles, sha_token
 from inboxd.files.safe_paths import LinkedFolder, open_inside
 
 ERROR_SUFFIX = ".error.json"
+# Errors that say the process is short of something for now, not that the file has a problem.
+SHORT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+RELEASE_TRIES = 4
+RELEASE_PAUSE_S = 0.05
 # A file in flight at this many stage crashes in a row is failed instead of retried.
 CRASHES_BEFORE_FAILING = 2
 
@@ -164,12 +171,22 @@ class Lifecycle:
         else:
             inbox, rel = os.path.split(where)
         claimed_dir, claimed_name = os.path.split(claimed)
-        try:
-            with open_inside(claimed_dir, []) as folder:
-                placed = renames.place_inside(claimed_name, folder, inbox, rel, time_token())
-        except (FileNotFoundError, LinkedFolder):
-            return None
-        return os.path.join(inbox, placed)
+        for attempt in range(RELEASE_TRIES):
+            try:
+                with open_inside(claimed_dir, []) as folder:
+                    placed = renames.place_inside(claimed_name, folder, inbox, rel, time_token())
+            except (FileNotFoundError, LinkedFolder):
+                return None
+            except OSError as exc:
+                if exc.errno not in SHORT_OF_RESOURCES:
+                    raise
+                # Out of descriptors or memory for now (another process's doing, often): a
+                # moment later it usually works; if not, the file stays claimed, and the next
+                # start returns it. Raising would crash the stage and count against the file.
+                time.sleep(RELEASE_PAUSE_S * 2**attempt)
+                continue
+            return os.path.join(inbox, placed)
+        return None
 
     def recover(self) -> tuple[int, int]:
         """Return every file this instance had claimed (after a crash) to its inbox — except
@@ -289,8 +306,9 @@ class Lifecycle:
         failed_dir = self.config.failed_dir
         sha = report.get("sha256")
         token = sha_token(sha) if isinstance(sha, str) else time_token()
+        mode = output_mode(None if claimed is None else source_mode_of(claimed))
         tmp = write_tmp(tmp_dir_for(failed_dir, self.config.instance), json_bytes(report),
-                        ERROR_SUFFIX)
+                        ERROR_SUFFIX, mode)
         try:
             folder, _, leaf = key.rpartition("/")
             for name in name_variants(leaf, token):

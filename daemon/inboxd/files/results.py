@@ -31,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from inboxd.files.durable import (
+    RESULT_MODE,
     commit_pause,
     fsync_dir,
     json_bytes,
@@ -56,6 +57,7 @@ class ResultEntry:
     sha256: str
     document: Callable[[str], dict[str, Any]]  # the JSON, given the name it is filed under
     vector: npt.NDArray[np.float32] | None = None
+    mode: int = RESULT_MODE  # the JSON's and the vector's (durable.output_mode of the source)
 
 
 class ResultFiles:
@@ -162,7 +164,8 @@ class ResultFiles:
             fsync_dir(folder)
         # All durable together, or (a full disk part-way) none left behind.
         temps = write_tmps(self._tmp, [json_bytes(entry.document(name))
-                                          for _, entry, name in todo], JSON_SUFFIX)
+                                          for _, entry, name in todo], JSON_SUFFIX,
+                           [entry.mode for _, entry, _ in todo])
         commit_pause()
         placed = 0
         try:
@@ -209,7 +212,7 @@ class ResultFiles:
         data = io.BytesIO()
         # allow_pickle=False: a float32 array never needs it, and readers can refuse it.
         np.save(data, entry.vector, allow_pickle=False)
-        tmp = write_tmp(self._tmp, data.getvalue(), VECTOR_SUFFIX)
+        tmp = write_tmp(self._tmp, data.getvalue(), VECTOR_SUFFIX, entry.mode)
         try:
             while True:
                 try:
@@ -243,4 +246,5 @@ class ResultFiles:
                 name = self._write_vector(entry, name, taken)
                 fsync_dir(os.path.dirname(self.vector_file(name)))  # durable before its JSON
             taken.add(name)
-            tmp = write_tmp(self._tmp, json_bytes(entry.document(name)), JSON_SUFFIX)
+            tmp = write_tmp(self._tmp, json_bytes(entry.document(name)), JSON_SUFFIX,
+                            entry.mode)

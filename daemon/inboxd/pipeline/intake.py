@@ -36,6 +36,7 @@ from inboxd.files.settling import identity
 from inboxd.item import WorkItem
 from inboxd.os_threads import name_this_thread
 from inboxd.pipeline.event_buffer import Candidate, EventBuffer
+from inboxd.pipeline.held_files import HeldFiles
 from inboxd.pipeline.queue import PipelineQueue
 from inboxd.pipeline.skipped import SkippedPaths
 from inboxd.stats import Stats
@@ -67,6 +68,7 @@ class Intake:
         on_refused: Callable[[WorkItem, str], Awaitable[None]],
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        held: HeldFiles | None = None,
     ) -> None:
         self.config = config
         self.buffer = buffer
@@ -79,6 +81,7 @@ class Intake:
         self.clock = clock
         self.wall_clock = wall_clock
         self.settle_s = config.inbox.settle_ms / 1000
+        self.held = held  # files given back still open for writing: not claimed before due
         self.busy = False  # between taking candidates and their put() returning
         self.skipped = SkippedPaths()
         self._claimer: ThreadPoolExecutor | None = None  # made on the first batch
@@ -187,6 +190,10 @@ class Intake:
             refusal = "not a regular file (a FIFO, socket or device): only regular files are read"
         else:
             if not self._settled(candidate, st, effects):
+                return None
+            due_s = None if self.held is None else self.held.not_before(path, st.st_ino)
+            if due_s is not None:
+                effects.later.append((candidate, due_s))
                 return None
             if self.config.inbox.after_success == "keep" and self._already_done(rel, inbox, st):
                 return _ignored(effects)

@@ -19,6 +19,7 @@ from inboxd.config import Config
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.settling import still_being_written
 from inboxd.item import PermanentError, WorkItem
+from inboxd.pipeline.held_files import HeldFiles
 from inboxd.pipeline.retry_list import RetryList, backoff_s
 from inboxd.stats import Stats, classify_failure
 
@@ -40,8 +41,10 @@ class Outcomes:
         run_io: RunIO[Any],
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
+        held: HeldFiles | None = None,
     ) -> None:
         self.config = config
+        self.held = held  # files given back still open for writing: claimed again later
         self.lifecycle = lifecycle
         self.stats = stats
         self.retry_list = retry_list
@@ -153,8 +156,9 @@ class Outcomes:
         reason = str(exc) or type(exc).__name__
         if await self.run_io(lambda: still_being_written(item.claimed_path, item.identity)):
             item.reset_for_retry()
-            await self.release(item, "it is still being written (it changed after it was "
-                               f"claimed); it is taken again once it settles ({reason})")
+            await self.give_back_held(item, "it is still being written (it changed after it "
+                                      f"was claimed); it is taken again once it settles "
+                                      f"({reason})")
             return
         item.errors.append(reason)
         item.attempts += 1
@@ -173,6 +177,15 @@ class Outcomes:
             self._settled.set()
             return
         await self.release(item, "the retry list is full")
+
+    async def give_back_held(self, item: WorkItem, why: str) -> None:
+        """Back to the inbox because it is still being written (or held open for writing): its
+        next claim waits, longer each time (``pipeline/held_files.py``)."""
+        if self.held is not None:
+            wait_s = self.held.given_back(item.inbox_path,
+                                          item.identity[0] if item.identity else None)
+            why = f"{why}; not claimed again for {wait_s:.1f} s"
+        await self.release(item, why)
 
     async def release(self, item: WorkItem, why: str) -> None:
         await self.run_io(lambda: self.lifecycle.release(item.claimed_path,

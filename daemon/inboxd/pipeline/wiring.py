@@ -37,6 +37,7 @@ from inboxd.models.model import Model
 from inboxd.os_threads import name_this_thread
 from inboxd.pipeline.batcher import Batcher
 from inboxd.pipeline.event_buffer import EventBuffer
+from inboxd.pipeline.held_files import HeldFiles
 from inboxd.pipeline.intake import Intake
 from inboxd.pipeline.model_stage import ModelStage
 from inboxd.pipeline.outcomes import Outcomes
@@ -75,11 +76,12 @@ class Pipeline:
                                               initializer=name_this_thread)
 
         self.buffer = EventBuffer(capacity.event_buffer)
+        self.held = HeldFiles.from_config(config, clock)
         self.queue = PipelineQueue(capacity.queue)
         self.cache = PreprocessCache(capacity.preprocess_cache, capacity.preprocess_cache_mb)
         self.retry_list = RetryList(capacity.retry_list, self._requeue, clock)
         self.outcomes = Outcomes(config, self.lifecycle, self.stats, self.retry_list,
-                                 self.run_io, clock)
+                                 self.run_io, clock, held=self.held)
         self.watcher = Watcher(
             config.inbox.paths, config.inbox.recursive, NameFilter(config.inbox.include),
             self.buffer, self.stats, config.inbox.rescan_interval_s, clock, watch,
@@ -90,7 +92,7 @@ class Pipeline:
         self.intake = Intake(
             config, self.buffer, self.queue, self.lifecycle, self.stats,
             on_enqueued=lambda item: self.outcomes.admitted(),
-            on_refused=self.outcomes.refused, clock=clock,
+            on_refused=self.outcomes.refused, clock=clock, held=self.held,
         )
         pre = config.preprocess
         self.decode_pool = DecodePool(pre.workers, WorkerSettings(
@@ -101,7 +103,7 @@ class Pipeline:
             on_error=self.outcomes.error,
             existing_sha256=self.lifecycle.results.recorded_sha256,
             on_duplicate=lambda item: self.outcomes.duplicate(item, item.key),
-            on_changing=self.outcomes.release, clock=clock,
+            on_changing=self.outcomes.give_back_held, clock=clock,
             device_route=device_route.build(pre.gpu_decode, model.device, model.spec,
                                             pre.max_image_pixels, pre.max_file_mb << 20,
                                             decoders_for(pre.workers)),
@@ -284,6 +286,7 @@ class Pipeline:
         ``config`` waits for a restart (the caller says which)."""
         capacity = config.capacity
         self.buffer.capacity = capacity.event_buffer
+        self.held.resize(capacity.event_buffer)
         self.queue.resize(capacity.queue)
         self.cache.resize(capacity.preprocess_cache, capacity.preprocess_cache_mb)
         self.retry_list.capacity = capacity.retry_list

@@ -3,7 +3,8 @@
 Two ways out, both off by default (``metrics:`` in the YAML): a textfile for node_exporter's
 textfile collector, rewritten atomically after every stats record, and an HTTP endpoint. Only
 this module imports ``prometheus_client``, and only when one of the two is configured; the
-HTTP server (a thread) only exists with ``metrics.listen``.
+HTTP server (``service/metrics_http.py``, on the daemon's event loop, with a connection cap and
+time-outs) only exists with ``metrics.listen``.
 
 Counters and gauges are read from :class:`~inboxd.stats.Stats` and the layers at scrape time,
 so a scrape is never staler than the pipeline itself and a reload's new capacity shows at once.
@@ -17,9 +18,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import threading
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -30,6 +29,7 @@ from inboxd import logs
 from inboxd.config import Config, ConfigError
 from inboxd.files.durable import unlink_quietly, write_tmp
 from inboxd.pipeline.wiring import Pipeline
+from inboxd.service.metrics_http import MetricsServer
 from inboxd.stats import REASON_CLASSES, rss_bytes
 
 # (name without _total, help, Counters attribute)
@@ -131,8 +131,7 @@ class Metrics:
         self.config = config.metrics
         self.instance = config.instance
         self.registry = CollectorRegistry(auto_describe=False)
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
+        self._server: MetricsServer | None = None
         self._textfile_failing = False
 
     def attach(self, pipeline: Pipeline) -> None:
@@ -182,32 +181,32 @@ class Metrics:
             return
         self._textfile_failing = False
 
-    def start(self) -> None:
-        """Serve ``metrics.listen`` (a daemon thread), if set. A port that cannot be bound is a
-        configuration error (exit 78): restarting into the same port would not help."""
+    async def start(self) -> None:
+        """Serve ``metrics.listen`` on the running event loop, if set. An address that cannot
+        be bound is a configuration error (exit 78): restarting into it would not help."""
         if self.config.listen is None:
             return
-        from prometheus_client.exposition import start_http_server
-
-        host, port = self.config.address()
+        server = MetricsServer(self.exposition)
         try:
-            self._server, self._thread = start_http_server(port, host, registry=self.registry)
+            await server.start(self.config.listen)
         except OSError as exc:
             hint = ("the shipped unit has no network (PrivateNetwork=yes, "
-                    "RestrictAddressFamilies=AF_UNIX): add the drop-in from the README, "
-                    "or use metrics.textfile" if exc.errno in (errno.EAFNOSUPPORT, errno.EPERM,
-                                                               errno.EADDRNOTAVAIL)
+                    "RestrictAddressFamilies=AF_UNIX): use a unix socket (unix:/PATH below "
+                    "/var/lib/inboxd), add the drop-in from the README, or use "
+                    "metrics.textfile" if exc.errno in (errno.EAFNOSUPPORT, errno.EPERM,
+                                                        errno.EADDRNOTAVAIL)
                     else "choose a free port, or use metrics.textfile")
             raise ConfigError("metrics.listen", [
                 f"cannot listen on {self.config.listen}: {exc.strerror or exc}; {hint}"
             ]) from exc
-        logs.emit(logging.INFO, "metrics", f"metrics on http://{self.config.listen}/metrics",
-                  listen=self.config.listen)
+        self._server = server
+        where = (self.config.listen if self.config.listen.startswith("unix:")
+                 else f"http://{self.config.listen}/metrics")
+        logs.emit(logging.INFO, "metrics", f"metrics on {where}", listen=self.config.listen)
 
     def close(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.close()
             self._server = None
 
 

@@ -21,6 +21,8 @@ import socket
 import time
 from collections.abc import Mapping
 
+from inboxd import logs
+
 log = logging.getLogger("inboxd.notify")
 
 # A blocking send to a datagram socket waits while the receiver's queue is full. systemd drains
@@ -57,8 +59,9 @@ class Notifier:
         self.send("READY=1")
 
     def status(self, text: str) -> None:
-        # One assignment per line: a newline inside the text would start a bogus assignment.
-        self.send("STATUS=" + " ".join(text.splitlines()))
+        # One assignment per line: a newline inside the text would start a bogus assignment,
+        # and systemctl status prints the rest to a terminal.
+        self.send("STATUS=" + logs.escape_controls(" ".join(text.splitlines())))
 
     def watchdog(self) -> None:
         self.send("WATCHDOG=1")

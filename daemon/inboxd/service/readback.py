@@ -7,8 +7,11 @@ pinned at its capacity while the backlog waits on disk, memory flat.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
+import os
+import pwd
 import re
 import sys
 from collections.abc import Iterator
@@ -22,6 +25,7 @@ LAYERS = ("EVENT_BUFFER", "QUEUE", "DECODING", "PREPROCESS_CACHE", "BATCH", "IN_
           "WRITE_HANDOFF", "COMMITTING", "RETRY_LIST")
 TIMINGS = ("PUT_WAIT_MS_P50", "PUT_WAIT_MS_P99", "PUT_WAIT_MS_MAX", "LATENCY_MS_P50",
            "LATENCY_MS_P99", "FILES_PER_S", "UPTIME_S")
+SERVICE_USER = "inboxd"  # the shipped unit's User=
 MEMORY = ("RSS_BYTES", "CUDA_ALLOCATED_BYTES", "CUDA_RESERVED_BYTES", "CUDA_PEAK_ALLOCATED_BYTES")
 
 
@@ -30,15 +34,28 @@ def _journal() -> Any:
     return importlib.import_module("systemd.journal")
 
 
+def trusted_uids() -> list[int]:
+    """Who may have written the daemon's records: root, the ``inboxd`` service user, and the
+    user asking (a daemon run from their own terminal). ``_UID`` is set by journald from the
+    sender's credentials; ``SYSLOG_IDENTIFIER`` and ``INBOXD_EVENT`` are the sender's own
+    words, which any local user can send."""
+    uids = {0, os.getuid()}
+    with contextlib.suppress(KeyError):  # no such user here: the daemon runs as another
+        uids.add(pwd.getpwnam(SERVICE_USER).pw_uid)
+    return sorted(uids)
+
+
 def stats_reader(unit: str | None, instance: str | None) -> Any:
     journal = _journal()
     reader = journal.Reader()
     reader.this_boot()
     reader.add_match(INBOXD_EVENT="stats")
-    if unit:
+    if unit:  # _SYSTEMD_UNIT is journald's, from the sender's cgroup: a system unit's
         reader.add_match(_SYSTEMD_UNIT=unit if "." in unit else f"{unit}.service")
     else:
         reader.add_match(SYSLOG_IDENTIFIER="inboxd")
+        for uid in trusted_uids():  # matches on one field are ORed, on different ones ANDed
+            reader.add_match(_UID=str(uid))
     if instance:
         reader.add_match(INSTANCE=instance)
     return reader

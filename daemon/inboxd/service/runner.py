@@ -67,7 +67,7 @@ class Service:
             from inboxd.service.metrics import Metrics
 
             self.metrics = Metrics(self.config)
-            self.metrics.start()  # before the model: a port in use fails at once
+            await self.metrics.start()  # before the model: a port in use fails at once
         started = time.perf_counter()
         extending = asyncio.create_task(self._extend_start_timeout())
         try:
