@@ -211,8 +211,10 @@ class Pipeline:
             self._spawn(self._intake_tasks, self.takeovers.run(), "takeover")
         self._spawn(self._intake_tasks, self.intake.run(), "intake")
 
-    def log_stats(self) -> dict[str, Any]:
-        fields = self.stats.snapshot()
+    def stats_fields(self, reset: bool = True) -> dict[str, Any]:
+        """The whole ``stats`` record (every field declared in ``inboxd.stats.FIELDS``);
+        ``reset=False`` for a scrape, which must not start a new interval."""
+        fields = self.stats.snapshot(reset)
         # The cache's second bound, in bytes (the generic layer fields count items).
         fields.update(PREPROCESS_CACHE_BYTES=self.cache.size_bytes,
                       PREPROCESS_CACHE_CAPACITY_BYTES=self.cache.capacity_bytes,
@@ -225,6 +227,10 @@ class Pipeline:
         down_since_s = self.worker.unavailable_since_s
         fields["MODEL_UNAVAILABLE_S"] = (round(self.clock() - down_since_s, 3)
                                          if down_since_s is not None else 0)
+        return fields
+
+    def log_stats(self) -> dict[str, Any]:
+        fields = self.stats_fields()
         counters = self.stats.counters
         logs.emit(
             logging.INFO, "stats",
