@@ -7,7 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from inboxd.config import DEFAULT_CONFIG_PATH, EX_CONFIG, ConfigError, load_config, parse_config
+from inboxd.config import DEFAULT_CONFIG_PATH, ConfigError, load_config, parse_config
+from inboxd.exit_codes import EX_CONFIG
+from inboxd.files.layout import processing_dir
 
 
 def test_embedded_default_is_valid_and_resolves_under_the_working_directory(
@@ -18,7 +20,7 @@ def test_embedded_default_is_valid_and_resolves_under_the_working_directory(
     assert config.inbox.paths == [tmp_path / "var" / "inbox"]
     assert config.results_dir == tmp_path / "var" / "results"
     assert config.capacity.queue == 1
-    assert config.processing_dir(config.inbox.paths[0]) == (
+    assert processing_dir(config, config.inbox.paths[0]) == (
         tmp_path / "var" / "inbox" / ".processing" / "default"
     )
 

@@ -13,6 +13,7 @@ import pytest
 from inboxd.cli import main
 from inboxd.config import Config, load_config
 from inboxd.files import retry as retry_mod
+from inboxd.files.layout import processing_dir
 from inboxd.files.lifecycle import Lifecycle
 
 from tests.conftest import DaemonProcess, drop, make_image, wait_until, write_config
@@ -24,7 +25,7 @@ def fail(config: Config, rel: str, data: bytes, reason: str, reason_class: str,
     next to its report (the fields of pipeline/outcomes.py)."""
     inbox = inbox or config.inbox.paths[0]
     key = f"{inbox.name}/{rel}" if len(config.inbox.paths) > 1 else rel
-    claimed = config.processing_dir(inbox) / rel
+    claimed = processing_dir(config, inbox) / rel
     claimed.parent.mkdir(parents=True, exist_ok=True)
     claimed.write_bytes(data)
     report = {"source": key, "inbox": str(inbox), "rel": rel, "reason": reason,

@@ -25,9 +25,10 @@ import torch
 import torchvision
 import yaml
 from inboxd import cli
-from inboxd.config import EX_CONFIG, ConfigError, ModelConfig, parse_config
+from inboxd.config import ConfigError, ModelConfig, parse_config
 from inboxd.decode.pillow import decode_image
 from inboxd.decode.spec import PreprocessSpec
+from inboxd.exit_codes import EX_CONFIG
 from inboxd.models.efficientnet_lite import EMBEDDING_DIM, load_efficientnet_lite0
 from inboxd.models.loading import load_model, strip_classifier
 from inboxd.models.model import Color, Model
