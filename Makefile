@@ -16,9 +16,11 @@ test: setup-test lint
 	@bash .ci/journald.sh
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# The layers and the absence of import cycles are import-linter contracts in pyproject.toml.
 lint: setup-test
 	$(BIN)/ruff check daemon tests bench
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 soak: setup-test
 	@bash .ci/journald.sh
