@@ -357,7 +357,8 @@ def test_the_head_dying_leaves_files_waiting_and_a_new_cluster_resumes_them(
         cluster.shutdown()
         names += drop_files(tmp_path / "inbox", tmp_path / "seeds", 100, 100)
         proc.wait_for("model_unavailable", 60)
-        time.sleep(3)  # a few reconnection attempts against nothing
+        # A few reconnection attempts against nothing: three stats records while it is gone.
+        proc.wait_for("stats", 60, count=len(proc.records("stats")) + 3)
         assert proc.proc.poll() is None, "the daemon stays up"
         # Waiting on disk: in the inbox, or claimed (held by the bounded stages, the retry list)
         # in .processing, where a restart would find them too.
