@@ -34,7 +34,7 @@ from inboxd.files.durable import COMMIT_PAUSE_ENV
 from inboxd.files.layout import processing_dir
 from inboxd.files.lifecycle import InstanceBusy, Lifecycle
 
-from tests.conftest import write_config
+from tests.conftest import wait_until, write_config
 from tests.fakes import InProcess
 
 ODD_NAME = os.fsdecode(b"caf\xe9 \xff.jpg")  # not UTF-8: kept as surrogate escapes
@@ -298,16 +298,11 @@ def test_the_commit_process_dies_with_the_daemon_even_mid_commit(tmp_path: Path)
     assert daemon.stdout is not None
     pid = int(daemon.stdout.readline())
     processing = Path(processing_dir(load_config(config), tmp_path / "inbox"))
-    deadline = time.monotonic() + 10
-    while not list((tmp_path / "results" / ".tmp").rglob("*.tmp")):  # inside the commit
-        assert time.monotonic() < deadline, "the commit never started"
-        time.sleep(0.02)
+    wait_until(lambda: list((tmp_path / "results" / ".tmp").rglob("*.tmp")), 10,
+               "the commit to start")  # inside the commit
     daemon.kill()
     daemon.wait()
-    deadline = time.monotonic() + 5
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(pid)
+    wait_until(lambda: not _alive(pid), 5, "the commit process to die with the daemon")
     assert (processing / "a.jpg").read_bytes() == b"data"
     assert not (tmp_path / "done" / "a.jpg").exists()
     lifecycle = Lifecycle(load_config(config))
