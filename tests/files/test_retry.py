@@ -138,7 +138,10 @@ def test_with_a_live_daemon_a_fixed_file_gets_its_result_in_its_own_inbox(
             junk.write_bytes(b"not a jpeg " + inbox.name.encode())
             drop(junk, inbox)
         failed = tmp_path / "failed"
-        wait_until(lambda: len(list(failed.rglob("*.error.json"))) == 2, 60, "two failures")
+        # The [failed] records come once each source is in failed/ too (its .error.json is
+        # written first): replacing the file before that raced the daemon's move of it.
+        daemon.wait_for("failed", 60, count=2)
+        assert len(list(failed.rglob("*.error.json"))) == 2
         report = json.loads((failed / "scans" / "a.jpg.error.json").read_text())
         assert (report["inbox"], report["rel"], report["reason_class"]) == (
             str(scans), "a.jpg", "decode")

@@ -5,8 +5,8 @@ inbox/rel ─claim─▶ inbox/.processing/<instance>/rel ─▶ done/<name> | d
 A result is durable (``files.results``) *before* the source moves: a kill at any instant leaves
 either no result (the file is processed again) or a complete one (which the rerun finds by its
 sha256 and does not redo). Every destination that is taken gets the next free variant of the
-name (``files.renames``), so no input ever replaces another. Longer than 300 lines because every
-move is here, so that the no-replace and durable-first rules can be checked in one place.
+name (``files.renames``), so no input ever replaces another. Every move is here, so that the
+no-replace and durable-first rules can be checked in one place.
 """
 
 from __future__ import annotations

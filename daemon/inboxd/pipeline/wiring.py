@@ -7,7 +7,7 @@ Shutdown goes in the same order: stop noticing and claiming, let what is already
 (``queue.join()``, then the stages behind it) for at most ``shutdown.grace_s``, cancel the rest
 with a reason, and hand every file still claimed back to the inbox, where it waits on disk.
 
-Longer than 300 lines because construction, the two modes and the ordered shutdown are read
+Construction, the two modes and the ordered shutdown live in one module because they are read
 together: the order things start in and the order they drain in are checked against each other.
 """
 

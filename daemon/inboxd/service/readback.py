@@ -87,8 +87,10 @@ def format_table(stats: dict[str, Any]) -> str:
     when = stats.get("TIME")
     lines = [f"inboxd stats ({stats.get('INSTANCE', '?')}"
              + (f", {when:%Y-%m-%d %H:%M:%S}" if isinstance(when, datetime) else "") + ")", ""]
-    lines.append("counters   " + "  ".join(f"{c.lower()} {num(stats.get(c, 0))}"
-                                          for c in COUNTERS))
+    counters = [f"{c.lower()} {num(stats.get(c, 0))}" for c in COUNTERS]
+    for start in range(0, len(counters), 6):  # six a line: a terminal's width
+        lines.append(("counters   " if not start else " " * 11)
+                     + "  ".join(counters[start:start + 6]))
     lines += ["", f"{'layer':<18}{'size':>8}{'capacity':>10}{'high-water':>12}"]
     for layer in layers_of(stats):
         lines.append(f"{layer.lower():<18}{num(stats.get(f'{layer}_SIZE', 0)):>8}"
