@@ -119,6 +119,8 @@ def test_a_retry_killed_half_way_loses_no_report(setup: tuple[Path, Config]) -> 
     assert json.loads(report.read_text())["source"] == "a.jpg" and not aside.exists()
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_with_a_live_daemon_a_fixed_file_gets_its_result_in_its_own_inbox(
         tmp_path: Path) -> None:
     """Two inboxes with a file of the same name failing in each: the one retried goes back to

@@ -412,6 +412,7 @@ def inboxd(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
+@pytest.mark.daemon
 def test_once_with_a_bad_model_exits_78_before_touching_any_file(
     tmp_path: Path, files: dict[str, Path]
 ) -> None:
@@ -473,6 +474,7 @@ def readme_examples() -> dict[str, tuple[list[str], list[str]]]:
 EXAMPLES = readme_examples()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("title", list(EXAMPLES))
 def test_readme_example_runs(title: str, tmp_path: Path, photos: dict[str, Path],
                              monkeypatch: pytest.MonkeyPatch) -> None:

@@ -117,6 +117,8 @@ def node_exporter(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         proc.wait(10)
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_textfile_via_node_exporter_and_http_during_a_flood(
         tmp_path: Path, node_exporter: tuple[str, Path]) -> None:
     exporter_url, textfile_dir = node_exporter
@@ -235,6 +237,8 @@ def test_bad_metrics_settings_say_what_to_write(metrics: dict[str, str], message
     assert message in str(caught.value) and "metrics." in str(caught.value)
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_a_listen_port_in_use_exits_78_and_says_what_to_do(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
