@@ -3,8 +3,8 @@ each writing its figures to ``--result`` as JSON with a ``status``: passed, skip
 reason), or failed (with the error). ``--dry-run`` runs the same code on the CPU with tiny
 sizes; where a stage needs the GPU itself, the dry run says what it stood in for.
 
-Longer than 300 lines because it holds all six stages of one script, each small and read
-against the issue's list (a-f), and splitting them would only scatter the sizes and verdicts.
+All six stages of one script are here, each small and read against the issue's list (a-f):
+split, they would only scatter the sizes and verdicts.
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,20 +22,10 @@ import pytest
 import yaml
 from PIL import Image
 
+from tests.waiting import wait_until as wait_until  # re-exported: what the tests import
+
 REPO = Path(__file__).resolve().parent.parent
 
-
-
-def wait_until(predicate: Callable[[], Any], timeout_s: float = 30, what: str = "",
-               every_s: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what or predicate}")
-        time.sleep(every_s)
 
 
 def run_interleaved(targets: list[Callable[[], None]]) -> None:

@@ -7,7 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from inboxd.config import DEFAULT_CONFIG_PATH, EX_CONFIG, ConfigError, load_config, parse_config
+from inboxd.config import DEFAULT_CONFIG_PATH, ConfigError, load_config, parse_config
+from inboxd.exit_codes import EX_CONFIG
+from inboxd.files.layout import processing_dir
 
 
 def test_embedded_default_is_valid_and_resolves_under_the_working_directory(
@@ -18,7 +20,7 @@ def test_embedded_default_is_valid_and_resolves_under_the_working_directory(
     assert config.inbox.paths == [tmp_path / "var" / "inbox"]
     assert config.results_dir == tmp_path / "var" / "results"
     assert config.capacity.queue == 1
-    assert config.processing_dir(config.inbox.paths[0]) == (
+    assert processing_dir(config, config.inbox.paths[0]) == (
         tmp_path / "var" / "inbox" / ".processing" / "default"
     )
 
@@ -58,6 +60,8 @@ def test_several_inboxes_need_distinct_folder_names() -> None:
         parse_config("inbox: {paths: [a/in, b/in]}", "x.yaml")
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["check-config", "run", "once"])
 def test_bad_config_exits_78_with_line_numbers(tmp_path: Path, command: str) -> None:
     bad = tmp_path / "bad.yaml"
@@ -69,6 +73,7 @@ def test_bad_config_exits_78_with_line_numbers(tmp_path: Path, command: str) -> 
     assert "line 3: surprise" in done.stderr
 
 
+@pytest.mark.daemon
 def test_missing_config_file_is_a_config_error(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "inboxd", "check-config", "-c",
                            str(tmp_path / "nope.yaml")], capture_output=True, text=True)
@@ -76,6 +81,7 @@ def test_missing_config_file_is_a_config_error(tmp_path: Path) -> None:
     assert "cannot read the config file" in done.stderr
 
 
+@pytest.mark.daemon
 def test_check_config_accepts_the_embedded_default() -> None:
     done = subprocess.run([sys.executable, "-m", "inboxd", "check-config"],
                           capture_output=True, text=True, timeout=60)

@@ -22,6 +22,7 @@ from tests.conftest import (
 )
 
 
+@pytest.mark.daemon
 def test_dropped_photo_gets_a_result_and_moves_to_done(tmp_path: Path, daemon_factory) -> None:
     config = write_config(tmp_path)
     daemon = daemon_factory(config)
@@ -53,6 +54,8 @@ def test_dropped_photo_gets_a_result_and_moves_to_done(tmp_path: Path, daemon_fa
     assert daemon.stop() == 0
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_bad_image_fails_alone_and_the_daemon_keeps_serving(tmp_path: Path, daemon_factory) -> None:
     config = write_config(tmp_path)
     daemon = daemon_factory(config)
@@ -74,6 +77,8 @@ def test_bad_image_fails_alone_and_the_daemon_keeps_serving(tmp_path: Path, daem
     assert daemon.stop() == 0
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_sigterm_drains_and_leaves_nothing_claimed(tmp_path: Path, daemon_factory) -> None:
     config = write_config(tmp_path, capacity={"queue": 2, "event_buffer": 8})
     inbox = tmp_path / "inbox"
@@ -91,6 +96,8 @@ def test_sigterm_drains_and_leaves_nothing_claimed(tmp_path: Path, daemon_factor
     assert "[stopped]" in daemon.output()
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_once_processes_the_backlog_and_reports_failures(tmp_path: Path) -> None:
     config = write_config(tmp_path, capacity={"event_buffer": 4})
     inbox = tmp_path / "inbox"
@@ -111,6 +118,7 @@ def test_once_processes_the_backlog_and_reports_failures(tmp_path: Path) -> None
     assert "0 completed, 0 failed" in again.stdout
 
 
+@pytest.mark.daemon
 def test_submit_copies_atomically_into_the_inbox(tmp_path: Path) -> None:
     config = write_config(tmp_path)
     source = make_image(tmp_path / "elsewhere" / "photo.png")
@@ -125,6 +133,8 @@ def test_submit_copies_atomically_into_the_inbox(tmp_path: Path) -> None:
         assert (tmp_path / "inbox" / name).read_bytes() == source.read_bytes()
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # its own wait allows 900 s: a slow shared machine is not a failure
 def test_flood_with_tiny_capacities_keeps_every_bound(tmp_path: Path, daemon_factory) -> None:
     """3,000 files against capacities of a few items: each file gets exactly one outcome, no

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.conftest import line_fields, write_config
 
 PROBE = """
@@ -46,6 +48,7 @@ def test_a_full_collection_no_longer_walks_the_start_up_heap() -> None:
     assert found["dropped_freed"] and found["cycle_collected"], found
 
 
+@pytest.mark.daemon
 def test_the_daemon_freezes_its_heap_before_it_is_ready(
         tmp_path: Path, daemon_factory: Callable[..., Any]) -> None:
     daemon = daemon_factory(write_config(tmp_path))

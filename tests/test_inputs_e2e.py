@@ -51,6 +51,8 @@ def stats_field(daemon: object, key: str) -> int | None:
     return None
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_every_format_under_the_default_config_and_folders_moved_in_at_once(
     tmp_path: Path, daemon_factory,
 ) -> None:
@@ -103,6 +105,8 @@ def test_every_format_under_the_default_config_and_folders_moved_in_at_once(
     assert daemon.stop() == 0
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_a_polled_inbox_is_watched_without_inotify(tmp_path: Path, daemon_factory) -> None:
     config = write_config(tmp_path, inbox={"poll": "always", "poll_interval_ms": 100,
                                            "rescan_interval_s": 3600})
@@ -118,6 +122,7 @@ def test_a_polled_inbox_is_watched_without_inotify(tmp_path: Path, daemon_factor
     assert daemon.stop() == 0
 
 
+@pytest.mark.daemon
 def test_submit_refuses_a_name_the_daemon_would_never_take(tmp_path: Path) -> None:
     config = write_config(tmp_path)
     notes = tmp_path / "notes.txt"

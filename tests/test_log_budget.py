@@ -141,6 +141,8 @@ def test_what_is_held_back_at_the_end_is_summarised_when_flushed(
     assert summary.inboxd_fields["SUPPRESSED_FAILED"] == 4  # type: ignore[attr-defined]
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_a_real_daemons_stderr_keeps_to_the_budget_and_accounts_for_every_file(
         tmp_path: Path) -> None:
     """3,000 tiny files through a null model: far more ``completed`` lines a second than the

@@ -1,7 +1,9 @@
 """The daemon's helper processes (decode workers, the commit process, the Ray bridge): each a
 fresh ``python -m inboxd.…`` interpreter, never a fork of the daemon (which has threads and
-torch), with the daemon's own inboxd on its path, talking ``wire`` frames over its stdin and
-stdout, and killed by the kernel when the daemon dies, however it dies.
+torch), with the daemon's own inboxd on its path, and killed by the kernel when the daemon dies,
+however it dies. The decode workers and the commit process talk ``inboxd.wire`` frames over
+their pipes; the Ray bridge's protocol is pickled over a ``multiprocessing.connection``
+socket instead (``models/engines/ray_bridge_child.py`` says what it sends).
 """
 
 from __future__ import annotations

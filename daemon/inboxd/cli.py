@@ -1,13 +1,4 @@
-"""``inboxd``: the command line.
-
-Exit statuses: 0 success; 1 ``once`` finished but some file failed; 2 usage; 70 (EX_SOFTWARE)
-a stage crashed; 75 (EX_TEMPFAIL) this instance name is already running on the inbox;
-76 (``EX_DEVICE``, ours) the GPU failed in a way that poisons this process's CUDA context
-(illegal address, Xid, ECC): the files in flight went back to the inbox and only a new process
-can use the device, so ``Restart=on-failure`` restarts it; 78 (EX_CONFIG) the configuration
-cannot work — systemd's ``RestartPreventExitStatus=78`` then stops instead of restarting into
-the same error.
-"""
+"""``inboxd``: the command line. Its exit statuses are declared in ``inboxd.exit_codes``."""
 
 from __future__ import annotations
 
@@ -22,12 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from inboxd import __version__, logs
-from inboxd.config import EX_CONFIG, Config, ConfigError
+from inboxd.config import Config, ConfigError
+from inboxd.exit_codes import EX_CONFIG, EX_TEMPFAIL, USAGE
 from inboxd.files.layout import load_checked_config
 from inboxd.files.lifecycle import InstanceBusy
 from inboxd.files.names import NameFilter
-
-EX_TEMPFAIL = 75
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.command:
         parser.print_help(sys.stderr)
-        return 2
+        return USAGE
     try:
         return int(COMMANDS[args.command](args))
     except ConfigError as exc:
@@ -213,7 +203,7 @@ def cmd_retry(args: argparse.Namespace) -> int:
     if not (args.paths or args.all or args.reason):
         print("inboxd retry: name the failed files (PATH…), or use --reason TEXT or --all",
               file=sys.stderr)
-        return 2
+        return USAGE
     config = read_config(args)
     if not args.dry_run:
         retry.put_back_stranded(config)

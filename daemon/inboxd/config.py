@@ -4,8 +4,8 @@ A bad file is reported with every problem at once, each with its YAML line and k
 process exits with ``EX_CONFIG`` (78) so that systemd's ``RestartPreventExitStatus=78`` stops a
 restart loop instead of hammering a config that cannot work.
 
-Longer than 300 lines because every key of the YAML lives here, next to its default, its unit
-and its check: reading this one file is reading the whole configuration surface.
+Every key of the YAML lives here, next to its default, its unit and its check: reading this one
+file is reading the whole configuration surface.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from pydantic import (
     model_validator,
 )
 
+# Re-exported for the code that has always imported it from here (inboxd.exit_codes has it).
+from inboxd.exit_codes import EX_CONFIG as EX_CONFIG
 from inboxd.logs import shown
 
-EX_CONFIG = 78
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "config" / "inboxd.yaml"
 
 Positive = Annotated[int, Field(gt=0)]
@@ -96,11 +97,11 @@ class PreprocessConfig(Section):
     # Checked on the opened file before a byte is read. 256 MiB holds max_image_pixels of
     # uncompressed 8-bit RGB; a JPEG header followed by gigabytes of junk is refused.
     max_file_mb: Positive = 256
-    # Address space a worker may add for one decode (RLIMIT_AS above its warmed-up size):
-    # measured peaks at max_image_pixels are ~390 MB for an RGB PNG and ~1.4 GB for an RGBA one.
+    # Address space a worker may add for one decode (RLIMIT_AS above its warmed-up size): room
+    # for an RGBA PNG of max_image_pixels, the largest legitimate decode (bench/RESULTS.md).
     decode_memory_mb: Positive = 1536
     # Hashing and decoding one file; past it the worker is killed and replaced, the file fails.
-    # The slowest legitimate decode measured (a max_image_pixels RGBA PNG, busy 2-core CPU) ~12 s.
+    # A few times the slowest legitimate decode (a max_image_pixels RGBA PNG on a busy CPU).
     decode_timeout_s: Annotated[float, Field(gt=0)] = 30
     # auto: with the model on a GPU, baseline JPEGs whose header passes a check on the CPU are
     # decoded there by nvJPEG, in the daemon's process; off: every byte in the sandboxed
@@ -114,7 +115,8 @@ Triple = tuple[float, float, float]
 
 class ModelInputConfig(Section):
     """How each image becomes the model's input tensor. Unset keys take the model's defaults
-    (torchvision and export: 256 bilinear, crop 224, ImageNet mean/std; built-in: DESIGN.md)."""
+    (torchvision and export: 256 bilinear, crop 224, ImageNet mean/std; built-in: 256 bicubic,
+    crop 224, mean/std 0.5, as ``inboxd.models.efficientnet_lite`` says)."""
 
     resize: Positive | None = None  # the shorter side is scaled to this many pixels ...
     interpolation: Interpolation | None = None
@@ -175,9 +177,7 @@ class RayConfig(Section):
     def _address(cls, address: str) -> str:
         if address == "auto":
             return address
-        rest = address.removeprefix("ray://")
-        host, sep, port = rest.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if split_host_port(address.removeprefix("ray://")) is None:
             raise ValueError("give auto, HOST:PORT of the head (what `ray start --head` "
                              "printed, e.g. 10.0.0.5:6379) or ray://HOST:10001")
         return address
@@ -294,9 +294,22 @@ class ModelConfig(Section):
 
 def _absolute(path: Path | None) -> Path | None:
     """Model files resolve against the working directory, like every other path here."""
-    if path is None:
+    return None if path is None else resolve_path(path, Path.cwd())
+
+
+def resolve_path(path: Path, base: Path) -> Path:
+    """Every path of the config, made absolute: ``~`` expanded, relative to ``base`` (the
+    working directory at load), normalised without touching the disk (links stay links)."""
+    return Path(os.path.normpath(base / path.expanduser()))
+
+
+def split_host_port(text: str) -> tuple[str, int] | None:
+    """``HOST:PORT`` (``[::1]:9464`` for IPv6) as (host without brackets, port); None unless
+    both parts are there and the port is 1-65535."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         return None
-    return Path(os.path.normpath(Path.cwd() / path.expanduser()))
+    return host.strip("[]"), int(port)
 
 
 class RetryPolicyConfig(Section):
@@ -339,36 +352,14 @@ class MetricsConfig(Section):
     @field_validator("listen")
     @classmethod
     def _host_port(cls, listen: str | None) -> str | None:
-        if listen is None:
-            return None
-        if listen.startswith("unix:"):
-            if not listen.startswith("unix:/"):
-                raise ValueError("give an absolute socket path: unix:/var/lib/inboxd/metrics.sock")
+        if listen is None or listen.startswith("unix:/"):
             return listen
-        host, sep, port = listen.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if listen.startswith("unix:"):
+            raise ValueError("give an absolute socket path: unix:/var/lib/inboxd/metrics.sock")
+        if split_host_port(listen) is None:
             raise ValueError("give HOST:PORT, e.g. 127.0.0.1:9464 (or [::1]:9464), or "
                              "unix:/PATH")
         return listen
-
-
-# Defaults that depend on where the model runs, for the keys the YAML leaves unset (a key it
-# sets always wins): the CPU keeps the defaults above; a GPU, thousands of images/s, needs
-# decoders on every core but two (the event loop and the model thread), batches of 64 and room
-# to queue for them: a queue slot per decoder and then some, two batches of decoded crops.
-# Chosen by arithmetic, not yet measured by `make bench-sweep` on a GPU.
-DeviceProfile = Literal["cpu", "gpu"]
-
-
-def device_defaults(profile: DeviceProfile, cores: int,
-                    workers: int | None = None) -> dict[str, dict[str, int]]:
-    """``workers``: the YAML's own preprocess.workers, which the queue is then sized for."""
-    if profile == "cpu":
-        return {}
-    workers = workers or max(2, cores - 2)
-    return {"preprocess": {"workers": workers}, "batch": {"max_size": 64},
-            "capacity": {"queue": 2 * workers, "preprocess_cache": 128,
-                         "preprocess_cache_mb": 1024}}
 
 
 class ShutdownConfig(Section):
@@ -406,7 +397,7 @@ class Config(Section):
         """Relative paths resolve against ``base`` (the working directory), once, at load."""
 
         def absolute(path: Path) -> Path:
-            return Path(os.path.normpath(base / path.expanduser()))
+            return resolve_path(path, base)
 
         inbox = self.inbox.model_copy(update={"paths": [absolute(p) for p in self.inbox.paths]})
         textfile = self.metrics.textfile
@@ -422,34 +413,10 @@ class Config(Section):
             }
         )
 
-    def for_device(self, profile: DeviceProfile, cores: int, max_batch: int | None = None
-                   ) -> tuple[Config, dict[str, int]]:
-        """This config with ``profile``'s defaults in every key the YAML left unset, and those
-        keys ("batch.max_size": 64, ...). ``max_batch``: the model's own bound, if it has one."""
-        sections: dict[str, Any] = {}
-        applied: dict[str, int] = {}
-        workers = (self.preprocess.workers if "workers" in self.preprocess.model_fields_set
-                   else None)
-        for name, values in device_defaults(profile, cores, workers).items():
-            section: Section = getattr(self, name)
-            unset = {key: value for key, value in values.items()
-                     if key not in section.model_fields_set}
-            if name == "batch" and max_batch is not None and "max_size" in unset:
-                unset["max_size"] = min(unset["max_size"], max_batch)
-            if unset:
-                sections[name] = section.model_copy(update=unset)
-                applied.update({f"{name}.{key}": value for key, value in unset.items()})
-        return self.model_copy(update=sections), applied
-
     def key_for(self, inbox: Path, rel: str) -> str:
         """The name a file's outcome is filed under: its path in the inbox, prefixed with the
         inbox's folder name when there are several inboxes."""
         return f"{inbox.name}/{rel}" if len(self.inbox.paths) > 1 else rel
-
-    def processing_dir(self, inbox: Path) -> Path:
-        """Claimed files live inside their inbox (same filesystem, so the claim is one rename),
-        under a hidden name the watcher ignores, one folder per instance."""
-        return inbox / ".processing" / self.instance
 
 
 class ConfigError(Exception):

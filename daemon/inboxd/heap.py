@@ -1,19 +1,17 @@
 """Keep the garbage collector's full collections short: freeze what start-up left.
 
 A full collection (generation 2) walks every container object the process has, with the GIL
-held, so no thread of the process runs Python meanwhile. torch, numpy and the model leave about
-350,000 such objects in the daemon, and they live as long as it does. Measured 12-02 (null
-model, floods of 4,000 tiny JPEGs): a full collection took 150-200 ms and came once every
-12,000-32,000 files; no result was filed meanwhile (a 166 ms gap between two ``completed``
-records, where the longest gap otherwise was 38 ms), and the flood that held it ran 10-15%
-slower than the others. The commit process's took 13-20 ms, in the middle of a group commit.
+held, so no thread of the process runs Python meanwhile. torch, numpy and the model leave
+hundreds of thousands of such objects in the daemon, and they live as long as it does: each full
+collection then stalls every result for a visible pause under a flood (bench/RESULTS.md, "Full
+garbage collections"), in the commit process too.
 
 ``gc.freeze()`` moves every object there is to a permanent generation that no collection walks;
-later collections walk only what was made after (measured: 1-2 ms for a full one). What the
+later collections walk only what was made after. What the
 frozen objects hold is still freed when its reference count drops to zero. What is never
 freed is a reference cycle among frozen objects that becomes garbage later (a configuration a
 reload replaces, say): at most what start-up built, never anything per file. The collection
-just before the freeze takes the cycles start-up left (about 200 ms, once, before ``READY=1``).
+just before the freeze takes the cycles start-up left (once, before ``READY=1``).
 """
 
 from __future__ import annotations

@@ -13,11 +13,48 @@ import numpy.typing as npt
 
 
 class PermanentError(Exception):
-    """The input itself is bad (not an image, truncated, too large): retrying cannot help."""
+    """The input itself is bad (not an image, truncated, too large): retrying cannot help.
+
+    ``reason_class`` is the failure's coarse class (``inboxd.stats.REASON_CLASSES``: the
+    metrics label and ``.error.json``'s field), declared by each class, never read from text."""
+
+    reason_class = "decode"
+
+
+class RefusedError(PermanentError):
+    """Not a file inboxd reads at all: a link, a FIFO, a folder, a name outside the inbox."""
+
+    reason_class = "refused"
+
+
+class TooLargeError(PermanentError):
+    """Over a bound checked before the work: file bytes, decoded pixels, decode memory."""
+
+    reason_class = "too_large"
+
+
+class ModelError(PermanentError):
+    """The model failed on this input (or gave no usable output for it)."""
+
+    reason_class = "model"
 
 
 class TransientError(Exception):
-    """Something around the input failed (disk full, file locked, CUDA OOM): try again later."""
+    """Something around the input failed (disk full, file locked, CUDA OOM): try again later.
+    Out of attempts, it is an ``io`` failure."""
+
+    reason_class = "io"
+
+
+PERMANENT_BY_CLASS: dict[str, type[PermanentError]] = {
+    error.reason_class: error for error in (PermanentError, RefusedError, TooLargeError,
+                                            ModelError)}
+
+
+def permanent(reason_class: str, message: str) -> PermanentError:
+    """The permanent error of a declared class, rebuilt from its class name (a decode worker's
+    reply, a replica's outcome carry the name, not the object)."""
+    return PERMANENT_BY_CLASS.get(reason_class, PermanentError)(message)
 
 
 @dataclass(slots=True)
@@ -86,15 +123,18 @@ class WorkItem:
         return os.path.join(self.inbox, self.rel)
 
     def timings_ms(self, now_s: float) -> dict[str, float]:
-        def ms(start: float, end: float) -> float:
-            return round(max(0.0, end - start) * 1000, 3)
+        """Per-stage milliseconds, each rounded once to the microsecond, as the stats record's:
+        ``batch_wait`` is decoded → answered less the model call itself."""
+        def ms(seconds: float) -> float:
+            return round(max(0.0, seconds) * 1000, 3)
 
+        inference_s = self.inference_ms / 1000
         return {
-            "queue_wait": ms(self.enqueued_s, self.dequeued_s),
-            "preprocess": ms(self.dequeued_s, self.preprocessed_s),
-            "batch_wait": ms(self.preprocessed_s, self.inferred_s) - round(self.inference_ms, 3),
-            "inference": round(self.inference_ms, 3),
-            "total": ms(self.noticed_s, now_s),
+            "queue_wait": ms(self.dequeued_s - self.enqueued_s),
+            "preprocess": ms(self.preprocessed_s - self.dequeued_s),
+            "batch_wait": ms(self.inferred_s - self.preprocessed_s - inference_s),
+            "inference": ms(inference_s),
+            "total": ms(now_s - self.noticed_s),
         }
 
     def reset_for_retry(self) -> None:

@@ -10,9 +10,8 @@ errors and the summaries below (one per 5 s). 100 lines a second is more than an
 stats record carries the exact counts anyway.
 
 The same budget holds on stderr: a terminal reads no more than the journal does. And it is
-checked before a record is made: measured 12-03, a ``completed`` record costs 27 us of CPU
-written to a pipe, 10 us made and then dropped by a handler, 1 us held back here; under the
-pipeline-overhead bench's flood the daemon's CPU per file fell by a tenth with it.
+checked before a record is made: a record made and then dropped by a handler still costs most
+of what writing it would, one held back here almost nothing (bench/RESULTS.md).
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
-from inboxd.item import PermanentError, TransientError
+from inboxd.item import PermanentError
 
 # Percentiles are taken over the most recent samples only, so this window never grows.
 SAMPLE_WINDOW = 2048
@@ -79,28 +79,166 @@ class Counters:
     taken_over: int = 0
 
 
-# Why a file failed, coarsely: the metrics label. An exception may name its own class with a
-# ``reason_class`` attribute; otherwise classify_failure() decides from its type and message.
+# Why a file failed, coarsely: the metrics label. Each exception class declares its own
+# (``reason_class``, inboxd.item); classify_failure() reads it.
 REASON_CLASSES = ("decode", "too_large", "io", "model", "refused", "other")
+# Raised in modules another change owns right now (decode/pillow.py: a decompression bomb, an
+# image over max_image_pixels; models/engines/local.py: the model failing on one input) as a plain
+# PermanentError: their class until those raise TooLargeError / ModelError.
+_UNDECLARED = (("decompression bomb", "too_large"), ("the model failed", "model"))
 
 
 def classify_failure(exc: BaseException) -> str:
     """The reason class of the exception that made a file fail (one of REASON_CLASSES)."""
     declared = getattr(exc, "reason_class", None)
+    if type(exc) is PermanentError:
+        text = str(exc).lower()
+        declared = next((cls for words, cls in _UNDECLARED if words in text), declared)
     if declared in REASON_CLASSES:
         return str(declared)
-    text = str(exc).lower()
-    if text.startswith(("refused", "not a regular file")):
-        return "refused"
-    if "decompression bomb" in text or "too large" in text or "larger than" in text:
-        return "too_large"
-    if "the model failed" in text:
-        return "model"
-    if isinstance(exc, (OSError, TransientError)):
-        return "io"  # transient errors that used up every attempt
-    if isinstance(exc, PermanentError):
-        return "decode"
+    if isinstance(exc, OSError):
+        return "io"
     return "other"
+
+
+# -- the stats record's fields, declared once ---------------------------------------------------
+# The journal record (Stats.snapshot and the pipeline's additions), the Prometheus exporter
+# (service.metrics) and ``inboxd stats`` (service.readback) are all derived from FIELDS; a test
+# builds a full record and checks that every field in it is declared, exported and read back.
+
+Kind = Literal["counter", "gauge", "histogram", "journal"]
+
+
+@dataclass(frozen=True)
+class StatsField:
+    """One figure of the ``stats`` record. ``metric``: the Prometheus family it is exported as
+    (counters without ``_total``; a histogram's percentiles all name their histogram), or None
+    for a figure only the journal has (``help`` then says why). ``scale``: record value ×
+    scale = the metric's value (milliseconds to the seconds Prometheus wants)."""
+
+    name: str
+    kind: Kind
+    unit: str
+    group: str  # where ``inboxd stats`` shows it: counters, layer, timing, memory, cuda, ray
+    help: str
+    metric: str | None
+    scale: float = 1.0
+
+
+def _counter(name: str, help_text: str) -> StatsField:
+    return StatsField(name.upper(), "counter", "files", "counters", help_text, f"inboxd_{name}")
+
+
+COUNTER_FIELDS = (
+    _counter("accepted", "Paths noticed and admitted to the event buffer."),
+    _counter("enqueued", "Claimed files whose queue.put() returned."),
+    _counter("completed", "Files whose result is durable (duplicates included)."),
+    # Exported by reason class (inboxd_failed_total{reason_class}); their sum is FAILED.
+    _counter("failed", "Files moved to failed/, by reason class."),
+    _counter("retried", "Transient failures put on the retry list for another attempt."),
+    _counter("deferred", "Paths noticed while the event buffer was full (left on disk)."),
+    _counter("released", "Claimed files handed back to the inbox (retry list full, shutdown)."),
+    _counter("duplicates", "Files finished without inference: same name and sha256 as a "
+             "result."),
+    _counter("ignored", "Paths not taken: admitted but not claimed (gone, a folder, done), or "
+             "a name never taken (logged once)."),
+    _counter("ignored_names", "Names never taken (no include pattern, hidden, format not "
+             "decoded here), each logged once with what to do; part of ignored."),
+    _counter("taken_over", "Files a dead instance had claimed, returned to the inbox by this "
+             "one."),
+)
+# Per layer: the record's field is <LAYER>_<name>, the metric carries the layer as a label.
+LAYER_FIELDS = (
+    StatsField("SIZE", "gauge", "items", "layer", "Items in each bounded layer now.",
+               "inboxd_layer_items"),
+    StatsField("CAPACITY", "gauge", "items", "layer",
+               "Each bounded layer's capacity (from the config).", "inboxd_layer_capacity_items"),
+    StatsField("HIGH_WATER", "gauge", "items", "layer",
+               "The most items each layer has held since start.", "inboxd_layer_high_water_items"),
+)
+MS = 0.001
+OTHER_FIELDS = (
+    StatsField("PREPROCESS_CACHE_BYTES", "gauge", "bytes", "memory",
+               "Bytes of decoded images in the preprocess cache.",
+               "inboxd_preprocess_cache_bytes"),
+    StatsField("PREPROCESS_CACHE_CAPACITY_BYTES", "gauge", "bytes", "memory",
+               "The preprocess cache's byte bound (capacity.preprocess_cache_mb).",
+               "inboxd_preprocess_cache_capacity_bytes"),
+    StatsField("PREPROCESS_CACHE_HIGH_WATER_BYTES", "gauge", "bytes", "memory",
+               "The most bytes the preprocess cache has held since start.",
+               "inboxd_preprocess_cache_high_water_bytes"),
+    StatsField("PUT_WAIT_MS_P50", "histogram", "ms", "timing",
+               "How long queue.put() waited for room.", "inboxd_put_wait_seconds", MS),
+    StatsField("PUT_WAIT_MS_P99", "histogram", "ms", "timing",
+               "How long queue.put() waited for room.", "inboxd_put_wait_seconds", MS),
+    StatsField("PUT_WAIT_MS_MAX", "histogram", "ms", "timing",
+               "How long queue.put() waited for room.", "inboxd_put_wait_seconds", MS),
+    StatsField("LATENCY_MS_P50", "histogram", "ms", "timing",
+               "From noticing a file to its durable result.", "inboxd_latency_seconds", MS),
+    StatsField("LATENCY_MS_P99", "histogram", "ms", "timing",
+               "From noticing a file to its durable result.", "inboxd_latency_seconds", MS),
+    StatsField("BATCH_SIZE_P50", "histogram", "images", "timing", "Images per model call.",
+               "inboxd_batch_size"),
+    StatsField("FILES_PER_S", "gauge", "files/s", "timing",
+               "Files completed per second since the last stats record.",
+               "inboxd_files_per_second"),
+    StatsField("UPTIME_S", "gauge", "s", "timing", "Seconds since the daemon started.",
+               "inboxd_uptime_seconds"),
+    StatsField("MODEL_UNAVAILABLE_S", "gauge", "s", "timing",
+               "Seconds the model has been unreachable (0 while it answers).",
+               "inboxd_model_unavailable_seconds"),
+    StatsField("RSS_BYTES", "gauge", "bytes", "memory", "Resident set size of the daemon.",
+               "inboxd_rss_bytes"),
+    # On a GPU only (models.memory), as of the last stats record: reading them resets the peak.
+    StatsField("CUDA_ALLOCATED_BYTES", "gauge", "bytes", "cuda",
+               "torch.cuda.memory_allocated(): what live tensors use.",
+               "inboxd_cuda_allocated_bytes"),
+    StatsField("CUDA_RESERVED_BYTES", "gauge", "bytes", "cuda",
+               "torch.cuda.memory_reserved(): what the caching allocator holds.",
+               "inboxd_cuda_reserved_bytes"),
+    StatsField("CUDA_PEAK_ALLOCATED_BYTES", "gauge", "bytes", "cuda",
+               "torch.cuda.max_memory_allocated() since the stats record before.",
+               "inboxd_cuda_max_allocated_bytes"),
+    StatsField("CUDA_FREE_BYTES", "gauge", "bytes", "cuda",
+               "The device's free memory (torch.cuda.mem_get_info).", "inboxd_cuda_free_bytes"),
+    StatsField("CUDA_TOTAL_BYTES", "gauge", "bytes", "cuda",
+               "The device's total memory (torch.cuda.mem_get_info).",
+               "inboxd_cuda_total_bytes"),
+    StatsField("CUDA_ALLOC_RETRIES", "counter", "retries", "cuda",
+               "Times the caching allocator freed its cache to satisfy a request.",
+               "inboxd_cuda_alloc_retries"),
+    StatsField("CUDA_OOMS", "counter", "errors", "cuda",
+               "CUDA out-of-memory errors the allocator raised.", "inboxd_cuda_ooms"),
+    StatsField("CUDA_PINNED_HOST_BYTES", "gauge", "bytes", "cuda",
+               "Pinned host memory allocated for copies to the device.",
+               "inboxd_cuda_pinned_host_bytes"),
+    # engine: ray only (models.ray_engine.stats_fields).
+    StatsField("RAY_CONNECTED", "gauge", "bool", "ray",
+               "1 while the Ray cluster is connected.", "inboxd_ray_connected"),
+    StatsField("RAY_CONNECTS", "counter", "connections", "ray",
+               "Connections made to the Ray cluster (reconnections included).",
+               "inboxd_ray_connects"),
+    StatsField("RAY_LOST_BATCHES", "counter", "batches", "ray",
+               "Batches lost on the cluster (a replica or node died) and retried.",
+               "inboxd_ray_lost_batches"),
+    StatsField("RAY_REPLICA_LATENCY_MS", "journal", "ms", "ray",
+               "Per replica p50/p95 as JSON: journal only, since replica names change with "
+               "every restart (a label per name would grow without bound); "
+               "inboxd_inference_seconds covers the latency.", None),
+)
+FIELDS: dict[str, StatsField] = {f.name: f for f in (*COUNTER_FIELDS, *OTHER_FIELDS)}
+
+
+def declared(name: str) -> tuple[StatsField, str | None] | None:
+    """The declaration of record field ``name``, and the layer it belongs to (lowercase) when
+    it is one of a layer's fields; None for a name the record must not carry."""
+    if name in FIELDS:
+        return FIELDS[name], None
+    for field_ in LAYER_FIELDS:
+        layer = name.removesuffix(f"_{field_.name}")
+        if layer != name and layer and layer not in FIELDS:
+            return field_, layer.lower()
+    return None
 
 
 class Stats:
@@ -117,6 +255,7 @@ class Stats:
         self._last_completed = 0
         self._last_s = self.started_s
         self.memory_probe: Callable[[], dict[str, int]] = lambda: {}
+        self.last_memory: dict[str, int] = {}  # the probe's reading at the last record
 
     def register(self, *layers: Layer) -> None:
         self.layers.extend(layers)
@@ -126,13 +265,15 @@ class Stats:
         elapsed = max(self.clock() - self._last_s, 1e-9)
         return (self.counters.completed - self._last_completed) / elapsed
 
-    def snapshot(self) -> dict[str, Any]:
-        """Every figure of the ``stats`` record, as uppercase journal field names."""
+    def snapshot(self, reset: bool = True) -> dict[str, Any]:
+        """Every figure of the ``stats`` record, as uppercase journal field names (declared in
+        FIELDS). ``reset``: this is a record, which starts the next interval (files/s, the CUDA
+        peak); a scrape passes False and sees the memory figures of the last record."""
         now = self.clock()
-        done = self.counters.completed
-        elapsed = max(now - self._last_s, 1e-9)
-        files_per_s = (done - self._last_completed) / elapsed
-        self._last_completed, self._last_s = done, now
+        files_per_s = self.recent_files_per_s()
+        if reset:
+            self._last_completed, self._last_s = self.counters.completed, now
+            self.last_memory = self.memory_probe()
         fields: dict[str, Any] = {k.upper(): v for k, v in vars(self.counters).items()}
         for layer in self.layers:
             prefix = layer.name.upper()
@@ -150,7 +291,7 @@ class Stats:
             UPTIME_S=round(now - self.started_s, 3),
             RSS_BYTES=rss_bytes(),
         )
-        fields.update(self.memory_probe())
+        fields.update(self.last_memory)
         return fields
 
 

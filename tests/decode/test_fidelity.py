@@ -54,6 +54,7 @@ def model() -> Model:
     return load_model(ModelConfig(device="cpu"))
 
 
+@pytest.mark.slow
 def test_top5_and_scores_match_torchvisions_transforms(model: Model) -> None:
     spec = model.spec
     reference = transforms.Compose([

@@ -25,6 +25,7 @@ SPEC = PreprocessSpec(resize=16, crop=16, interpolation="bilinear", mean=(0.5,) 
                       std=(0.5,) * 3)
 
 
+@pytest.mark.daemon
 def test_check_config_lists_what_this_build_decodes(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "inboxd", "check-config", "-c",
                           str(write_config(tmp_path))], capture_output=True, text=True,

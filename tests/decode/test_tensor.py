@@ -47,6 +47,7 @@ def tensor_crops(datas: list[bytes], model: Model) -> list[torch.Tensor | Decode
     return decode_batch(datas, headers, model.spec, CPU)
 
 
+@pytest.mark.slow
 def test_tensor_path_matches_the_pillow_path_on_real_photos(model: Model) -> None:
     photos = photo_paths()
     datas = {name: photo_jpeg(name, size, seed)

@@ -31,9 +31,10 @@ from inboxd.files.commits import (
     request_frame,
 )
 from inboxd.files.durable import COMMIT_PAUSE_ENV
+from inboxd.files.layout import processing_dir
 from inboxd.files.lifecycle import InstanceBusy, Lifecycle
 
-from tests.conftest import write_config
+from tests.conftest import wait_until, write_config
 from tests.fakes import InProcess
 
 ODD_NAME = os.fsdecode(b"caf\xe9 \xff.jpg")  # not UTF-8: kept as surrogate escapes
@@ -112,7 +113,7 @@ def test_the_commit_process_files_and_moves_as_the_daemon_would(
         f"b.{token}.jpg")
     assert (done / f"b.{token}.jpg").read_bytes() == b"two"
     assert (done / ODD_NAME).read_bytes() == b"one"
-    assert not list(Path(lifecycle.config.processing_dir(tmp_path / "inbox")).iterdir())
+    assert not list(Path(processing_dir(lifecycle.config, tmp_path / "inbox")).iterdir())
     # The same bytes under the same name again: found filed, not filed twice.
     again = process.send([claimed(lifecycle, "b.jpg", b"two")]).result()
     assert again.filed == [(f"b.{token}.jpg", True)] and again.moves == [None]
@@ -296,17 +297,12 @@ def test_the_commit_process_dies_with_the_daemon_even_mid_commit(tmp_path: Path)
                               env={**os.environ, COMMIT_PAUSE_ENV: "30000"})
     assert daemon.stdout is not None
     pid = int(daemon.stdout.readline())
-    processing = Path(load_config(config).processing_dir(tmp_path / "inbox"))
-    deadline = time.monotonic() + 10
-    while not list((tmp_path / "results" / ".tmp").rglob("*.tmp")):  # inside the commit
-        assert time.monotonic() < deadline, "the commit never started"
-        time.sleep(0.02)
+    processing = Path(processing_dir(load_config(config), tmp_path / "inbox"))
+    wait_until(lambda: list((tmp_path / "results" / ".tmp").rglob("*.tmp")), 10,
+               "the commit to start")  # inside the commit
     daemon.kill()
     daemon.wait()
-    deadline = time.monotonic() + 5
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(pid)
+    wait_until(lambda: not _alive(pid), 5, "the commit process to die with the daemon")
     assert (processing / "a.jpg").read_bytes() == b"data"
     assert not (tmp_path / "done" / "a.jpg").exists()
     lifecycle = Lifecycle(load_config(config))

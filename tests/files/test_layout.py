@@ -48,6 +48,8 @@ def test_an_inbox_that_is_a_file_and_patterns_that_never_match(tmp_path: Path) -
     assert "include[0]" not in said
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_check_config_and_start_up_refuse_with_78_and_touch_nothing(tmp_path: Path) -> None:
     """The `instance: ..` config once made start-up empty results/ and failed/."""
     config = write_config(tmp_path, instance="..")

@@ -14,6 +14,7 @@ import pytest
 from inboxd.config import load_config
 from inboxd.files import results as results_module
 from inboxd.files.durable import move
+from inboxd.files.layout import processing_dir
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.results import ResultEntry
 from inboxd.files.safe_paths import LinkedFolder
@@ -42,7 +43,7 @@ def test_a_second_file_of_a_name_in_flight_is_claimed_beside_it(tmp_path: Path) 
     assert first is not None and second is not None and first != second
     assert isinstance(first, str)  # per-file paths are strs: pathlib interns every name
     assert Path(first).read_bytes() == b"first" and Path(second).read_bytes() == b"second"
-    assert Path(first).parent == Path(second).parent == lifecycle.config.processing_dir(inbox)
+    assert Path(first).parent == Path(second).parent == processing_dir(lifecycle.config, inbox)
 
 
 def test_nothing_is_claimed_through_a_linked_folder(tmp_path: Path) -> None:

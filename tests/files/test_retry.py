@@ -13,6 +13,7 @@ import pytest
 from inboxd.cli import main
 from inboxd.config import Config, load_config
 from inboxd.files import retry_failed as retry_mod
+from inboxd.files.layout import processing_dir
 from inboxd.files.lifecycle import Lifecycle
 
 from tests.conftest import DaemonProcess, drop, make_image, wait_until, write_config
@@ -24,7 +25,7 @@ def fail(config: Config, rel: str, data: bytes, reason: str, reason_class: str,
     next to its report (the fields of pipeline/outcomes.py)."""
     inbox = inbox or config.inbox.paths[0]
     key = f"{inbox.name}/{rel}" if len(config.inbox.paths) > 1 else rel
-    claimed = config.processing_dir(inbox) / rel
+    claimed = processing_dir(config, inbox) / rel
     claimed.parent.mkdir(parents=True, exist_ok=True)
     claimed.write_bytes(data)
     report = {"source": key, "inbox": str(inbox), "rel": rel, "reason": reason,
@@ -118,6 +119,8 @@ def test_a_retry_killed_half_way_loses_no_report(setup: tuple[Path, Config]) -> 
     assert json.loads(report.read_text())["source"] == "a.jpg" and not aside.exists()
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_with_a_live_daemon_a_fixed_file_gets_its_result_in_its_own_inbox(
         tmp_path: Path) -> None:
     """Two inboxes with a file of the same name failing in each: the one retried goes back to
@@ -137,7 +140,10 @@ def test_with_a_live_daemon_a_fixed_file_gets_its_result_in_its_own_inbox(
             junk.write_bytes(b"not a jpeg " + inbox.name.encode())
             drop(junk, inbox)
         failed = tmp_path / "failed"
-        wait_until(lambda: len(list(failed.rglob("*.error.json"))) == 2, 60, "two failures")
+        # The [failed] records come once each source is in failed/ too (its .error.json is
+        # written first): replacing the file before that raced the daemon's move of it.
+        daemon.wait_for("failed", 60, count=2)
+        assert len(list(failed.rglob("*.error.json"))) == 2
         report = json.loads((failed / "scans" / "a.jpg.error.json").read_text())
         assert (report["inbox"], report["rel"], report["reason_class"]) == (
             str(scans), "a.jpg", "decode")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from tests.conftest import drop, make_image, read_json, wait_until, write_config
+from tests.conftest import drop, last_stats, make_image, read_json, wait_until, write_config
 
 
 def sha(data: bytes) -> str:
@@ -35,6 +35,8 @@ def done_and_results(root: Path) -> dict[str, str]:
     return found
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_a_name_reused_while_in_flight_keeps_every_input(tmp_path: Path, daemon_factory) -> None:
     """A scanner that always writes scan.png: each drop lands while the last may still be in
     flight. Every drop's bytes end in done/ under a name whose result is its own."""
@@ -56,6 +58,8 @@ def test_a_name_reused_while_in_flight_keeps_every_input(tmp_path: Path, daemon_
     assert daemon.stop() == 0
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_a_linked_folder_in_the_inbox_is_never_followed(tmp_path: Path, daemon_factory) -> None:
     config = write_config(tmp_path, inbox={"settle_ms": 0})
     elsewhere = tmp_path / "alice"
@@ -70,12 +74,18 @@ def test_a_linked_folder_in_the_inbox_is_never_followed(tmp_path: Path, daemon_f
     # (and had the chance to mishandle) what happened behind the link.
     drop(make_image(tmp_path / "src" / "own.png"), tmp_path / "inbox")
     wait_until((tmp_path / "done" / "own.png").exists, 60, "the inbox's own file")
-    time.sleep(1.0)
+    # Two stats records later (interval 1 s), with nothing left in the event buffer or the
+    # queue: whatever the watcher made of the change behind the link has been acted on.
+    records = len(daemon.records("stats"))
+    stats = last_stats(daemon.wait_for("stats", 30, count=records + 2))
+    assert (stats["EVENT_BUFFER_SIZE"], stats["QUEUE_SIZE"]) == ("0", "0"), stats
     assert sorted(p.name for p in elsewhere.iterdir()) == ["after.png", "before.png"]
     assert not (tmp_path / "results" / "photos").exists()
     assert daemon.stop() == 0
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 @pytest.mark.parametrize("pause_s", [0.5, 2.0])
 def test_a_writer_pausing_longer_than_settle_ms_gets_its_whole_file(
         tmp_path: Path, daemon_factory, pause_s: float) -> None:
@@ -99,6 +109,8 @@ def test_a_writer_pausing_longer_than_settle_ms_gets_its_whole_file(
     assert daemon.stop() == 0
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_a_writer_that_pauses_past_settle_ms_gets_the_result_of_its_whole_file(
         tmp_path: Path, daemon_factory) -> None:
     """The file is claimed during the pause, and what is there by then is a complete image:
@@ -125,6 +137,8 @@ def test_a_writer_that_pauses_past_settle_ms_gets_the_result_of_its_whole_file(
     assert daemon.stop() == 0
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_a_broken_lease_does_not_kill_the_daemon(tmp_path: Path, daemon_factory) -> None:
     """A lease broken by a writer's open is signalled with SIGIO, which kills by default: an
     uploader opening its file in a loop could otherwise stop the daemon (see
@@ -137,6 +151,8 @@ def test_a_broken_lease_does_not_kill_the_daemon(tmp_path: Path, daemon_factory)
     assert daemon.stop() == 0
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_ctrl_c_stops_once_like_run(tmp_path: Path) -> None:
     """``once`` had no signal handling: Ctrl-C left files hidden in .processing/."""
     config = write_config(tmp_path, inbox={"settle_ms": 0}, batch={"max_size": 1},

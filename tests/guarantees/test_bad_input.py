@@ -83,6 +83,8 @@ def _png(image: Image.Image) -> bytes:
     return data.getvalue()
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_every_awkward_input_gets_one_clear_outcome(tmp_path: Path) -> None:
     config = write_config(tmp_path, inbox={
         "include": ["*.jpg", "*.jpeg", "*.png", "*.webp", "*.gif"], "settle_ms": 0,
@@ -159,6 +161,8 @@ def test_a_file_without_read_permission_is_a_transient_error(tmp_path: Path) -> 
     assert out.get(timeout=5) == "transient: cannot open the file: Permission denied"
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_a_slowly_written_file_is_taken_only_when_complete(tmp_path: Path, daemon_factory) -> None:
     config = write_config(tmp_path, inbox={"settle_ms": 400})
     daemon = daemon_factory(config)
@@ -177,6 +181,8 @@ def test_a_slowly_written_file_is_taken_only_when_complete(tmp_path: Path, daemo
     assert daemon.stop() == 0
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_the_same_file_dropped_twice_keeps_one_result(tmp_path: Path, daemon_factory) -> None:
     config = write_config(tmp_path)
     daemon = daemon_factory(config)

@@ -101,6 +101,8 @@ def commit_soak(tmp_path: Path, files: int, kills: int, seed: int) -> dict[str, 
     return figures
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigkill_inside_group_commits_loses_nothing_short(tmp_path: Path) -> None:
     seed = int(os.environ.get("INBOXD_SOAK_SEED", "20261201"))
@@ -109,6 +111,7 @@ def test_sigkill_inside_group_commits_loses_nothing_short(tmp_path: Path) -> Non
     assert figures["kills_with_temps"] >= 1, figures
 
 
+@pytest.mark.daemon
 @pytest.mark.soak
 @pytest.mark.timeout(3600)
 def test_sigkill_inside_group_commits_loses_nothing_long(tmp_path: Path) -> None:

@@ -83,6 +83,8 @@ def check_outcomes(root: Path, expected: dict[str, str]) -> dict[str, int]:
             "lost": 0, "duplicates": 0}
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sigkill_at_random_moments_loses_nothing_short(tmp_path: Path) -> None:
     seed = int(os.environ.get("INBOXD_SOAK_SEED", "20261130"))
@@ -90,6 +92,7 @@ def test_sigkill_at_random_moments_loses_nothing_short(tmp_path: Path) -> None:
     assert figures["completed"] == 200, figures
 
 
+@pytest.mark.daemon
 @pytest.mark.soak
 @pytest.mark.timeout(3600)
 def test_sigkill_at_random_moments_loses_nothing_long(tmp_path: Path) -> None:

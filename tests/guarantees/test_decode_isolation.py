@@ -72,6 +72,8 @@ def completed(run: dict[str, Any], name: str) -> dict[str, Any]:
     return read_json(run["root"] / "results" / f"{name}.json")  # type: ignore[no-any-return]
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 @pytest.mark.parametrize("name, kind", [("runtime.png", "RuntimeError"),
                                         ("struct.png", "error"),
                                         ("attribute.png", "AttributeError")])
@@ -80,42 +82,50 @@ def test_an_exception_of_any_type_fails_only_its_file(run: dict[str, Any], name:
     assert f"the decoder failed on this file: {kind}" in failure(run, name)
 
 
+@pytest.mark.daemon
 def test_a_real_file_raising_an_unexpected_type_fails_only_itself(run: dict[str, Any]) -> None:
     assert "the decoder failed on this file: TypeError" in failure(run, "texture.jpg")
 
 
+@pytest.mark.daemon
 def test_every_kept_crasher_fails_only_itself(run: dict[str, Any]) -> None:
     for crasher in sorted(CRASHERS.iterdir()):
         assert failure(run, crasher.name), crasher.name
 
 
+@pytest.mark.daemon
 @pytest.mark.parametrize("name, signal_name", [("abort.png", "SIGABRT"), ("segv.png", "SIGSEGV")])
 def test_a_decoder_crash_fails_only_its_file(run: dict[str, Any], name: str,
                                              signal_name: str) -> None:
     assert f"the decoder crashed on this file ({signal_name})" in failure(run, name)
 
 
+@pytest.mark.daemon
 def test_a_runaway_allocation_fails_only_its_file(run: dict[str, Any]) -> None:
     assert "more memory than preprocess.decode_memory_mb" in failure(run, "balloon.png")
 
 
+@pytest.mark.daemon
 def test_a_decode_that_never_ends_is_cut_at_decode_timeout_s(run: dict[str, Any]) -> None:
     """~330 KB of progressive JPEG whose last scan repeats 10,000 times: a minute or more of
     decoding (1,000 repeats once took 31 s here, and later only 5.7 s: under the timeout)."""
     assert "longer than preprocess.decode_timeout_s = 8 s" in failure(run, "scans.jpg")
 
 
+@pytest.mark.daemon
 def test_a_file_over_max_file_mb_is_refused_before_reading(run: dict[str, Any]) -> None:
     """3 GiB (sparse): a JPEG header and then gigabytes; it used to be read whole per worker."""
     assert "more than preprocess.max_file_mb = 256 MiB" in failure(run, "huge.jpg")
 
 
+@pytest.mark.daemon
 @pytest.mark.parametrize("name", ["strip-8000.png", "strip-40000.png"])
 def test_an_extreme_aspect_ratio_costs_bounded_memory(run: dict[str, Any], name: str) -> None:
     """1×8000 used to take 2.1 GB, 1×40000 a MemoryError that stopped the daemon."""
     assert completed(run, name)["image"]["height"] == int(name[6:-4])
 
 
+@pytest.mark.daemon
 def test_the_daemon_carried_on_past_every_bad_file(run: dict[str, Any]) -> None:
     for name in ("before.jpg", "zz-after.jpg"):
         assert completed(run, name)["top_k"]
@@ -123,6 +133,8 @@ def test_the_daemon_carried_on_past_every_bad_file(run: dict[str, Any]) -> None:
     assert decode_workers_in(run["root"]) == [], "no decode worker outlives `inboxd once`"
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_no_decode_worker_outlives_a_killed_daemon(tmp_path: Path) -> None:
     daemon = DaemonProcess(write_config(tmp_path, preprocess={"workers": 2}))
     try:

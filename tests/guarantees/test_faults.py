@@ -41,6 +41,8 @@ def result_names(results: Path) -> set[str]:
 PATIENT_RETRY = {"max_attempts": 200, "backoff_initial_ms": 50, "backoff_max_ms": 300}
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 @needs_root
 def test_results_disk_full_keeps_data_safe_and_resumes(tmp_path: Path, daemon_factory) -> None:
     results = tmp_path / "results"
@@ -62,6 +64,8 @@ def test_results_disk_full_keeps_data_safe_and_resumes(tmp_path: Path, daemon_fa
         assert not list((results / ".tmp").rglob("*.tmp")), "failed writes left no temps"
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 @needs_root
 def test_read_only_results_folder_then_writable_again(tmp_path: Path, daemon_factory) -> None:
     results = tmp_path / "results"
@@ -81,6 +85,8 @@ def test_read_only_results_folder_then_writable_again(tmp_path: Path, daemon_fac
         assert daemon.stop() == 0
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_inbox_deleted_and_recreated_while_running(tmp_path: Path, daemon_factory) -> None:
     config = write_config(tmp_path, inbox={"rescan_interval_s": 1})
     daemon = daemon_factory(config)
@@ -96,6 +102,8 @@ def test_inbox_deleted_and_recreated_while_running(tmp_path: Path, daemon_factor
     assert daemon.stop() == 0
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 @needs_root
 def test_inotify_overflow_is_caught_by_the_rescan(tmp_path: Path, daemon_factory) -> None:
     knob = Path("/proc/sys/fs/inotify/max_queued_events")
@@ -112,6 +120,8 @@ def test_inotify_overflow_is_caught_by_the_rescan(tmp_path: Path, daemon_factory
     assert daemon.stop() == 0
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_cuda_oom_halves_the_batch_in_the_real_daemon(tmp_path: Path) -> None:
     config = write_config(tmp_path, batch={"max_size": 8, "max_delay_ms": 500},
                           inbox={"settle_ms": 0})
@@ -123,6 +133,8 @@ def test_cuda_oom_halves_the_batch_in_the_real_daemon(tmp_path: Path) -> None:
     assert result_names(tmp_path / "results") == names
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_a_poisoned_cuda_context_returns_the_files_and_exits_for_a_restart(
         tmp_path: Path, daemon_factory) -> None:
     """After an illegal address every CUDA call fails; no file may be blamed for that."""

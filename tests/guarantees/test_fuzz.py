@@ -18,6 +18,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 from inboxd.config import PreprocessConfig
 from inboxd.decode.pool import DecodePool
 from inboxd.decode.replies import DecodeResult
@@ -115,6 +116,8 @@ def test_kept_crashers_fail_alone_and_the_pool_carries_on(tmp_path: Path) -> Non
         pool.close()
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_fuzzed_files_in_the_real_daemon_each_get_one_outcome(tmp_path: Path) -> None:
     config = write_config(tmp_path, inbox={"include": ["*"], "settle_ms": 0},
                           preprocess={"decode_timeout_s": TIMEOUT_S})

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import (
     DaemonProcess,
     last_stats,
@@ -27,6 +29,8 @@ def completed_names(daemon: DaemonProcess) -> list[str]:
             if "DUPLICATE=" not in line]
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_a_survivor_returns_a_killed_instances_files_by_itself(tmp_path: Path,
                                                               daemon_factory) -> None:
     """Two daemons on one inbox; a is SIGKILLed mid-flood and not restarted. b finds a's lock
@@ -88,6 +92,7 @@ def test_a_survivor_returns_a_killed_instances_files_by_itself(tmp_path: Path,
     assert again.stop() == 0
 
 
+@pytest.mark.daemon
 def test_recover_returns_a_dead_instances_files(tmp_path: Path) -> None:
     config = write_config(tmp_path)
     processing = tmp_path / "inbox" / ".processing"
@@ -100,6 +105,8 @@ def test_recover_returns_a_dead_instances_files(tmp_path: Path) -> None:
     assert (tmp_path / "inbox" / "x.png").read_bytes() == b"x"
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_recover_refuses_a_running_instance(tmp_path: Path, daemon_factory) -> None:
     config = write_config(tmp_path)
     daemon = daemon_factory(config, "--instance", "x")

@@ -341,12 +341,15 @@ def seed_from_env() -> int:
     return int(os.environ.get("INBOXD_MODEL_SEED") or random.SystemRandom().randrange(10**9))
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_model_based_user_and_system_actions(tmp_path: Path) -> None:
     figures = run_model(tmp_path, STEPS_CI, int(os.environ.get("INBOXD_MODEL_SEED", "20261201")))
     assert figures["kills"] >= 1
 
 
+@pytest.mark.daemon
 @pytest.mark.soak
 @pytest.mark.timeout(3600)
 def test_model_based_soak(tmp_path: Path) -> None:

@@ -208,6 +208,7 @@ def test_missing_weights_package_has_actionable_error(monkeypatch: pytest.Monkey
         builtin_weights_path()
 
 
+@pytest.mark.slow
 def test_logits_match_timm_reference(
     model: EfficientNetLite0, photo_batch: Tensor, timm_logits: Tensor
 ) -> None:
@@ -287,6 +288,7 @@ def test_wrong_design_fact_is_caught(
     assert max_abs_diff(logits, timm_logits) > 1000 * TOLERANCE
 
 
+@pytest.mark.slow
 def test_batch_and_channels_last_match_batch_of_one(
     model: EfficientNetLite0, photo_batch: Tensor
 ) -> None:

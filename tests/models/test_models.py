@@ -25,9 +25,10 @@ import torch
 import torchvision
 import yaml
 from inboxd import cli
-from inboxd.config import EX_CONFIG, ConfigError, ModelConfig, parse_config
+from inboxd.config import ConfigError, ModelConfig, parse_config
 from inboxd.decode.pillow import decode_image
 from inboxd.decode.spec import PreprocessSpec
+from inboxd.exit_codes import EX_CONFIG
 from inboxd.models.efficientnet_lite import EMBEDDING_DIM, load_efficientnet_lite0
 from inboxd.models.loading import load_model, strip_classifier
 from inboxd.models.model import Color, Model
@@ -411,6 +412,7 @@ def inboxd(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
+@pytest.mark.daemon
 def test_once_with_a_bad_model_exits_78_before_touching_any_file(
     tmp_path: Path, files: dict[str, Path]
 ) -> None:
@@ -471,6 +473,7 @@ def readme_examples() -> dict[str, tuple[list[str], list[str]]]:
 EXAMPLES = readme_examples()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("title", list(EXAMPLES))
 def test_readme_example_runs(title: str, tmp_path: Path, photos: dict[str, Path],
                              monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 from inboxd.config import load_config
-from inboxd.item import DecodedImage, TransientError, WorkItem
+from inboxd.item import DecodedImage, PermanentError, TransientError, WorkItem
 from inboxd.models.engines import ray_bridge as ray_pipe
 from inboxd.models.engines import ray_serve as ray_engine
 from inboxd.models.engines.interface import EngineUnavailable
@@ -156,8 +156,9 @@ def test_a_replica_failing_on_one_input_fails_that_input_only() -> None:
     crops = [np.full((8, 8, 3), red, dtype=np.uint8) for red in (40, POISON_RED, 41, 42)]
     reply = replica(FakeModel())(crops)
     outcomes = decode_reply(reply, len(crops))
-    assert [type(o).__name__ for o in outcomes] == ["Classification", "PermanentError",
+    assert [type(o).__name__ for o in outcomes] == ["Classification", "ModelError",
                                                     "Classification", "Classification"]
+    assert isinstance(outcomes[1], PermanentError) and outcomes[1].reason_class == "model"
     assert [o.top_k[0]["index"] for o in outcomes if isinstance(o, Classification)] == [40, 41,
                                                                                         42]
 

@@ -216,6 +216,7 @@ def replicas_served(proc: DaemonProcess) -> set[str]:
             for name in json.loads(latency)}
 
 
+@pytest.mark.daemon
 def test_inboxd_models_connects_deploys_and_lists_the_replicas(
         tmp_path: Path, cluster: LocalCluster, program: Path) -> None:
     config = ray_config(tmp_path, program, cluster.address, "inboxd")
@@ -228,6 +229,7 @@ def test_inboxd_models_connects_deploys_and_lists_the_replicas(
     assert "3 node(s)" in done.stdout, done.stdout
 
 
+@pytest.mark.daemon
 def test_a_slowed_pool_makes_the_producer_wait_and_memory_stays_flat(
         tmp_path: Path, cluster: LocalCluster, program: Path,
         daemon: Callable[..., DaemonProcess]) -> None:
@@ -279,6 +281,7 @@ def kill_nodes_until_a_batch_is_lost(cluster: LocalCluster, proc: DaemonProcess,
     return kills
 
 
+@pytest.mark.daemon
 def test_a_node_dying_mid_flood_costs_a_retry_not_a_file(
         tmp_path: Path, cluster: LocalCluster, program: Path,
         daemon: Callable[..., DaemonProcess]) -> None:
@@ -315,6 +318,7 @@ def test_a_node_dying_mid_flood_costs_a_retry_not_a_file(
           f"{time.monotonic() - started_s:.0f} s; replicas {stats['RAY_REPLICA_LATENCY_MS']}")
 
 
+@pytest.mark.daemon
 def test_a_ctrl_c_to_the_whole_group_does_not_end_the_ray_bridge(
         tmp_path: Path, cluster: LocalCluster, program: Path,
         daemon: Callable[..., DaemonProcess]) -> None:
@@ -341,6 +345,7 @@ def test_a_ctrl_c_to_the_whole_group_does_not_end_the_ray_bridge(
     assert stats["RAY_CONNECTS"] == "1" and stats["RAY_LOST_BATCHES"] == "0", stats
 
 
+@pytest.mark.daemon
 def test_the_head_dying_leaves_files_waiting_and_a_new_cluster_resumes_them(
         tmp_path: Path, cluster: LocalCluster, program: Path,
         daemon: Callable[..., DaemonProcess]) -> None:
@@ -357,7 +362,8 @@ def test_the_head_dying_leaves_files_waiting_and_a_new_cluster_resumes_them(
         cluster.shutdown()
         names += drop_files(tmp_path / "inbox", tmp_path / "seeds", 100, 100)
         proc.wait_for("model_unavailable", 60)
-        time.sleep(3)  # a few reconnection attempts against nothing
+        # A few reconnection attempts against nothing: three stats records while it is gone.
+        proc.wait_for("stats", 60, count=len(proc.records("stats")) + 3)
         assert proc.proc.poll() is None, "the daemon stays up"
         # Waiting on disk: in the inbox, or claimed (held by the bounded stages, the retry list)
         # in .processing, where a restart would find them too.
@@ -382,6 +388,7 @@ def test_the_head_dying_leaves_files_waiting_and_a_new_cluster_resumes_them(
     print(f"head kill: 200 files, {stats['RETRIED']} retried, 0 lost, 0 duplicated")
 
 
+@pytest.mark.daemon
 def test_two_daemons_share_one_serve_app_and_b_returns_a_killed_a_s_files(
         tmp_path: Path, cluster: LocalCluster, program: Path,
         daemon: Callable[..., DaemonProcess]) -> None:

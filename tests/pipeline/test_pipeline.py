@@ -49,6 +49,7 @@ def fail_writes(pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(pipeline.lifecycle.results, "write", write)
 
 
+@pytest.mark.slow
 def test_flood_through_tiny_capacities_gives_each_file_one_outcome(tmp_path: Path) -> None:
     capacity = {"event_buffer": 8, "queue": 2, "preprocess_cache": 3, "retry_list": 2}
     pipeline = pipeline_for(tmp_path, capacity=capacity, batch={"max_size": 4},

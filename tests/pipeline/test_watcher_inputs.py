@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import watchfiles
 from inboxd.files.names import NameFilter
+from inboxd.pipeline import watcher as watcher_module
 from inboxd.pipeline.event_buffer import EventBuffer
 from inboxd.pipeline.watch_events import ChangeSet
 from inboxd.pipeline.watcher import Watcher
@@ -126,7 +127,8 @@ def test_a_file_event_for_a_name_not_taken_is_said_once(tmp_path: Path) -> None:
     assert watcher.stats.counters.ignored_names == 1
 
 
-def test_the_watcher_pauses_while_a_backlog_waits_on_disk(tmp_path: Path) -> None:
+def test_the_watcher_pauses_while_a_backlog_waits_on_disk(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """watchfiles keeps every change until it is next asked: during a flood that outlasts the
     buffer the scans find the files, so the watcher stops, and starts again only once a scan
     has taken everything (then rescans soon, for its start gap)."""
@@ -135,6 +137,7 @@ def test_the_watcher_pauses_while_a_backlog_waits_on_disk(tmp_path: Path) -> Non
     watch = ScriptedWatch()
     buffer = EventBuffer(2)
     watcher = watcher_for(inbox, watch, buffer=buffer)
+    monkeypatch.setattr(watcher_module, "WATCHER_RESTART_DELAY_S", 0.02)
 
     async def scenario() -> None:
         task = asyncio.create_task(watcher.run_watch())
@@ -142,7 +145,8 @@ def test_the_watcher_pauses_while_a_backlog_waits_on_disk(tmp_path: Path) -> Non
         watch.push(*files)  # 2 admitted, 3 deferred
         await asyncio.sleep(0.1)
         assert watcher.paused and watcher.backlog_on_disk
-        await asyncio.sleep(1.5)  # past WATCHER_RESTART_DELAY_S: still not restarted
+        # Ten restart delays (shortened for the test): a restart would have come by now.
+        await asyncio.sleep(10 * watcher_module.WATCHER_RESTART_DELAY_S)
         assert len(watch.polling) == 1, "a paused watcher must not be restarted"
         for _ in range(2):  # intake takes the two; a scan still defers, so still paused
             buffer.pop_due(0.0)

@@ -26,9 +26,11 @@ from pathlib import Path
 import pytest
 from inboxd.config import ConfigError, load_config, parse_config
 from inboxd.decode.pillow import decode_image
+from inboxd.decode.replies import result_from
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.files.reading import read_and_hash
-from inboxd.item import PermanentError, TransientError
+from inboxd.item import PermanentError, RefusedError, TransientError
+from inboxd.models.engines.ray_replica import decode_reply
 from inboxd.pipeline.intake import describe_link
 from inboxd.pipeline.wiring import Pipeline
 from inboxd.service.metrics import Metrics
@@ -115,6 +117,8 @@ def node_exporter(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         proc.wait(10)
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_textfile_via_node_exporter_and_http_during_a_flood(
         tmp_path: Path, node_exporter: tuple[str, Path]) -> None:
     exporter_url, textfile_dir = node_exporter
@@ -233,6 +237,8 @@ def test_bad_metrics_settings_say_what_to_write(metrics: dict[str, str], message
     assert message in str(caught.value) and "metrics." in str(caught.value)
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_a_listen_port_in_use_exits_78_and_says_what_to_do(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -256,20 +262,25 @@ def _raised(work: Callable[[], object]) -> BaseException:
 
 
 def test_reason_classes_of_the_real_errors(tmp_path: Path) -> None:
-    """The label comes from the exception a file really failed with, never from its text
-    verbatim: a small fixed set, whatever the input."""
+    """The label is the class the exception a file really failed with declares (carried over
+    a decode worker's pipe and a replica's reply by name): a small fixed set, whatever the
+    input."""
     spec = PreprocessSpec(256, 224, "bicubic", (0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
     big = make_image(tmp_path / "big.png", size=(200, 200)).read_bytes()
     (tmp_path / "link.jpg").symlink_to(tmp_path / "big.png")
     cases = {
         "decode": [_raised(lambda: decode_image(b"", spec, 10**8)),
                    _raised(lambda: decode_image(b"\x89PNG\r\n\x1a\n" + bytes(99), spec, 10**8))],
-        "too_large": [_raised(lambda: decode_image(big, spec, 1000))],
+        "too_large": [_raised(lambda: decode_image(big, spec, 1000)),
+                      # A decode worker's reply names the class, rebuilt on this side.
+                      result_from({"ok": False, "permanent": True, "reason_class": "too_large",
+                                   "reason": "file is 9 bytes, more than …"}, bytearray()).error],
         "refused": [_raised(lambda: read_and_hash(tmp_path / "link.jpg")),
-                    PermanentError(describe_link(str(tmp_path / "link.jpg"), tmp_path))],
+                    RefusedError(describe_link(str(tmp_path / "link.jpg"), tmp_path))],
         "io": [TransientError("cannot read the file: Input/output error"),
                OSError(28, "No space left on device")],
-        "model": [PermanentError("the model failed on this input: RuntimeError('shape')")],
+        "model": [PermanentError("the model failed on this input: RuntimeError('shape')"),
+                  decode_reply({"outcomes": [("permanent", "the model failed")]}, 1)[0]],
         "other": [RuntimeError("something else")],
     }
     assert set(cases) == set(REASON_CLASSES)

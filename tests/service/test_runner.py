@@ -64,6 +64,8 @@ def notify_socket(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[No
     sock.sock.close()
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_notify_sequence_ready_status_watchdog_reload_stopping(
     tmp_path: Path, notify_socket: NotifySocket
 ) -> None:
@@ -95,6 +97,8 @@ def test_notify_sequence_ready_status_watchdog_reload_stopping(
         daemon.kill()
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_a_hung_model_call_stops_the_watchdog(tmp_path: Path) -> None:
     notify = NotifySocket(str(tmp_path / "notify.sock"))
     config = write_config(tmp_path, shutdown={"grace_s": 1})
@@ -116,6 +120,8 @@ def test_a_hung_model_call_stops_the_watchdog(tmp_path: Path) -> None:
         daemon.kill()
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_the_watchdog_s_sigabrt_prints_every_stack_and_ends_the_daemon_by_sigabrt(
         tmp_path: Path) -> None:
     """What systemd's watchdog sends when the model call hangs: the hung call's stack must
@@ -140,6 +146,8 @@ def test_the_watchdog_s_sigabrt_prints_every_stack_and_ends_the_daemon_by_sigabr
         daemon.kill()
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_reload_applies_capacities_live_and_refuses_a_bad_config(
     tmp_path: Path, daemon_factory
 ) -> None:
@@ -178,6 +186,8 @@ def _journal_stderr(tmp_path: Path) -> tuple[int, dict[str, str]]:
     return fd, {"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 @pytest.mark.usefixtures("journald")
 def test_journal_records_stats_and_readback(tmp_path: Path) -> None:
     instance = f"t{uuid.uuid4().hex[:12]}"
@@ -230,6 +240,8 @@ def test_journal_records_stats_and_readback(tmp_path: Path) -> None:
         assert image.size[0] > 500 and image.size[1] > 500
 
 
+@pytest.mark.daemon
+@pytest.mark.slow
 def test_reload_warms_a_larger_batch_first_and_refuses_one_past_a_programs_bound(
     tmp_path: Path, daemon_factory
 ) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 
 from inboxd.children import describe_exit
 from inboxd.files.settling import Identity, changed
-from inboxd.item import DecodedImage, PermanentError, TransientError
+from inboxd.item import DecodedImage, PermanentError, TransientError, permanent
 
 
 @dataclass(slots=True)
@@ -37,9 +37,10 @@ def result_from(header: dict[str, Any], payload: bytearray) -> DecodeResult:
     sha256, size_bytes = header.get("sha256"), header.get("size_bytes")
     peak = int(header.get("peak_rss_bytes", 0))
     if not header.get("ok"):
-        kind = PermanentError if header.get("permanent", True) else TransientError
-        return DecodeResult(sha256, size_bytes, error=kind(str(header.get("reason"))),
-                            peak_rss_bytes=peak)
+        reason = str(header.get("reason"))
+        error = (permanent(str(header.get("reason_class")), reason)
+                 if header.get("permanent", True) else TransientError(reason))
+        return DecodeResult(sha256, size_bytes, error=error, peak_rss_bytes=peak)
     found = header.get("identity")
     identity = None if found is None else _identity(found)
     held = bool(header.get("held_for_writing"))

@@ -8,13 +8,11 @@ shorter side, the centre crop with ``decode/pillow.py``'s arithmetic. The result
 ``crop``×``crop``×3 uint8 tensor on the device, which the preprocess cache counts in its bytes.
 
 **Why torchvision, not torchcodec.** torchvision 0.29 deprecates its image decoders for
-torchcodec's. We still call torchvision's: it is already a dependency (installed wherever torch
-is, preinstalled on the GPU machine with torch 2.11 / torchvision 0.26), its batched
-``decode_jpeg(list, device="cuda")`` is the API that has run nvJPEG since 0.19, and the same
-call decodes on the CPU for the tests. torchcodec is a native extension built per torch release
-(0.17 here for torch 2.14, an older one for the GPU machine's 2.11), not installed anywhere yet,
-so it would be one more ABI pairing to ship in the 64 MiB the device check may carry. The call
-sits in ``_decode_many`` alone: moving to ``torchcodec.decoders.decode_jpeg`` is that function.
+torchcodec's. We still call torchvision's: it is installed wherever torch is, its batched
+``decode_jpeg(list, device="cuda")`` has run nvJPEG since 0.19, and the same call decodes on
+the CPU for the tests; torchcodec is a native extension built per torch release, one more ABI
+pairing to ship (the versions weighed are in bench/RESULTS.md). The call sits in
+``_decode_many`` alone: moving to ``torchcodec.decoders.decode_jpeg`` is that function.
 pyproject pins ``torchvision<0.31`` so the removal cannot arrive unannounced; a torchvision
 without ``decode_jpeg`` turns GPU decoding off with a warning, it never breaks the daemon.
 

@@ -35,7 +35,7 @@ from inboxd.decode.pillow import decode_image
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.files.reading import classify, hash_stream, open_input
 from inboxd.files.settling import held_open_for_writing, identity, survive_lease_breaks
-from inboxd.item import PermanentError, TransientError
+from inboxd.item import PermanentError, TooLargeError, TransientError
 
 # Test-only fault injection, read only here: "abort=crash,hang=slow,raise:RuntimeError=rt"
 # makes a file whose name contains "crash" abort this process, and so on. Unset in production.
@@ -125,7 +125,7 @@ class Worker:
         except (PermanentError, TransientError) as exc:
             return _error(exc, state), b"", False
         except MemoryError:
-            return _error(PermanentError(
+            return _error(TooLargeError(
                 f"decoding needs more memory than preprocess.decode_memory_mb = "
                 f"{self.decode_memory_bytes >> 20} allows (a decompression bomb? raise it if "
                 "such files are real images)"), state), b"", True  # start clean after this
@@ -166,7 +166,8 @@ class Worker:
 
 def _error(exc: PermanentError | TransientError, state: dict[str, Any]) -> dict[str, Any]:
     return {"ok": False, "permanent": isinstance(exc, PermanentError),
-            "reason": str(exc) or type(exc).__name__, **state}
+            "reason_class": exc.reason_class, "reason": str(exc) or type(exc).__name__,
+            **state}
 
 
 def _status_bytes(field: str) -> int:

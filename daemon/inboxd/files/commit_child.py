@@ -5,8 +5,8 @@
 Why a process: a group commit is a few hundred short syscalls (per file a create, a write, a
 rename, a move, a few lookups), and CPython lets go of the GIL around every one. Inside the
 daemon each of those handed the GIL to another of its threads, and the commit waited to get it
-back: measured 12-02, a batch of 64 took 13 ms alone, 40-50 ms inside a flooded daemon, and
-1.6 s beside one thread that ran Python without pause. Here it has an interpreter to itself.
+back, many times longer than the syscalls themselves took (bench/RESULTS.md). Here it has an
+interpreter to itself.
 
 It runs the very functions the daemon would, in the same order (every result durable before
 any source moves), so a kill at any instant leaves what a kill of the daemon always left. It

@@ -29,10 +29,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from inboxd.files.layout import TMP_DIRNAME
 from inboxd.files.renames import place
 from inboxd.os_threads import name_this_thread
 
-TMP_DIRNAME = ".tmp"
 RESULT_MODE = 0o644  # before the umask (the unit's 0027 makes it 0640): see output_mode
 SYNC_THREADS = 16  # parallel fdatasync calls of one group commit (8-16: 5-10x a loop here)
 # Test-only: a pause (ms) at each step of a group commit, so that kills land inside commits.

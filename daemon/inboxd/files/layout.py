@@ -1,4 +1,5 @@
-"""Folder layouts that cannot work, refused before anything is touched (exit 78).
+"""The names of the daemon's own folders, and layouts that cannot work, refused before anything
+is touched (exit 78).
 
 An output folder inside a watched inbox is taken back in as new input (``failed/failed/…``
 until the names are too long); an inbox inside an output folder is the same loop the other way;
@@ -16,6 +17,18 @@ from inboxd.config import Config, ConfigError, load_config
 from inboxd.files.names import TEMP_SUFFIXES
 
 OUTPUTS = ("results_dir", "done_dir", "failed_dir")
+# Inside each inbox (hidden, so the watcher and the scan never take it): the claimed files, one
+# folder per instance, and the instances' locks and ledgers beside them.
+PROCESSING_DIRNAME = ".processing"
+# Inside every folder written to (results, done, failed, processing): each instance's temp
+# files, on the destination's filesystem so that the final rename is atomic.
+TMP_DIRNAME = ".tmp"
+
+
+def processing_dir(config: Config, inbox: Path) -> Path:
+    """Where this instance's claimed files live: inside their inbox (the same filesystem, so
+    the claim is one rename), under a hidden name the watcher ignores."""
+    return inbox / PROCESSING_DIRNAME / config.instance
 
 
 def load_checked_config(path: Path | None, overrides: dict[str, Any] | None = None) -> Config:

@@ -5,8 +5,8 @@ inbox/rel ─claim─▶ inbox/.processing/<instance>/rel ─▶ done/<name> | d
 A result is durable (``files.results``) *before* the source moves: a kill at any instant leaves
 either no result (the file is processed again) or a complete one (which the rerun finds by its
 sha256 and does not redo). Every destination that is taken gets the next free variant of the
-name (``files.renames``), so no input ever replaces another. Longer than 300 lines because every
-move is here, so that the no-replace and durable-first rules can be checked in one place.
+name (``files.renames``), so no input ever replaces another. Every move is here, so that the
+no-replace and durable-first rules can be checked in one place.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from inboxd.files.durable import (
     write_tmp,
 )
 from inboxd.files.instances import LEDGER_SUFFIX, LOCK_WAIT_S, flock_within
+from inboxd.files.layout import PROCESSING_DIRNAME, processing_dir
 from inboxd.files.names import output_path, output_str, relative_inside
 from inboxd.files.renames import name_variants, rename_into, rename_noreplace, time_token
 from inboxd.files.results import ResultFiles, sha_token
@@ -61,7 +62,7 @@ class Lifecycle:
         self._locks: list[int] = []
         self.max_file_bytes = config.preprocess.max_file_mb * 2**20
         # Per-folder paths, made once: claims and moves join file names to these as strs.
-        self._processing = {inbox: os.fspath(config.processing_dir(inbox))
+        self._processing = {inbox: os.fspath(processing_dir(config, inbox))
                             for inbox in config.inbox.paths}
         self._done = os.fspath(config.done_dir)
         self._done_tmp = os.fspath(tmp_dir_for(config.done_dir, config.instance))
@@ -70,7 +71,7 @@ class Lifecycle:
         """Our temp folders, on the filesystem of each destination (emptied at start-up)."""
         return [self.tmp_dir, tmp_dir_for(self.config.failed_dir, self.config.instance),
                 tmp_dir_for(self.config.done_dir, self.config.instance),
-                *(tmp_dir_for(inbox / ".processing", self.config.instance)
+                *(tmp_dir_for(inbox / PROCESSING_DIRNAME, self.config.instance)
                   for inbox in self.config.inbox.paths)]
 
     def lock_instance(self) -> None:
@@ -83,7 +84,7 @@ class Lifecycle:
         if self._locks:
             return
         for inbox in self.config.inbox.paths:
-            lock_path = inbox / ".processing" / f"{self.config.instance}.lock"
+            lock_path = inbox / PROCESSING_DIRNAME / f"{self.config.instance}.lock"
             lock_path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
             if not flock_within(fd, LOCK_WAIT_S):
@@ -115,7 +116,7 @@ class Lifecycle:
         the files wait in the inbox, and writing retries (and creates it) later. Returns what
         could not be prepared, for the log."""
         for inbox in self.config.inbox.paths:
-            self.config.processing_dir(inbox).mkdir(parents=True, exist_ok=True)
+            processing_dir(self.config, inbox).mkdir(parents=True, exist_ok=True)
         problems = []
         for folder in (self.config.results_dir, self.config.done_dir, self.config.failed_dir):
             try:
@@ -143,7 +144,7 @@ class Lifecycle:
         inbox would otherwise let the rename take a file from outside it (``OSError`` ELOOP).
         """
         parts = rel.split("/")
-        processing = self._processing.get(inbox) or os.fspath(self.config.processing_dir(inbox))
+        processing = self._processing.get(inbox) or os.fspath(processing_dir(self.config, inbox))
         with open_inside(inbox, parts[:-1]) as source_dir:
             folder, leaf = os.path.split(output_str(processing, rel))
             for name in name_variants(leaf, time_token()):
@@ -195,7 +196,7 @@ class Lifecycle:
         Returns (returned, failed)."""
         returned = failed = 0
         for inbox in self.config.inbox.paths:
-            processing = self.config.processing_dir(inbox)
+            processing = processing_dir(self.config, inbox)
             ledgers = self.crash_counts(inbox)
             for claimed in walk_files(processing):
                 rel = claimed.relative_to(processing).as_posix()
@@ -255,11 +256,11 @@ class Lifecycle:
 
     def ledger_path(self, inbox: Path, instance: str | None = None) -> Path:
         name = instance or self.config.instance
-        return self.config.processing_dir(inbox).parent / f"{name}{LEDGER_SUFFIX}"
+        return processing_dir(self.config, inbox).parent / f"{name}{LEDGER_SUFFIX}"
 
     def crash_counts(self, inbox: Path) -> list[instances.Ledger]:
         """Every instance's ledger here, for ``crashes_of``: a count follows its file."""
-        return instances.all_ledgers(self.config.processing_dir(inbox).parent)
+        return instances.all_ledgers(processing_dir(self.config, inbox).parent)
 
     def record_crash(self, reason: str) -> None:
         """A stage crashed: count one crash against every file claimed now, and forget the
@@ -267,7 +268,7 @@ class Lifecycle:
         flight). A kill leaves no record and counts nothing: it is not the file's doing. The
         next start-up reads this in ``recover``."""
         for inbox in self.config.inbox.paths:
-            processing = self.config.processing_dir(inbox)
+            processing = processing_dir(self.config, inbox)
             ledgers = self.crash_counts(inbox)
             updated: dict[str, list[object]] = {}
             for claimed in walk_files(processing):  # the bytes too: a name is often reused
@@ -277,7 +278,7 @@ class Lifecycle:
 
     def write_ledger(self, inbox: Path, instance: str, entries: dict[str, Any]) -> None:
         """Replace ``instance``'s ledger (ours, or a dead one's while we hold its lock)."""
-        processing = self.config.processing_dir(inbox)
+        processing = processing_dir(self.config, inbox)
         if not entries and instance != self.config.instance:
             self.ledger_path(inbox, instance).unlink(missing_ok=True)
             return

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from inboxd.config import Config
-from inboxd.files.durable import TMP_DIRNAME, fsync_dir, json_bytes, move, tmp_dir_for
+from inboxd.files.durable import fsync_dir, json_bytes, move, tmp_dir_for
+from inboxd.files.layout import PROCESSING_DIRNAME, TMP_DIRNAME
 from inboxd.files.names import output_path
 from inboxd.files.renames import rename_noreplace, time_token
 
@@ -168,7 +169,7 @@ def retry(config: Config, failed: Failed) -> Path:
     assert failed.inbox is not None
     try:
         target = move(failed.input_path, failed.destination, time_token(),
-                      tmp_dir_for(failed.inbox / ".processing", config.instance))
+                      tmp_dir_for(failed.inbox / PROCESSING_DIRNAME, config.instance))
     except OSError:
         rename_noreplace(aside, failed.report_path)  # nothing moved: the failure stays
         raise

@@ -31,11 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from inboxd.files.instances import LEDGER_SUFFIX, LOCK_SUFFIX, Ledger, crashes_of, read_ledger
+from inboxd.files.layout import PROCESSING_DIRNAME
 from inboxd.files.lifecycle import CRASHES_BEFORE_FAILING, Lifecycle
 from inboxd.files.renames import place_inside, time_token
 from inboxd.files.safe_paths import DIR_FLAGS, LinkedFolder, open_inside
-
-PROCESSING = ".processing"
 
 
 @dataclass
@@ -62,15 +61,15 @@ def take_over_dead(lifecycle: Lifecycle) -> Sweep:
     own = lifecycle.config.instance
     for inbox in lifecycle.config.inbox.paths:
         try:
-            with open_inside(inbox, [PROCESSING]) as processing:
-                for name in _other_instances(processing, own, inbox / PROCESSING, sweep):
+            with open_inside(inbox, [PROCESSING_DIRNAME]) as processing:
+                for name in _other_instances(processing, own, inbox / PROCESSING_DIRNAME, sweep):
                     try:
                         _take_over_one(lifecycle, inbox, processing, name, sweep)
                     except OSError as exc:  # that instance's problem: the others still go
-                        sweep.refused.append((str(inbox / PROCESSING / name),
+                        sweep.refused.append((str(inbox / PROCESSING_DIRNAME / name),
                                               f"cannot take it over now: {exc}"))
         except LinkedFolder:
-            sweep.refused.append((str(inbox / PROCESSING), "a symbolic link, not a folder"))
+            sweep.refused.append((str(inbox / PROCESSING_DIRNAME), "a symbolic link, not a folder"))
         except FileNotFoundError:
             continue
     return sweep
@@ -97,7 +96,7 @@ def _other_instances(processing: int, own: str, where: Path, sweep: Sweep) -> li
 
 def _take_over_one(lifecycle: Lifecycle, inbox: Path, processing: int, name: str,
                    sweep: Sweep) -> None:
-    where = inbox / PROCESSING
+    where = inbox / PROCESSING_DIRNAME
     try:
         lock = os.open(name + LOCK_SUFFIX, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC,
                        dir_fd=processing)

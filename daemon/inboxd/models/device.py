@@ -14,16 +14,35 @@ import logging
 import os
 import re
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 
 from inboxd import logs
-from inboxd.config import Config, ConfigError, DeviceProfile
+from inboxd.config import Config, ConfigError, Section
 
 # The oldest driver each CUDA major version runs on (NVIDIA's minor version compatibility:
 # any 12.x build on 525.60.13+, any 13.x build on 580+).
 MIN_DRIVER = {"12": "525.60.13", "13": "580"}
 CUDA12_INDEX = "https://download.pytorch.org/whl/cu126"
+
+# Defaults that depend on where the model runs, for the keys the YAML leaves unset (a key it
+# sets always wins): the CPU keeps config.py's defaults; a GPU, thousands of images/s, needs
+# decoders on every core but two (the event loop and the model thread), batches of 64 and room
+# to queue for them: a queue slot per decoder and then some, two batches of decoded crops.
+# Chosen by arithmetic, not yet measured by `make bench-sweep` on a GPU.
+DeviceProfile = Literal["cpu", "gpu"]
+
+
+def device_defaults(profile: DeviceProfile, cores: int,
+                    workers: int | None = None) -> dict[str, dict[str, int]]:
+    """``workers``: the YAML's own preprocess.workers, which the queue is then sized for."""
+    if profile == "cpu":
+        return {}
+    workers = workers or max(2, cores - 2)
+    return {"preprocess": {"workers": workers}, "batch": {"max_size": 64},
+            "capacity": {"queue": 2 * workers, "preprocess_cache": 128,
+                         "preprocess_cache_mb": 1024}}
 
 
 def nvidia_hardware(root: Path = Path("/")) -> str | None:
@@ -123,7 +142,7 @@ def device_fields(device: torch.device, root: Path = Path("/")) -> dict[str, str
 
 
 def profile_for(device: torch.device) -> DeviceProfile:
-    """Which per-device defaults (``config.device_defaults``) fit the device the model got."""
+    """Which per-device defaults (``device_defaults``) fit the device the model got."""
     return "gpu" if device.type == "cuda" else "cpu"
 
 
@@ -138,8 +157,21 @@ def usable_cores() -> int:
 def with_device_defaults(config: Config, device: torch.device, max_batch: int | None = None
                          ) -> tuple[Config, dict[str, str]]:
     """``config`` with the defaults of ``device``'s profile in every key the YAML left unset,
-    and for the ``started`` record: the profile and the keys it set ("batch.max_size=64,...")."""
+    and for the ``started`` record: the profile and the keys it set ("batch.max_size=64,...").
+    ``max_batch``: the model's own bound on a batch, if it has one."""
     profile = profile_for(device)
-    applied_config, applied = config.for_device(profile, usable_cores(), max_batch)
-    return applied_config, {"PROFILE": profile, "PROFILE_DEFAULTS": ",".join(
+    sections: dict[str, Any] = {}
+    applied: dict[str, int] = {}
+    workers = (config.preprocess.workers if "workers" in config.preprocess.model_fields_set
+               else None)
+    for name, values in device_defaults(profile, usable_cores(), workers).items():
+        section: Section = getattr(config, name)
+        unset = {key: value for key, value in values.items()
+                 if key not in section.model_fields_set}
+        if name == "batch" and max_batch is not None and "max_size" in unset:
+            unset["max_size"] = min(unset["max_size"], max_batch)
+        if unset:
+            sections[name] = section.model_copy(update=unset)
+            applied.update({f"{name}.{key}": value for key, value in unset.items()})
+    return config.model_copy(update=sections), {"PROFILE": profile, "PROFILE_DEFAULTS": ",".join(
         f"{key}={value}" for key, value in applied.items()) or "none"}

@@ -9,7 +9,8 @@ half-initialised network.
 
 The weights were trained in TensorFlow, so three details must match TF rather than PyTorch
 defaults. Getting any of them wrong still yields plausible-looking predictions, only measurably
-worse ones, which is why ``tests/test_efficientnet_lite.py`` checks each of them on real photos:
+worse ones, which is why ``tests/models/test_efficientnet_lite.py`` checks each of them on
+real photos:
 
 * "SAME" padding. On stride-2 convolutions TF pads the right/bottom edge more than the
   left/top when the total padding is odd (for an even input size), and the amount depends on

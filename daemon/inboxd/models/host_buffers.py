@@ -55,12 +55,9 @@ class Staging:
 class HostStaging(threading.local):
     """A batch's host buffers on the CPU path, kept and reused: the stacked crops (uint8
     N×H×W×3) and the network's input (float32 N×3×H×W, channels_last). Made afresh for every
-    batch, these blocks of hundreds of KB added to the daemon's peak RSS under a flood: with
-    every block of 128 KB or more mmapped (a fixed ``MALLOC_MMAP_THRESHOLD_``) the growth from
-    2,000 to 20,000 null-model files fell from +30% to +6%, which puts it in such blocks left
-    in malloc's arenas. Measured 12-03, a fresh daemon per flood, three of each: peak RSS above
-    idle 3.7 / 4.7 MiB (2,000 / 20,000 files, medians) with these buffers kept, 5.6 / 6.2 made
-    afresh (``bench/RESULTS.md``). Per thread, so concurrent callers never share one; each
+    batch, these blocks of hundreds of KB stayed in malloc's arenas and grew the daemon's peak
+    RSS with the length of a flood (``bench/RESULTS.md``, the tenth session). Per thread, so
+    concurrent callers never share one; each
     call's outputs are consumed before the thread's next call reuses them."""
 
     def __init__(self) -> None:  # threading.local: run again in each thread that uses it

@@ -18,7 +18,7 @@ from inboxd import __version__, logs
 from inboxd.config import Config
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.settling import still_being_written
-from inboxd.item import PermanentError, WorkItem
+from inboxd.item import PermanentError, RefusedError, WorkItem
 from inboxd.pipeline.held_files import HeldFiles
 from inboxd.pipeline.retry_list import RetryList, backoff_s
 from inboxd.stats import Stats, classify_failure
@@ -223,4 +223,4 @@ class Outcomes:
     async def refused(self, item: WorkItem, reason: str) -> None:
         """A claimed name that is no image file at all (a link, a FIFO): fail it at once."""
         self.admitted()
-        await self.error(item, PermanentError(reason))
+        await self.error(item, RefusedError(reason))

@@ -51,9 +51,7 @@ class Prepared(enum.Enum):
 # Two decoders per worker: while one request is decoded, the next is ready behind it (its files'
 # earlier results looked up, its thread waiting for the worker), and the worker starts on it the
 # moment it has answered its last file. With one, the worker idled meanwhile, while the event
-# loop handed the outcomes on and a thread looked up the next request's results: measured 12-03
-# in the overhead bench, +11-17% files/s (B ÷ A in three rounds: 1.17, 1.16, 1.11), CPU per
-# file 1.08 → 1.04 ms.
+# loop handed the outcomes on (the overhead bench's gain: bench/RESULTS.md; three lost to two).
 REQUESTS_PER_WORKER = 2
 
 

@@ -24,7 +24,7 @@ from inboxd import __version__
 from inboxd.config import Config
 from inboxd.files.commits import CommitEntry, Commits, Committed
 from inboxd.files.lifecycle import Lifecycle
-from inboxd.item import PermanentError, TransientError, WorkItem
+from inboxd.item import ModelError, TransientError, WorkItem
 from inboxd.models.engines.interface import Outcome
 from inboxd.models.model import Embedding, Model, Prediction, not_finite
 from inboxd.pipeline.outcomes import Outcomes, RunIO, utc_now
@@ -130,8 +130,8 @@ class ResultWriter:
         for item, outcome in batch:
             why = None if isinstance(outcome, Exception) else not_finite(outcome)
             if why is not None:  # the same input gives the same numbers: no retry
-                outcome = PermanentError(f"the model's output for this file is not a number "
-                                         f"({why} are NaN or infinite)")
+                outcome = ModelError(f"the model's output for this file is not a number "
+                                     f"({why} are NaN or infinite)")
             if isinstance(outcome, Exception):
                 await self.outcomes.error(item, outcome)
             else:

@@ -10,13 +10,11 @@ from typing import Protocol
 import watchfiles
 
 # Let awatch hand over changes at most this long after they happen: the intake's settle time
-# is the real "is it finished" test, so a long debounce only adds latency. During a flood the
-# first set comes this long after the first drop, and the pipeline idles until then: at 50 ms
-# the first of 4,000 results came 125-172 ms after the first drop, at 20 ms 92-118 ms (three
-# pairs, 12-02). It also bounds one change set during a flood (before the watcher pauses,
-# ``pipeline/watcher.py``): at 200 ms a 20,000-file drop gave a first set of 3,669 changes and
-# the daemon's peak RSS grew 1-2 MB more than under a 2,000-file drop. A single drop is
-# handed over WATCH_STEP_MS after it, whatever this says.
+# is the real "is it finished" test, so a long debounce only adds latency (during a flood the
+# pipeline idles until the first set comes). It also bounds one change set during a flood
+# (before the watcher pauses, ``pipeline/watcher.py``): a long one lets a single set, and the
+# daemon's RSS, grow with the flood. A single drop is handed over WATCH_STEP_MS after it,
+# whatever this says. The figures behind 20 ms are in bench/RESULTS.md.
 WATCH_DEBOUNCE_MS = 20
 WATCH_STEP_MS = 20
 ChangeSet = set[tuple[watchfiles.Change, str]]

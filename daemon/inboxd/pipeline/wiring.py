@@ -7,7 +7,7 @@ Shutdown goes in the same order: stop noticing and claiming, let what is already
 (``queue.join()``, then the stages behind it) for at most ``shutdown.grace_s``, cancel the rest
 with a reason, and hand every file still claimed back to the inbox, where it waits on disk.
 
-Longer than 300 lines because construction, the two modes and the ordered shutdown are read
+Construction, the two modes and the ordered shutdown live in one module because they are read
 together: the order things start in and the order they drain in are checked against each other.
 """
 
@@ -213,8 +213,10 @@ class Pipeline:
             self._spawn(self._intake_tasks, self.takeovers.run(), "takeover")
         self._spawn(self._intake_tasks, self.intake.run(), "intake")
 
-    def log_stats(self) -> dict[str, Any]:
-        fields = self.stats.snapshot()
+    def stats_fields(self, reset: bool = True) -> dict[str, Any]:
+        """The whole ``stats`` record (every field declared in ``inboxd.stats.FIELDS``);
+        ``reset=False`` for a scrape, which must not start a new interval."""
+        fields = self.stats.snapshot(reset)
         # The cache's second bound, in bytes (the generic layer fields count items).
         fields.update(PREPROCESS_CACHE_BYTES=self.cache.size_bytes,
                       PREPROCESS_CACHE_CAPACITY_BYTES=self.cache.capacity_bytes,
@@ -227,6 +229,10 @@ class Pipeline:
         down_since_s = self.worker.unavailable_since_s
         fields["MODEL_UNAVAILABLE_S"] = (round(self.clock() - down_since_s, 3)
                                          if down_since_s is not None else 0)
+        return fields
+
+    def log_stats(self) -> dict[str, Any]:
+        fields = self.stats_fields()
         counters = self.stats.counters
         logs.emit(
             logging.INFO, "stats",

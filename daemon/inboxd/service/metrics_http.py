@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from inboxd import logs
+from inboxd.config import split_host_port
 
 MAX_CONNECTIONS = 16
 MAX_REQUEST_BYTES = 8192
@@ -69,9 +70,10 @@ class MetricsServer:
             self._unix_path = path
             os.chmod(path, UNIX_SOCKET_MODE)
             return
-        host, _, port = listen.rpartition(":")
+        address = split_host_port(listen)
+        assert address is not None  # checked when the config was read
         self._server = await asyncio.start_server(
-            self._serve, host.strip("[]"), int(port), limit=MAX_REQUEST_BYTES,
+            self._serve, *address, limit=MAX_REQUEST_BYTES,
             backlog=LISTEN_BACKLOG, reuse_address=True)
 
     def _quiet_accept_failures(self, loop: asyncio.AbstractEventLoop) -> None:

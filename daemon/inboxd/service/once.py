@@ -11,6 +11,7 @@ import signal
 import sys
 
 from inboxd.config import Config
+from inboxd.exit_codes import OK, SOME_FAILED
 from inboxd.heap import freeze_startup_heap
 from inboxd.service.runner import Service, exit_status
 
@@ -54,4 +55,4 @@ async def _once(config: Config, progress: bool) -> int:
         print(f"inboxd once: stopped by {name}; {waiting} file(s) wait in the inbox for the "
               "next run", file=sys.stderr)
         return 128 + stopped_by[0]
-    return 1 if counters.failed else 0
+    return SOME_FAILED if counters.failed else OK

@@ -19,12 +19,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-COUNTERS = ("ACCEPTED", "ENQUEUED", "COMPLETED", "FAILED", "RETRIED", "DEFERRED", "RELEASED",
-            "DUPLICATES")
-LAYERS = ("EVENT_BUFFER", "QUEUE", "DECODING", "PREPROCESS_CACHE", "BATCH", "IN_FLIGHT",
-          "WRITE_HANDOFF", "COMMITTING", "RETRY_LIST")
-TIMINGS = ("PUT_WAIT_MS_P50", "PUT_WAIT_MS_P99", "PUT_WAIT_MS_MAX", "LATENCY_MS_P50",
-           "LATENCY_MS_P99", "FILES_PER_S", "UPTIME_S")
+from inboxd.stats import COUNTER_FIELDS, FIELDS, OTHER_FIELDS, declared
+
+# What ``inboxd stats`` shows, in this order, derived from the record's declaration.
+COUNTERS = tuple(f.name for f in COUNTER_FIELDS)
+FIGURES = tuple(f.name for f in OTHER_FIELDS)
 SERVICE_USER = "inboxd"  # the shipped unit's User=
 MEMORY = ("RSS_BYTES", "CUDA_ALLOCATED_BYTES", "CUDA_RESERVED_BYTES", "CUDA_PEAK_ALLOCATED_BYTES")
 
@@ -105,21 +104,36 @@ def format_table(stats: dict[str, Any]) -> str:
     when = stats.get("TIME")
     lines = [f"inboxd stats ({stats.get('INSTANCE', '?')}"
              + (f", {when:%Y-%m-%d %H:%M:%S}" if isinstance(when, datetime) else "") + ")", ""]
-    lines.append("counters   " + "  ".join(f"{c.lower()} {num(stats.get(c, 0))}"
-                                          for c in COUNTERS))
+    counters = [f"{c.lower()} {num(stats.get(c, 0))}" for c in COUNTERS]
+    for start in range(0, len(counters), 6):  # six a line: a terminal's width
+        lines.append(("counters   " if not start else " " * 11)
+                     + "  ".join(counters[start:start + 6]))
     lines += ["", f"{'layer':<18}{'size':>8}{'capacity':>10}{'high-water':>12}"]
-    for layer in LAYERS:
-        if f"{layer}_CAPACITY" in stats:
-            lines.append(f"{layer.lower():<18}{num(stats.get(f'{layer}_SIZE', 0)):>8}"
-                         f"{num(stats[f'{layer}_CAPACITY']):>10}"
-                         f"{num(stats.get(f'{layer}_HIGH_WATER', 0)):>12}")
+    for layer in layers_of(stats):
+        lines.append(f"{layer.lower():<18}{num(stats.get(f'{layer}_SIZE', 0)):>8}"
+                     f"{num(stats[f'{layer}_CAPACITY']):>10}"
+                     f"{num(stats.get(f'{layer}_HIGH_WATER', 0)):>12}")
     lines.append("")
-    for key in (*TIMINGS, *MEMORY):
+    for key in FIGURES:
         if key in stats:
             value = stats[key]
-            shown = f"{value / 2**20:,.1f} MiB" if key.endswith("_BYTES") else num(value)
-            lines.append(f"{key.lower():<26}{shown:>14}")
+            shown = (f"{value / 2**20:,.1f} MiB" if FIELDS[key].unit == "bytes"
+                     and isinstance(value, int | float) else num(value))
+            lines.append(f"{key.lower():<34}{shown:>14}")
     return "\n".join(lines)
+
+
+def layers_of(stats: dict[str, Any]) -> list[str]:
+    """The layers a record reports, in its own order (the pipeline's): every declared layer
+    field's prefix, so a new layer shows without a change here."""
+    found: dict[str, None] = {}
+    for key in stats:
+        match = declared(key)
+        if match is not None and match[1] is not None:
+            layer = match[1].upper()
+            if f"{layer}_CAPACITY" in stats:
+                found[layer] = None
+    return list(found)
 
 
 def print_stats(unit: str | None, instance: str | None, as_json: bool, follow: bool) -> int:

@@ -17,6 +17,7 @@ from typing import Any
 
 from inboxd import __version__, logs
 from inboxd.config import Config, ConfigError
+from inboxd.exit_codes import EX_DEVICE, EX_SOFTWARE, OK
 from inboxd.files.filesystems import describe as describe_watch
 from inboxd.files.layout import load_checked_config
 from inboxd.files.lifecycle import Lifecycle
@@ -28,10 +29,6 @@ from inboxd.models.engines.choice import load_here, make_engine
 from inboxd.pipeline.wiring import Pipeline
 from inboxd.service.notify import Notifier, abort_with_stacks
 
-EX_SOFTWARE = 70
-# The GPU failed in a way that poisons this process's CUDA context (illegal address, Xid, ECC):
-# only a new process can use it again (Restart=on-failure). Our own code, not sysexits.h's 76.
-EX_DEVICE = 76
 # While the model loads, ask systemd for this much more start time, this often.
 EXTEND_TIMEOUT_S = 30
 EXTEND_EVERY_S = 10
@@ -257,4 +254,4 @@ def exit_status(pipeline: Pipeline) -> int:
                   f"({pipeline.device_fault}); a restart gets a fresh CUDA context",
                   exit_status=EX_DEVICE)
         return EX_DEVICE
-    return EX_SOFTWARE if pipeline.crashed else 0
+    return EX_SOFTWARE if pipeline.crashed else OK

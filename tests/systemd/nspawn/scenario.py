@@ -33,6 +33,9 @@ import yaml
 from PIL import Image
 
 REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO))
+from tests.waiting import wait_until  # noqa: E402 (found through REPO, just above)
+
 OUT = Path(sys.argv[1] if len(sys.argv) > 1 else "/probe-out")
 UNIT = "inboxd.service"
 DATA = Path("/var/lib/inboxd")
@@ -84,16 +87,9 @@ def now_us() -> int:
     return time.time_ns() // 1000
 
 
-def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str,
-             every_s: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(every_s)
+# The tests' own wait, from the checkout bound into the container (standard library only);
+# polling systemctl and journalctl, every 0.1 s is often enough.
+wait_for = partial(wait_until, every_s=0.1)
 
 
 def drop(name: str, color: tuple[int, int, int]) -> None:

@@ -26,7 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from inboxd.config import ModelConfig
-from inboxd.item import DecodedImage, PermanentError, TransientError, WorkItem
+from inboxd.item import DecodedImage, ModelError, PermanentError, TransientError, WorkItem
 from inboxd.models.engines.interface import DeviceFault
 from inboxd.models.engines.local import infer_splitting
 from inboxd.models.model import Classification, Embedding, Model
@@ -128,8 +128,8 @@ def decode_reply(reply: Reply, count: int) -> list[Any]:
         kind, value = outcome if isinstance(outcome, tuple) and len(outcome) == 2 else ("?", "")
         if kind == "ok" and isinstance(value, Classification | Embedding):
             decoded.append(value)
-        elif kind == "permanent":
-            decoded.append(PermanentError(str(value)))
+        elif kind == "permanent":  # the replica's model failed on that input
+            decoded.append(ModelError(str(value)))
         elif kind == "transient":
             decoded.append(TransientError(str(value)))
         else:  # that item's own problem: retried like any transient error
