@@ -2,7 +2,7 @@
 
 import os
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # torch's CPU thread pool (OpenMP) spins on its cores between parallel regions by default. In a
 # daemon whose event loop, claim and decode threads share those cores, the spinning cost more

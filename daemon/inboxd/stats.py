@@ -147,6 +147,10 @@ COUNTER_FIELDS = (
     _counter("taken_over", "Files a dead instance had claimed, returned to the inbox by this "
              "one."),
 )
+# Layers renamed, new name -> old: the record (and so the metrics) carries the old name's fields
+# too, for one release, so dashboards and alerts keep working while they are moved over.
+DEPRECATED_LAYER_NAMES = {"preprocess": "decoding"}  # renamed in 0.2.0; gone in 0.3.0
+
 # Per layer: the record's field is <LAYER>_<name>, the metric carries the layer as a label.
 LAYER_FIELDS = (
     StatsField("SIZE", "gauge", "items", "layer", "Items in each bounded layer now.",
@@ -276,10 +280,12 @@ class Stats:
             self.last_memory = self.memory_probe()
         fields: dict[str, Any] = {k.upper(): v for k, v in vars(self.counters).items()}
         for layer in self.layers:
-            prefix = layer.name.upper()
-            fields[f"{prefix}_SIZE"] = layer.size
-            fields[f"{prefix}_CAPACITY"] = layer.capacity
-            fields[f"{prefix}_HIGH_WATER"] = layer.high_water
+            for name in (layer.name, DEPRECATED_LAYER_NAMES.get(layer.name)):
+                if name is not None:
+                    prefix = name.upper()
+                    fields[f"{prefix}_SIZE"] = layer.size
+                    fields[f"{prefix}_CAPACITY"] = layer.capacity
+                    fields[f"{prefix}_HIGH_WATER"] = layer.high_water
         fields.update(
             PUT_WAIT_MS_P50=round(self.put_wait_ms.percentile(50), 3),
             PUT_WAIT_MS_P99=round(self.put_wait_ms.percentile(99), 3),

@@ -61,10 +61,11 @@ def decoders_for(workers: int) -> int:
 
 
 class Preprocessor:
-    """The decode stage: its tasks and threads are called ``preprocess`` (as its time in each
-    result's ``timings_ms``), the layer it holds in the stats ``decoding``."""
+    """The preprocess stage: files from the queue to the decode workers and on into the cache.
+    Its tasks, its threads, its time in each result's ``timings_ms`` and its layer in the stats
+    are all called ``preprocess``."""
 
-    name = "decoding"  # the layer: files taken from the queue, not yet in the cache
+    name = "preprocess"  # the layer: files taken from the queue, not yet in the cache
 
     def __init__(
         self,

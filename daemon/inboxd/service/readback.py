@@ -19,7 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from inboxd.stats import COUNTER_FIELDS, FIELDS, OTHER_FIELDS, declared
+from inboxd.stats import COUNTER_FIELDS, DEPRECATED_LAYER_NAMES, FIELDS, OTHER_FIELDS, declared
 
 # What ``inboxd stats`` shows, in this order, derived from the record's declaration.
 COUNTERS = tuple(f.name for f in COUNTER_FIELDS)
@@ -125,12 +125,16 @@ def format_table(stats: dict[str, Any]) -> str:
 
 def layers_of(stats: dict[str, Any]) -> list[str]:
     """The layers a record reports, in its own order (the pipeline's): every declared layer
-    field's prefix, so a new layer shows without a change here."""
+    field's prefix, so a new layer shows without a change here; a renamed layer's old name only
+    where the record has no new one (a record from an older inboxd)."""
     found: dict[str, None] = {}
     for key in stats:
         match = declared(key)
         if match is not None and match[1] is not None:
             layer = match[1].upper()
+            renamed_to = [new for new, old in DEPRECATED_LAYER_NAMES.items() if old == match[1]]
+            if renamed_to and f"{renamed_to[0].upper()}_CAPACITY" in stats:
+                continue
             if f"{layer}_CAPACITY" in stats:
                 found[layer] = None
     return list(found)
