@@ -305,9 +305,9 @@ def resolve_path(path: Path, base: Path) -> Path:
 
 def split_host_port(text: str) -> tuple[str, int] | None:
     """``HOST:PORT`` (``[::1]:9464`` for IPv6) as (host without brackets, port); None unless
-    both parts are there and the port is 1-65535."""
+    both parts are there and the port is 0-65535 (0: any free port, which tests ask for)."""
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
         return None
     return host.strip("[]"), int(port)
 
