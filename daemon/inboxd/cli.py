@@ -1,12 +1,14 @@
 """``inboxd``: the command line.
 
 Exit statuses: 0 success; 1 ``once`` finished but some file failed; 2 usage; 70 (EX_SOFTWARE)
-a stage crashed; 75 (EX_TEMPFAIL) this instance name is already running on the inbox;
+a stage crashed; 75 (EX_TEMPFAIL) this instance name is already running on the inbox, or
+the inbox's filesystem is full or out of inodes at start-up (may clear: systemd restarts);
 76 (``EX_DEVICE``, ours) the GPU failed in a way that poisons this process's CUDA context
 (illegal address, Xid, ECC): the files in flight went back to the inbox and only a new process
 can use the device, so ``Restart=on-failure`` restarts it; 78 (EX_CONFIG) the configuration
 cannot work — systemd's ``RestartPreventExitStatus=78`` then stops instead of restarting into
-the same error.
+the same error, and so does an inbox that cannot be written at start-up as it is (read-only,
+no permission).
 """
 
 from __future__ import annotations
@@ -22,12 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from inboxd import __version__
-from inboxd.config import EX_CONFIG, Config, ConfigError
-from inboxd.files.layout import load_checked_config
+from inboxd.config import EX_CONFIG, EX_TEMPFAIL, Config, ConfigError
+from inboxd.files.layout import InboxUnusable, inbox_writable, load_checked_config
 from inboxd.files.lifecycle import InstanceBusy
 from inboxd.files.names import NameFilter
-
-EX_TEMPFAIL = 75
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     except InstanceBusy as exc:
         print(f"inboxd: {exc}", file=sys.stderr)
         return EX_TEMPFAIL
+    except InboxUnusable as exc:
+        print(f"inboxd: {exc}", file=sys.stderr)
+        return exc.exit_status
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,7 +202,8 @@ def cmd_recover(args: argparse.Namespace) -> int:
 
     config = read_config(args)
     lifecycle = Lifecycle(config)
-    lifecycle.lock_instance()
+    with inbox_writable():
+        lifecycle.lock_instance()
     returned, failed = lifecycle.recover()
     lifecycle.unlock_instance()
     print(f"returned {returned} file(s) claimed by instance {config.instance!r} to the inbox"

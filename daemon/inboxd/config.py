@@ -26,6 +26,9 @@ from pydantic import (
 )
 
 EX_CONFIG = 78
+# A condition that may clear by itself (a full disk, no inodes left): systemd's
+# Restart=on-failure tries again, and its start limit stops one that never clears.
+EX_TEMPFAIL = 75
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "config" / "inboxd.yaml"
 
 Positive = Annotated[int, Field(gt=0)]
@@ -462,9 +465,18 @@ def load_config(path: Path | None, overrides: dict[str, Any] | None = None) -> C
     path = path or DEFAULT_CONFIG_PATH
     source = str(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(source, [f"cannot read the config file: {exc.strerror}"]) from exc
+        data = path.read_bytes()
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        strerror = exc.strerror if isinstance(exc, OSError) else None
+        raise ConfigError(source, [f"cannot read the config file: {strerror or exc}; "
+                                   "give -c the path of a readable YAML file"]) from exc
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise ConfigError(source, [
+            f"line {line}: the file is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
+            f"{exc.start}); save it as UTF-8"]) from exc
     return parse_config(text, source, overrides)
 
 

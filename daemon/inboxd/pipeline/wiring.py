@@ -28,6 +28,7 @@ from inboxd.decode.pool import DecodePool
 from inboxd.decode.worker_process import WorkerSettings
 from inboxd.files.commit_process import CommitProcess, CommitProcessFailed
 from inboxd.files.commits import Commits
+from inboxd.files.layout import inbox_writable
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.names import NameFilter
 from inboxd.item import WorkItem
@@ -154,8 +155,10 @@ class Pipeline:
     def prepare(self) -> int:
         """Folders exist, stale temp files are gone, files a killed run had claimed are back
         in the inbox. Returns how many were returned."""
-        self.lifecycle.lock_instance()
-        for problem in self.lifecycle.prepare():
+        with inbox_writable():  # a read-only or full inbox: exit 78 or 75 saying so
+            self.lifecycle.lock_instance()
+            problems = self.lifecycle.prepare()
+        for problem in problems:
             logs.emit(logging.WARNING, "prepare_error", f"cannot prepare {problem}; files wait "
                       "in the inbox and writing is retried", error=problem)
         returned, failed = self.lifecycle.recover()

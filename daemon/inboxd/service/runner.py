@@ -2,7 +2,8 @@
 
 Signal handlers only set flags (an asyncio.Event each); the coroutines below act on them:
 SIGTERM/SIGINT → ``STOPPING=1`` and an orderly drain (a second signal cuts it short), SIGHUP →
-``RELOADING=1``, re-read the YAML, apply what can change live, ``READY=1``.
+``RELOADING=1``, re-read the YAML, apply what can change live, ``READY=1`` — after every
+``RELOADING=1``, whatever the reload met (systemd waits for it, and ``systemctl reload`` with it).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 from inboxd import __version__, logs
 from inboxd.config import Config, ConfigError
 from inboxd.files.filesystems import describe as describe_watch
-from inboxd.files.layout import load_checked_config
+from inboxd.files.layout import inbox_writable, load_checked_config
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.settling import survive_lease_breaks
 from inboxd.heap import freeze_startup_heap
@@ -51,6 +52,8 @@ class Service:
         self.force = asyncio.Event()
         self.reload_requested = asyncio.Event()
         self.pipeline: Pipeline | None = None
+        # Why the last reload was refused, shown in STATUS= until one succeeds (None: it did).
+        self.reload_failure: str | None = None
         self.metrics: Any = None  # service.metrics.Metrics, only when metrics: is configured
 
     # -- start-up ----------------------------------------------------------------------------
@@ -59,7 +62,8 @@ class Service:
         """Lock the instance, load and warm up the model (telling systemd it takes a while)."""
         # Refuse a second daemon of this instance before spending seconds on the model.
         lifecycle = Lifecycle(self.config)
-        lifecycle.lock_instance()
+        with inbox_writable():  # a read-only or full inbox: exit 78 or 75 saying so
+            lifecycle.lock_instance()
         survive_lease_breaks()  # the main thread's, before any file is leased
         metrics = self.config.metrics
         if metrics.textfile is not None or metrics.listen is not None:
@@ -143,7 +147,7 @@ class Service:
         def ready() -> None:
             # STATUS= first: `systemctl start` returns on READY=1, and what it shows next must
             # already have the status line (the status task runs only after this returns).
-            self.notifier.status(pipeline.status_line())
+            self.notifier.status(self.status_line(pipeline))
             self.notifier.ready()
             logs.emit(logging.INFO, "ready", "ready: watching "
                       + ", ".join(str(p) for p in self.config.inbox.paths),
@@ -172,9 +176,15 @@ class Service:
         if pipeline.crashed is not None:
             self.force.set()  # after a device fault the stages still drain (back to disk)
 
+    def status_line(self, pipeline: Pipeline) -> str:
+        if self.reload_failure is None:
+            return pipeline.status_line()
+        return (f"reload failed, old configuration kept ({self.reload_failure}); "
+                + pipeline.status_line())
+
     async def _keep_status(self, pipeline: Pipeline) -> None:
         while True:
-            self.notifier.status(pipeline.status_line())
+            self.notifier.status(self.status_line(pipeline))
             await asyncio.sleep(STATUS_EVERY_S)
 
     async def _keep_watchdog(self, pipeline: Pipeline) -> None:
@@ -202,9 +212,22 @@ class Service:
             await self.reload_requested.wait()
             self.reload_requested.clear()
             self.notifier.reloading()
-            await self.reload(pipeline)
-            self.notifier.status(pipeline.status_line())  # show the new capacities at once
-            self.notifier.ready()
+            try:
+                await self.reload(pipeline)
+            except Exception as exc:  # whatever it is, the old configuration serves on
+                # A task that died here would leave systemd in "reloading" for ever, and no
+                # later SIGHUP would be heard.
+                self._reload_refused(f"{type(exc).__name__}: {exc}")
+            finally:
+                self.notifier.status(self.status_line(pipeline))  # the new capacities at once
+                self.notifier.ready()
+
+    def _reload_refused(self, why: str) -> None:
+        self.reload_failure = " ".join(why.splitlines()[:1])[:200]
+        logs.emit(logging.ERROR, "reloaded",
+                  f"reload refused, the running configuration stays: {why} (fix "
+                  f"{self.config_path or 'the config file'} and reload again: systemctl reload "
+                  "inboxd, or SIGHUP)", error=why, applied=0)
 
     async def reload(self, pipeline: Pipeline) -> None:
         try:
@@ -214,10 +237,9 @@ class Service:
             # on the model's thread *before* the batcher may produce it.
             warmed, warm_s = await pipeline.engine.warm_up(new.batch.max_size)
         except ConfigError as exc:
-            logs.emit(logging.ERROR, "reloaded",
-                      f"reload refused, the running configuration stays: {exc}",
-                      error=str(exc), applied=0)
+            self._reload_refused(str(exc))
             return
+        self.reload_failure = None
         live, restart = config_changes(self.config, new)
         pipeline.apply_live(new)
         self.config = pipeline.config
