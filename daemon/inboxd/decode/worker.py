@@ -43,7 +43,7 @@ from inboxd.item import PermanentError, TransientError
 FAULTS_ENV = "INBOXD_DECODE_FAULTS"
 # A request names up to preprocess.files_per_request paths (each up to PATH_MAX, hex-encoded).
 REQUEST_HEADER_BYTES = 1 << 20
-FAULT_KINDS = {"abort", "segv", "hang", "alloc", "exit", "raise", "slow"}
+FAULT_KINDS = {"abort", "segv", "hang", "spin", "alloc", "exit", "raise", "slow"}
 RAISABLE: dict[str, type[BaseException]] = {
     e.__name__: e for e in (RuntimeError, NotImplementedError, AttributeError, MemoryError,
                             KeyError, IndexError, TypeError, RecursionError, ZeroDivisionError)
@@ -84,6 +84,9 @@ def inject(faults: list[tuple[str, str]], path: str) -> None:
         elif kind == "hang":
             while True:
                 time.sleep(1)
+        elif kind == "spin":  # a hang that burns the CPU, as a decoder caught in a loop
+            while True:
+                pass
         elif kind == "alloc":
             hog = [bytearray(1 << 26) for _ in range(1 << 20)]  # until RLIMIT_AS says no
             del hog
