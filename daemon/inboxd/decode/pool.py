@@ -58,6 +58,7 @@ class DecodePool:
         self.started = False
         self.closed = False
         self.replaced = 0  # workers started to replace a dead, hung or recycled one
+        self.answered = 0  # files answered, whatever the outcome (the watchdog's progress)
 
     def start(self) -> None:
         """Start the workers (they get ready in parallel, in the background). Idempotent; the
@@ -176,6 +177,7 @@ class DecodePool:
                 result, replace_why = self._answer(process, index)
             finally:
                 process.budget = None
+            self.answered += 1
             results.append(result)
             if replace_why is not None:
                 return self._replace(process, replace_why)

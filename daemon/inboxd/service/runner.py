@@ -26,6 +26,7 @@ from inboxd.heap import freeze_startup_heap
 from inboxd.models import faults
 from inboxd.models.device import device_fields, with_device_defaults
 from inboxd.models.engines import load_here, make_engine
+from inboxd.pipeline.stalls import DEFAULT_PATIENCE_S
 from inboxd.pipeline.wiring import Pipeline
 from inboxd.service.notify import Notifier, abort_with_stacks
 
@@ -54,6 +55,7 @@ class Service:
         self.pipeline: Pipeline | None = None
         # Why the last reload was refused, shown in STATUS= until one succeeds (None: it did).
         self.reload_failure: str | None = None
+        self._patience_s = DEFAULT_PATIENCE_S  # the watchdog's ping interval, once known
         self.metrics: Any = None  # service.metrics.Metrics, only when metrics: is configured
 
     # -- start-up ----------------------------------------------------------------------------
@@ -177,10 +179,10 @@ class Service:
             self.force.set()  # after a device fault the stages still drain (back to disk)
 
     def status_line(self, pipeline: Pipeline) -> str:
+        line = pipeline.status_line(self._patience_s)
         if self.reload_failure is None:
-            return pipeline.status_line()
-        return (f"reload failed, old configuration kept ({self.reload_failure}); "
-                + pipeline.status_line())
+            return line
+        return f"reload failed, old configuration kept ({self.reload_failure}); {line}"
 
     async def _keep_status(self, pipeline: Pipeline) -> None:
         while True:
@@ -188,21 +190,24 @@ class Service:
             await asyncio.sleep(STATUS_EVERY_S)
 
     async def _keep_watchdog(self, pipeline: Pipeline) -> None:
-        """``WATCHDOG=1`` only while the model worker is idle or its batch is younger than half
-        the watchdog timeout: a model call that hangs stops the pings, and systemd restarts us
-        at most 1.5 × WatchdogSec after the call began. An engine that times its own calls out
-        (Ray's) is given its ``call_limit_s`` first: a lost remote call is a retry there."""
+        """``WATCHDOG=1`` only while no stage holding work has stood still past its limit
+        (``Pipeline.stalls``): a model call that hangs (past half the watchdog timeout, or an
+        engine's own ``call_limit_s``: a lost remote call is a retry there), a commit process
+        that is stopped or stuck on a hung disk, files in flight while nothing moves. Then the
+        pings stop and systemd restarts us; idle, with nothing waiting, they go on."""
         interval_s = self.notifier.watchdog_interval_s()
         if interval_s is None:
             return
+        self._patience_s = interval_s
         while True:
-            busy_s = pipeline.worker.overdue_s(interval_s)
-            if busy_s is None:
+            overdue = [stall for stall in pipeline.stalls(interval_s) if stall.overdue]
+            if not overdue:
                 self.notifier.watchdog()
             else:
                 logs.emit(logging.ERROR, "watchdog",
-                          f"the model has been on one batch for {busy_s:.0f} s: no watchdog "
-                          "ping, systemd will restart the service", busy_s=round(busy_s))
+                          f"{'; '.join(map(str, overdue))}: no watchdog ping, systemd will "
+                          "restart the service", stalled=",".join(s.stage for s in overdue),
+                          busy_s=round(max(s.stalled_s for s in overdue)))
             await asyncio.sleep(interval_s)
 
     # -- reload ------------------------------------------------------------------------------
