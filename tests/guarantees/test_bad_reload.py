@@ -80,6 +80,14 @@ def test_a_reload_of_an_undecodable_file_answers_ready_and_the_next_reload_works
         daemon.wait_for("reloaded", 30, count=3)
         wait_until(lambda: after(notify.drain(), "RELOADING") == ["RELOADING", "READY"], 30,
                    "READY=1 again")
+
+        # A FIFO nobody writes to: reading it would block the daemon for ever.
+        config.rmdir()
+        os.mkfifo(config)
+        daemon.proc.send_signal(signal.SIGHUP)
+        assert "not a regular file" in daemon.wait_for("reloaded", 30, count=4)[-1]
+        wait_until(lambda: after(notify.drain(), "RELOADING") == ["RELOADING", "READY"], 30,
+                   "READY=1 after a FIFO")
         assert daemon.stop() == 0
     finally:
         daemon.kill()
@@ -103,7 +111,9 @@ def test_every_config_read_error_exits_78(tmp_path: Path) -> None:
     missing = tmp_path / "missing.yaml"
     loop = tmp_path / "loop.yaml"
     loop.symlink_to(loop)
-    for path in (folder, missing, loop):
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)  # nobody writes to it: a read would wait for ever
+    for path in (folder, missing, loop, fifo, Path("/dev/null")):
         result = inboxd("check-config", "-c", str(path), cwd=tmp_path)
         assert result.returncode == 78, (path, result.stderr)
         assert "Traceback" not in result.stderr and str(path) in result.stderr, result.stderr

@@ -236,7 +236,8 @@ class Service:
 
     async def reload(self, pipeline: Pipeline) -> None:
         try:
-            new = load_checked_config(self.config_path, self.overrides)
+            # In a thread: a config on a hung network filesystem must not stop the event loop.
+            new = await asyncio.to_thread(load_checked_config, self.config_path, self.overrides)
             new, _ = with_device_defaults(new, pipeline.model.device, pipeline.model.max_batch)
             # A larger batch is checked against the model (a .pt2 program's bound) and warmed
             # on the model's thread *before* the batcher may produce it.
