@@ -64,6 +64,19 @@ class GroupDaemon(DaemonProcess):
 SLOW_S = 2.5  # what the injected slow decode sleeps (the test-only fault ``slow``)
 
 
+def in_slow_decode(inbox: Path, worker: int) -> bool:
+    """slow.png claimed and its worker asleep in the injected sleep (where the kernel hides
+    wchan, half a second after the claim instead)."""
+    claimed = inbox / ".processing" / "default" / "slow.png"
+    if not claimed.exists():
+        return False
+    wchan = Path(f"/proc/{worker}/wchan").read_text().strip()
+    if wchan in ("", "0"):
+        time.sleep(0.5)
+        return True
+    return "nanosleep" in wchan
+
+
 @pytest.mark.timeout(300)
 def test_a_stopped_commit_process_shows_in_status_and_stops_the_watchdog(
         tmp_path: Path) -> None:
@@ -126,8 +139,7 @@ def test_a_process_group_stopped_longer_than_decode_timeout_s_fails_no_file(
         (worker,) = helper_pids(daemon.proc.pid, "inboxd.decode.worker")
         drop(make_image(tmp_path / "slow.png"), tmp_path / "inbox")
         # The worker is inside the slow decode: now Ctrl-Z (the whole group) for 3× the limit.
-        wait_until(lambda: (tmp_path / "inbox" / ".processing" / "default" / "slow.png").exists()
-                   and "nanosleep" in Path(f"/proc/{worker}/wchan").read_text(), 30,
+        wait_until(lambda: in_slow_decode(tmp_path / "inbox", worker), 30,
                    "the worker busy on slow.png")
         os.killpg(daemon.proc.pid, signal.SIGSTOP)
         time.sleep(12)
@@ -153,8 +165,7 @@ def test_a_decode_worker_stopped_from_outside_costs_its_file_nothing(tmp_path: P
         wait_until((tmp_path / "results" / "warm.png.json").exists, 60, "the first result")
         (worker,) = helper_pids(daemon.proc.pid, "inboxd.decode.worker")
         drop(make_image(tmp_path / "slow.png"), tmp_path / "inbox")
-        wait_until(lambda: (tmp_path / "inbox" / ".processing" / "default" / "slow.png").exists()
-                   and "nanosleep" in Path(f"/proc/{worker}/wchan").read_text(), 30,
+        wait_until(lambda: in_slow_decode(tmp_path / "inbox", worker), 30,
                    "the worker busy on slow.png")
         os.kill(worker, signal.SIGSTOP)  # and never continued: it is replaced
         wait_until(lambda: (tmp_path / "results" / "slow.png.json").exists()
