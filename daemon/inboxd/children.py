@@ -89,3 +89,25 @@ def describe_exit(code: int) -> str:
         except ValueError:
             return f"signal {-code}"
     return f"exit status {code}"
+
+
+# /proc/<pid>/stat states of a process that cannot run until someone continues it: stopped by a
+# signal (SIGSTOP, Ctrl-Z's SIGTSTP) or by a tracer (a debugger).
+STOPPED_STATES = frozenset("Tt")
+
+
+def process_state(pid: int) -> str | None:
+    """The one-letter state of ``pid`` (R, S, D, T, t, Z, ...), None once it has gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            text = stat.read()
+    except OSError:
+        return None
+    # The name in parentheses may hold anything, spaces and parentheses too: the state
+    # follows the last ')'.
+    fields = text[text.rfind(b")") + 1:].split()
+    return fields[0].decode() if fields else None
+
+
+def is_stopped(pid: int) -> bool:
+    return process_state(pid) in STOPPED_STATES

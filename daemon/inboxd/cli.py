@@ -15,7 +15,7 @@ from typing import Any
 from inboxd import __version__, logs
 from inboxd.config import Config, ConfigError
 from inboxd.exit_codes import EX_CONFIG, EX_TEMPFAIL, USAGE
-from inboxd.files.layout import load_checked_config
+from inboxd.files.layout import InboxUnusable, inbox_writable, load_checked_config
 from inboxd.files.lifecycle import InstanceBusy
 from inboxd.files.names import NameFilter
 
@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     except InstanceBusy as exc:
         print(f"inboxd: {logs.shown(exc)}", file=sys.stderr)
         return EX_TEMPFAIL
+    except InboxUnusable as exc:
+        print(f"inboxd: {exc}", file=sys.stderr)
+        return exc.exit_status
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -189,7 +192,8 @@ def cmd_recover(args: argparse.Namespace) -> int:
 
     config = read_config(args)
     lifecycle = Lifecycle(config)
-    lifecycle.lock_instance()
+    with inbox_writable():
+        lifecycle.lock_instance()
     returned, failed = lifecycle.recover()
     lifecycle.unlock_instance()
     print(f"returned {returned} file(s) claimed by instance {config.instance!r} to the inbox"

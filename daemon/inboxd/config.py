@@ -11,6 +11,7 @@ file is reading the whole configuration surface.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -25,10 +26,12 @@ from pydantic import (
     model_validator,
 )
 
-# Re-exported for the code that has always imported it from here (inboxd.exit_codes has it).
+# Re-exported for the code that has always imported them from here (inboxd.exit_codes has them).
 from inboxd.exit_codes import EX_CONFIG as EX_CONFIG
+from inboxd.exit_codes import EX_TEMPFAIL as EX_TEMPFAIL
 from inboxd.logs import shown
 
+MAX_CONFIG_BYTES = 16 << 20  # far beyond any real configuration
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "config" / "inboxd.yaml"
 
 Positive = Annotated[int, Field(gt=0)]
@@ -433,11 +436,43 @@ def load_config(path: Path | None, overrides: dict[str, Any] | None = None) -> C
     """Read, validate and resolve a config file (``None``: the embedded default)."""
     path = path or DEFAULT_CONFIG_PATH
     source = str(path)
+    data = _config_bytes(path, source)
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(source, [f"cannot read the config file: {exc.strerror}"]) from exc
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise ConfigError(source, [
+            f"line {line}: the file is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
+            f"{exc.start}); save it as UTF-8"]) from exc
     return parse_config(text, source, overrides)
+
+
+def _config_bytes(path: Path, source: str) -> bytes:
+    """The file's bytes. Opened without blocking and refused unless a regular file: a read of
+    a FIFO nobody writes to never returns (SIGHUP would hang the daemon), one of /dev/zero
+    never ends."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ConfigError(source, ["the config file is not a regular file (a folder, a "
+                                           "FIFO or a device); give -c the path of a YAML file"])
+            chunks, size = [], 0
+            while chunk := os.read(fd, 1 << 16):
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > MAX_CONFIG_BYTES:
+                    raise ConfigError(source, [
+                        f"the config file is larger than {MAX_CONFIG_BYTES >> 20} MiB, which no "
+                        "configuration is; give -c the path of the YAML file"])
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        strerror = exc.strerror if isinstance(exc, OSError) else None
+        raise ConfigError(source, [f"cannot read the config file: {strerror or exc}; "
+                                   "give -c the path of a readable YAML file"]) from exc
 
 
 def parse_config(text: str, source: str, overrides: dict[str, Any] | None = None) -> Config:

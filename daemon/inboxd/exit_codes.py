@@ -15,7 +15,9 @@ SOME_FAILED = 1
 USAGE = 2
 # EX_SOFTWARE: a stage crashed; the files in flight are back on disk.
 EX_SOFTWARE = 70
-# EX_TEMPFAIL: this instance name is already running on the inbox; try again once it stopped.
+# EX_TEMPFAIL: a condition that may clear by itself: this instance name is already running on
+# the inbox, or the inbox's filesystem is full or out of inodes at start-up. Restart=on-failure
+# tries again, and systemd's start limit stops one that never clears.
 EX_TEMPFAIL = 75
 # Ours, not sysexits.h's 76: the GPU failed in a way that poisons this process's CUDA context
 # (illegal address, Xid, ECC); only a new process can use the device again.

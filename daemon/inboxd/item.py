@@ -105,6 +105,7 @@ class WorkItem:
     name: str | None = None  # the name its result / failed entry is filed under
     failure_report: dict[str, Any] | None = None
     attempts: int = 0
+    decode_timeouts: int = 0  # a second time-out fails the file for good
     errors: list[str] = field(default_factory=list)  # one per failed attempt, max_attempts at most
     sha256: str | None = None
     size_bytes: int | None = None

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from inboxd.decode.pillow import decode_image
 from inboxd.decode.pool import DecodePool
+from inboxd.decode.replies import DecodeTimedOut
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.decode.worker_process import WorkerSettings
 from inboxd.files.reading import HASH_CHUNK_BYTES
@@ -202,9 +203,44 @@ def test_a_hang_is_cut_at_decode_timeout_s(pool: DecodePool, tmp_path: Path) -> 
     started = time.monotonic()
     result = pool.decode(make_image(tmp_path / "hang.png"))
     assert 3 <= time.monotonic() - started < 10
-    assert isinstance(result.error, PermanentError)
+    # Transient the first time: the pipeline fails the file when it times out again.
+    assert isinstance(result.error, DecodeTimedOut)
     assert "longer than preprocess.decode_timeout_s = 3 s" in str(result.error)
     still_works(pool, tmp_path)
+
+
+def test_a_worker_spinning_on_the_cpu_is_cut_at_decode_timeout_s(tmp_path: Path) -> None:
+    pool = faulty_pool(tmp_path, "spin=spin", decode_timeout_s=2)
+    try:
+        started = time.monotonic()
+        result = pool.decode(make_image(tmp_path / "spin.png"))
+        assert 2 <= time.monotonic() - started < 10
+        assert isinstance(result.error, DecodeTimedOut), result
+        still_works(pool, tmp_path)
+    finally:
+        pool.close()
+
+
+def test_a_worker_stopped_from_outside_is_replaced_and_its_file_not_blamed(
+        tmp_path: Path) -> None:
+    """Stopped (SIGSTOP, a debugger) its time does not count: no time-out; once stopped for
+    decode_timeout_s it is replaced, and the file gets a transient error (tried again)."""
+    pool = faulty_pool(tmp_path, "slow:1.5=slow", decode_timeout_s=2)
+    try:
+        pool.decode(make_image(tmp_path / "warm.png"))
+        (pid,) = pool.worker_pids()
+        stopper = subprocess.Popen([sys.executable, "-c", f"import os, time; time.sleep(0.5); "
+                                    f"os.kill({pid}, 19)"])  # SIGSTOP, mid-decode
+        started = time.monotonic()
+        result = pool.decode(make_image(tmp_path / "slow.png"))
+        stopper.wait(10)
+        assert time.monotonic() - started >= 2.5, "the stopped time did not count"
+        assert type(result.error) is TransientError, result
+        assert "stopped from outside" in str(result.error)
+        assert pid not in pool.worker_pids()
+        still_works(pool, tmp_path)
+    finally:
+        pool.close()
 
 
 def test_a_runaway_allocation_stops_at_the_memory_limit(balloon_pool: DecodePool,

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 from inboxd.decode.pool import DecodePool
-from inboxd.item import PermanentError, TransientError
+from inboxd.decode.replies import DecodeTimedOut
+from inboxd.item import TransientError
 
 from tests.decode.scripted_worker import MODE_ENV
 from tests.decode.test_pool import settings
@@ -82,7 +83,7 @@ def test_a_reply_that_never_comes_costs_only_that_file(
     closing.append(pool)
     results = pool.decode_many([(p, None) for p in paths])
     assert own(results, paths) == [True, True, True, False]
-    assert isinstance(results[3].error, PermanentError)
+    assert isinstance(results[3].error, DecodeTimedOut)  # transient the first time
     assert "decode_timeout_s" in str(results[3].error)
 
 

@@ -316,3 +316,26 @@ def _alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_stopped_commit_process_shows_as_a_stall_until_it_runs_again(
+        process: CommitProcess) -> None:
+    """What the watchdog and STATUS read (``Pipeline.stalls``): how long the oldest batch has
+    waited for its reply, and whether the process is stopped."""
+    assert process.stalled_s() is None, "nothing sent: nothing stalls"
+    first = process.send([claimed(process.lifecycle, "first.jpg", b"first")])
+    first.result(60)
+    assert process.pid is not None and process.stalled_s() is None and not process.stopped()
+    os.kill(process.pid, signal.SIGSTOP)  # a hung disk holds it just as still
+    try:
+        waiting = process.send([claimed(process.lifecycle, "second.jpg", b"second")])
+        time.sleep(1.5)
+        stalled_s = process.stalled_s()
+        assert stalled_s is not None and stalled_s >= 1.5
+        assert process.stopped()
+        assert not waiting.done()
+    finally:
+        os.kill(process.pid, signal.SIGCONT)
+    assert waiting.result(60).error is None
+    assert process.stalled_s() is None and not process.stopped()
+    assert process.replies == 2

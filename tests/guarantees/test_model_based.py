@@ -6,7 +6,8 @@ What users and the system do: drop (temp + rename), drop under a name that is in
 place without a temp name, drop the same bytes again, replace or delete a file still waiting,
 rename it inside the inbox, move a whole folder in, put a link in (to a file and to a folder
 outside), drop with a future mtime, drop a corrupt file, fill the output disk and free it,
-SIGKILL the daemon and start it again.
+SIGKILL the daemon and start it again, stop a helper process (or the daemon with all of them)
+for a while and continue it, reload a config file that cannot be used and then the fixed one.
 
 The reference model only tracks bytes (by sha256): every input must end exactly once in done/
 (with ``results/<its name>.json`` describing those bytes, or — for a byte-identical re-drop — an
@@ -29,6 +30,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +38,7 @@ import pytest
 from PIL import Image
 
 from tests.conftest import DaemonProcess, read_json, write_config
+from tests.guarantees.test_stuck_helpers import helper_pids
 
 STEPS_CI = 320
 STEPS_SOAK = 2000
@@ -89,6 +92,8 @@ class World:
             shutdown={"grace_s": 5})
         self.daemon: DaemonProcess | None = None
         self.kills = 0
+        self.helper_stops = 0
+        self.broken_reloads = 0
 
     # -- bytes ---------------------------------------------------------------------------
 
@@ -229,11 +234,55 @@ class World:
         self.kills += 1
         self.start()
 
+    # -- helpers that stop, reloads that fail (issue 33, classes 5 and 6) ------------------
+
+    def stop_a_helper(self) -> None:
+        """SIGSTOP a decode worker or the commit process (a hung disk, a debugger) — or the
+        daemon with all of them, as a cgroup freeze does — for a while, then SIGCONT."""
+        assert self.daemon is not None
+        daemon_pid = self.daemon.proc.pid
+        helpers = [pid for module in ("inboxd.decode.worker_child", "inboxd.files.commit_child")
+                   for pid in helper_pids(daemon_pid, module)]
+        if not helpers:
+            return
+        stopped = ([*helpers, daemon_pid] if self.rng.random() < 0.3
+                   else [self.rng.choice(helpers)])
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(self.rng.choice([0.2, 1.0, 3.0]))
+        finally:
+            for pid in stopped:  # the daemon last
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+        self.helper_stops += 1
+
+    def reload_broken(self) -> None:
+        """SIGHUP with a file that cannot be used (not UTF-8, or invalid), then with it fixed."""
+        assert self.daemon is not None
+        good = self.config.read_bytes()
+        broken = self.rng.choice([good + b"\n# caf\xe9\n", b"capacity:\n  queue: zero\n"])
+        try:
+            for text in (broken, good):
+                seen = len(self.daemon.records("reloaded"))
+                self.config.write_bytes(text)
+                self.daemon.proc.send_signal(signal.SIGHUP)
+                self.daemon.wait_for("reloaded", 60, count=seen + 1)
+        finally:
+            self.config.write_bytes(good)
+        assert "reload refused" in self.daemon.records("reloaded")[-2]
+        self.broken_reloads += 1
+
+    def stuck_helper_actions(self) -> list[tuple[Callable[[], None], int]]:
+        return [(self.stop_a_helper, 2), (self.reload_broken, 1)]
+
     def step(self) -> str:
         actions = [(self.drop, 30), (self.write_in_place, 6), (self.drop_again, 5),
                    (self.replace_or_delete, 8), (self.rename_inside, 5),
                    (self.move_folder_in, 3), (self.link_in, 3), (self.future_mtime, 3),
                    (self.corrupt, 4)]
+        actions += self.stuck_helper_actions()
         if ROOT:
             actions.append((self.fill_or_free_disk, 2))
         if self.rng.random() < 1 / KILL_EVERY_STEPS:
@@ -324,7 +373,9 @@ def run_model(tmp_path: Path, steps: int, seed: int) -> dict[str, int]:
         assert temps == [], f"temp files outlived their operation: {temps}"
         waiting = world.waiting()
         assert waiting == [], f"still in the inbox after the drain: {waiting}"
-        figures = {"steps": steps, "kills": world.kills, "inputs": sum(ref.must_end.values()),
+        figures = {"steps": steps, "kills": world.kills, "helper_stops": world.helper_stops,
+                   "broken_reloads": world.broken_reloads,
+                   "inputs": sum(ref.must_end.values()),
                    "vanishable": sum(ref.may_vanish.values()), "lost": 0, "doubled": 0,
                    "failed": len(failed_reasons), **{f"op_{k}": v for k, v in
                                                      done_actions.items()}}
@@ -347,6 +398,7 @@ def seed_from_env() -> int:
 def test_model_based_user_and_system_actions(tmp_path: Path) -> None:
     figures = run_model(tmp_path, STEPS_CI, int(os.environ.get("INBOXD_MODEL_SEED", "20261201")))
     assert figures["kills"] >= 1
+    assert figures["helper_stops"] >= 1 and figures["broken_reloads"] >= 1
 
 
 @pytest.mark.daemon

@@ -3,7 +3,8 @@
 Not ``concurrent.futures.ProcessPoolExecutor``: one dead worker breaks that whole pool
 (``BrokenProcessPool``), and a hang cannot be cut short. Here each worker is a separate
 ``python -m inboxd.decode.worker_child`` with a request and a reply pipe; a request that is not
-answered within ``decode_timeout_s`` gets the worker SIGKILLed, a worker that dies (a C decoder's
+answered within ``decode_timeout_s`` (of time the worker could run: ``decode/time_budget.py``)
+gets the worker SIGKILLed, a worker that dies (a C decoder's
 segfault, an abort, the OOM killer) is reaped, and either way a new one takes its place and that
 one file gets the reason. One request names several files (the worker opens, checks and hashes
 each itself) and is acknowledged once; then one reply per file, in order, carries its crop
@@ -30,7 +31,8 @@ from typing import Any
 
 from inboxd import logs, wire
 from inboxd.children import describe_exit
-from inboxd.decode.replies import DecodeResult, death_error, result_from
+from inboxd.decode.replies import DecodeResult, DecodeTimedOut, death_error, result_from
+from inboxd.decode.time_budget import DecodeBudget
 from inboxd.decode.worker_child import FAULTS_ENV
 from inboxd.decode.worker_process import WorkerProcess, WorkerSettings, worker_env
 from inboxd.item import PermanentError, TransientError
@@ -56,6 +58,7 @@ class DecodePool:
         self.started = False
         self.closed = False
         self.replaced = 0  # workers started to replace a dead, hung or recycled one
+        self.answered = 0  # files answered, whatever the outcome (the watchdog's progress)
 
     def start(self) -> None:
         """Start the workers (they get ready in parallel, in the background). Idempotent; the
@@ -95,6 +98,13 @@ class DecodePool:
         logs.emit(logging.WARNING, "decode_worker", f"decode worker {process.pid} "
                   f"replaced: {why}", pid=process.pid, reason=why)
         return self._start()
+
+    def stopped_workers(self) -> list[tuple[int, float]]:
+        """(pid, seconds) of each worker seen stopped from outside while on a file."""
+        with self._lock:
+            budgets = [(p.pid, p.budget) for p in self._all]
+        return [(pid, budget.stopped_s) for pid, budget in budgets
+                if budget is not None and budget.worker_stopped]
 
     def worker_pids(self) -> list[int]:
         with self._lock:
@@ -163,7 +173,11 @@ class DecodePool:
         """Up to ``count`` replies into ``results``; returns early with the replacement when
         the worker had to be replaced (the files after that one were never started)."""
         for index in range(count):
-            result, replace_why = self._answer(process, index)
+            try:
+                result, replace_why = self._answer(process, index)
+            finally:
+                process.budget = None
+            self.answered += 1
             results.append(result)
             if replace_why is not None:
                 return self._replace(process, replace_why)
@@ -215,15 +229,29 @@ class DecodePool:
         """The outcome of file ``index`` of the worker's current request, and why the worker
         must be replaced now (None: it carries on). The caller replaces it after keeping the
         outcome, so a replacement that cannot start does not cost the answer."""
-        deadline_s = time.monotonic() + self.settings.decode_timeout_s
+        timeout_s = self.settings.decode_timeout_s
+        budget = process.budget = DecodeBudget(timeout_s, process.pid)
         try:
-            header, payload = process.reader.recv(deadline_s, self.max_payload_bytes)
-        except TimeoutError:
-            timeout_s = self.settings.decode_timeout_s
-            return DecodeResult(None, None, error=PermanentError(
-                f"decoding took longer than preprocess.decode_timeout_s = {timeout_s:g} s; "
-                "the decoder was stopped (raise decode_timeout_s if such files are real images)"
-            )), "decode timeout"
+            while True:
+                try:
+                    header, payload = process.reader.recv(budget.deadline_s(),
+                                                          self.max_payload_bytes)
+                    break
+                except TimeoutError:
+                    budget.waited()
+                if budget.timed_out:
+                    # Transient the first time: the pipeline fails the file for good only
+                    # when it times out again (``Preprocessor``).
+                    return DecodeResult(None, None, error=DecodeTimedOut(
+                        f"decoding took longer than preprocess.decode_timeout_s = "
+                        f"{timeout_s:g} s; the decoder was stopped (raise decode_timeout_s if "
+                        "such files are real images)")), "decode timeout"
+                if budget.stopped_too_long:
+                    return DecodeResult(None, None, error=TransientError(
+                        f"the decode worker was stopped from outside (SIGSTOP or a debugger) "
+                        f"for {budget.stopped_s:.0f} s while on this file; it was replaced and "
+                        "the file is tried again")), (
+                        f"stopped from outside for {budget.stopped_s:.0f} s")
         except EOFError:
             if self.closed:  # close() killed it: not this file's doing, nor the OOM killer's
                 raise TransientError("inboxd is shutting down") from None

@@ -60,6 +60,13 @@ def _identity(found: Any) -> Identity:
     return ino, size, mtime_ns
 
 
+class DecodeTimedOut(TransientError):
+    """The file used up ``decode_timeout_s``: transient the first time (the machine may have
+    been starved), permanent when it happens again to the same file."""
+
+    reason_class = "decode"
+
+
 def death_error(code: int) -> PermanentError | TransientError:
     if code == -signal.SIGKILL:
         # Not us (we count our own kills as timeouts): most likely the kernel's OOM killer,

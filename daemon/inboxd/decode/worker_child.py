@@ -38,11 +38,12 @@ from inboxd.files.settling import held_open_for_writing, identity, survive_lease
 from inboxd.item import PermanentError, TooLargeError, TransientError
 
 # Test-only fault injection, read only here: "abort=crash,hang=slow,raise:RuntimeError=rt"
-# makes a file whose name contains "crash" abort this process, and so on. Unset in production.
+# makes a file whose name contains "crash" abort this process, and so on; "slow:2.5=name" sleeps
+# 2.5 s before decoding it (a decode that takes a while, then succeeds). Unset in production.
 FAULTS_ENV = "INBOXD_DECODE_FAULTS"
 # A request names up to preprocess.files_per_request paths (each up to PATH_MAX, hex-encoded).
 REQUEST_HEADER_BYTES = 1 << 20
-FAULT_KINDS = {"abort", "segv", "hang", "alloc", "exit", "raise"}
+FAULT_KINDS = {"abort", "segv", "hang", "spin", "alloc", "exit", "raise", "slow"}
 RAISABLE: dict[str, type[BaseException]] = {
     e.__name__: e for e in (RuntimeError, NotImplementedError, AttributeError, MemoryError,
                             KeyError, IndexError, TypeError, RecursionError, ZeroDivisionError)
@@ -55,11 +56,20 @@ def parse_faults(spec: str) -> list[tuple[str, str]]:
     for part in filter(None, (p.strip() for p in spec.split(","))):
         kind, _, needle = part.partition("=")
         name, _, detail = kind.partition(":")
-        if name not in FAULT_KINDS or not needle or (name == "raise" and detail not in RAISABLE):
+        bad_detail = ((name == "raise" and detail not in RAISABLE)
+                      or (name == "slow" and not _seconds(detail)))
+        if name not in FAULT_KINDS or not needle or bad_detail:
             raise ValueError(f"{FAULTS_ENV}: cannot parse {part!r} (kinds: {sorted(FAULT_KINDS)},"
-                             f" raise:<one of {sorted(RAISABLE)}>)")
+                             f" raise:<one of {sorted(RAISABLE)}>, slow:<seconds>)")
         faults.append((kind, needle))
     return faults
+
+
+def _seconds(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
 
 
 def inject(faults: list[tuple[str, str]], path: str) -> None:
@@ -74,11 +84,16 @@ def inject(faults: list[tuple[str, str]], path: str) -> None:
         elif kind == "hang":
             while True:
                 time.sleep(1)
+        elif kind == "spin":  # a hang that burns the CPU, as a decoder caught in a loop
+            while True:
+                pass
         elif kind == "alloc":
             hog = [bytearray(1 << 26) for _ in range(1 << 20)]  # until RLIMIT_AS says no
             del hog
         elif kind == "exit":
             os._exit(3)
+        elif kind.startswith("slow:"):
+            time.sleep(float(kind.partition(":")[2]))
         else:
             raise RAISABLE[kind.partition(":")[2]](f"injected by {FAULTS_ENV}")
 

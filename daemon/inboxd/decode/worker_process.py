@@ -15,6 +15,7 @@ from typing import Any
 from inboxd import wire
 from inboxd.children import child_env, held_for_start
 from inboxd.decode.spec import PreprocessSpec
+from inboxd.decode.time_budget import DecodeBudget
 
 EXIT_WAIT_S = 5.0  # from the EOF on a worker's replies to its exit status
 # One allocator arena and one BLAS thread: a worker decodes one file with one thread, and each
@@ -49,6 +50,7 @@ class WorkerProcess:
         self.requests = self.proc.stdin.fileno()
         self.reader = wire.Reader(self.proc.stdout.fileno())
         self.ready: dict[str, Any] | None = None
+        self.budget: DecodeBudget | None = None  # the time of the file it is on, if any
         # Numbers this worker's requests; its receipt and every reply echo it (and a reply its
         # file's place in the request). Replies carry no file name, so order alone would put a
         # stray frame (a buggy or hijacked worker's receipt too many, left in the reader's

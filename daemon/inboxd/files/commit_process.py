@@ -30,11 +30,12 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 
 from inboxd import wire
-from inboxd.children import child_env, describe_exit, held_for_start
+from inboxd.children import child_env, describe_exit, held_for_start, is_stopped
 from inboxd.config import Config
 from inboxd.files.commit_child import MAX_HEADER_BYTES
 from inboxd.files.commits import (
@@ -73,6 +74,11 @@ class CommitProcess:
         self._failure: RuntimeError | None = None  # why it takes no more batches
         self._raised: str | None = None  # the traceback of a commit that raised, if one did
         self._closing = False
+        # Since when the oldest unanswered batch has waited for its reply (the last reply, or
+        # when it was sent into an idle process): a stopped process, a hung disk or a loop
+        # shows here, and the watchdog stops pinging (``Pipeline.stalls``).
+        self._progress_s = time.monotonic()
+        self.replies = 0
 
     def start(self) -> None:
         """Start it (it gets ready in the background). Call it from a thread that lives as long
@@ -98,6 +104,15 @@ class CommitProcess:
     def pid(self) -> int | None:
         return None if self.proc is None else self.proc.pid
 
+    def stalled_s(self) -> float | None:
+        """Seconds the oldest unanswered batch has waited for its reply; None: none waits."""
+        with self._lock:
+            return time.monotonic() - self._progress_s if self._waiting else None
+
+    def stopped(self) -> bool:
+        """Whether the process is stopped (SIGSTOP, a debugger): for STATUS to say so."""
+        return self.proc is not None and is_stopped(self.proc.pid)
+
     def send(self, entries: Sequence[CommitEntry]) -> Future[Committed]:
         """Hand ``entries`` over to be filed and moved; the outcome arrives on the future."""
         if self.proc is None:
@@ -115,6 +130,8 @@ class CommitProcess:
             request = self.request_id + 1
             views = wire.frame({"request": request, "entries": rows}, payload)  # may raise
             self.request_id = request
+            if not self._waiting:
+                self._progress_s = time.monotonic()
             self._waiting.append((request, len(entries), future))
             self._outbox.put(views)
         return future
@@ -158,6 +175,8 @@ class CommitProcess:
                     raise wire.WireError(f"{len(committed.filed)} outcomes for {files} files")
                 with self._lock:
                     self._waiting.popleft()
+                    self._progress_s = time.monotonic()
+                    self.replies += 1
                 future.set_result(committed)
         # Any exception: a reply thread that ended quietly would leave every batch waiting for
         # ever (and ``inboxd once`` with them).

@@ -5,15 +5,22 @@ An output folder inside a watched inbox is taken back in as new input (``failed/
 until the names are too long); an inbox inside an output folder is the same loop the other way;
 an inbox path that is a file makes every start fail. None of these can be fixed at run time,
 so ``check-config`` and start-up say what to change instead.
+
+An inbox that cannot be written when the daemon starts (``InboxUnusable``) exits with a status
+systemd can act on: 78 when the layout cannot work as it is (a read-only filesystem, no
+permission, a file where a folder goes), 75 when it may clear by itself (full, no inodes).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from inboxd.config import Config, ConfigError, load_config
+from inboxd.config import EX_CONFIG, EX_TEMPFAIL, Config, ConfigError, load_config
 from inboxd.files.names import TEMP_SUFFIXES
 
 OUTPUTS = ("results_dir", "done_dir", "failed_dir")
@@ -89,3 +96,49 @@ def pattern_never_matches(pattern: str) -> str | None:
     if pattern.lower().endswith(TEMP_SUFFIXES):
         return f"names ending in {', '.join(TEMP_SUFFIXES)} are temp files, never taken"
     return None
+
+
+# Errors of an inbox at start-up that may clear without anyone changing the layout.
+MAY_CLEAR = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.ENOMEM, errno.EAGAIN, errno.EINTR,
+             errno.ETIMEDOUT, errno.ESTALE, errno.ENFILE, errno.EMFILE, errno.EBUSY,
+             errno.ENOLCK}
+
+
+class InboxUnusable(Exception):
+    """The inbox cannot be written at start-up (its folders and lock cannot be made):
+    ``exit_status`` is EX_CONFIG or EX_TEMPFAIL, and the message says what to do."""
+
+    def __init__(self, message: str, exit_status: int) -> None:
+        super().__init__(message)
+        self.exit_status = exit_status
+
+
+def inbox_unusable(exc: OSError) -> InboxUnusable:
+    where = f"{exc.filename}: " if exc.filename is not None else ""
+    problem = f"cannot prepare the inbox: {where}{exc.strerror or exc}"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return InboxUnusable(f"{problem}. Its filesystem is full or out of inodes (see df -h and "
+                             "df -i there): free some; exit 75, so systemd starts inboxd again "
+                             "(within the unit's start limit)", EX_TEMPFAIL)
+    if exc.errno == errno.EROFS:
+        return InboxUnusable(f"{problem}. The filesystem is read-only: remount it read-write, "
+                             "or list the folder in the unit's ReadWritePaths=; exit 78 (not "
+                             "restarted: it will not change by itself)", EX_CONFIG)
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return InboxUnusable(f"{problem}. Give the daemon's user (uid {os.geteuid()}) write "
+                             "access to the inbox (the shipped layout: group inboxd, mode "
+                             "2770); exit 78", EX_CONFIG)
+    if exc.errno in MAY_CLEAR:
+        return InboxUnusable(f"{problem}; exit 75, so systemd tries again", EX_TEMPFAIL)
+    return InboxUnusable(f"{problem}. Fix the inbox folder (inbox.paths) and start again; "
+                         "exit 78", EX_CONFIG)
+
+
+@contextlib.contextmanager
+def inbox_writable() -> Iterator[None]:
+    """Around the start-up's first writes to the inboxes (the instance lock, the processing
+    folders): an OSError there is ``InboxUnusable``, not a traceback."""
+    try:
+        yield
+    except OSError as exc:
+        raise inbox_unusable(exc) from exc

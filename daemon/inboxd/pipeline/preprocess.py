@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from inboxd import logs
 from inboxd.decode.device_route import DeviceRoute
 from inboxd.decode.pool import DecodePool
-from inboxd.decode.replies import DecodeResult
+from inboxd.decode.replies import DecodeResult, DecodeTimedOut
 from inboxd.item import PermanentError, TransientError, WorkItem
 from inboxd.os_threads import name_this_thread
 from inboxd.pipeline.preprocess_cache import PreprocessCache
@@ -185,6 +185,10 @@ class Preprocessor:
     def _outcome(self, item: WorkItem, result: DecodeResult
                  ) -> Prepared | PermanentError | TransientError:
         item.sha256, item.size_bytes = result.sha256, result.size_bytes
+        if isinstance(result.error, DecodeTimedOut):
+            item.decode_timeouts += 1
+            if item.decode_timeouts > 1:  # not a starved or stopped machine: this file
+                return PermanentError(f"{result.error} (the second time)")
         if result.error is not None:
             return result.error
         if result.still_being_written(item.identity):

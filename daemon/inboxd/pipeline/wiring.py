@@ -28,6 +28,7 @@ from inboxd.decode.pool import DecodePool
 from inboxd.decode.worker_process import WorkerSettings
 from inboxd.files.commit_process import CommitProcess, CommitProcessFailed
 from inboxd.files.commits import Commits
+from inboxd.files.layout import inbox_writable
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.names import NameFilter
 from inboxd.item import WorkItem
@@ -46,6 +47,7 @@ from inboxd.pipeline.preprocess_cache import PreprocessCache
 from inboxd.pipeline.queue import PipelineQueue
 from inboxd.pipeline.result_writer import ResultWriter
 from inboxd.pipeline.retry_list import RetryList
+from inboxd.pipeline.stalls import DEFAULT_PATIENCE_S, Stall, StallClock
 from inboxd.pipeline.takeover_sweep import Takeovers
 from inboxd.pipeline.watch_events import WatchFn, real_awatch
 from inboxd.pipeline.watcher import Watcher
@@ -134,6 +136,7 @@ class Pipeline:
         # Called after each stats record (every stats.interval_s and at shutdown): the
         # metrics textfile is written here, so it is exactly as fresh as the journal.
         self.on_stats: list[Callable[[], None]] = []
+        self.stall_clock = StallClock(clock)
 
     async def run_io(self, work: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.io_executor, work)
@@ -156,8 +159,10 @@ class Pipeline:
     def prepare(self) -> int:
         """Folders exist, stale temp files are gone, files a killed run had claimed are back
         in the inbox. Returns how many were returned."""
-        self.lifecycle.lock_instance()
-        for problem in self.lifecycle.prepare():
+        with inbox_writable():  # a read-only or full inbox: exit 78 or 75 saying so
+            self.lifecycle.lock_instance()
+            problems = self.lifecycle.prepare()
+        for problem in problems:
             logs.emit(logging.WARNING, "prepare_error", f"cannot prepare {problem}; files wait "
                       "in the inbox and writing is retried", error=problem)
         returned, failed = self.lifecycle.recover()
@@ -276,16 +281,55 @@ class Pipeline:
         stats_task.cancel()
         await self.shutdown(self.config.shutdown.grace_s, force)
 
-    def status_line(self) -> str:
-        """The one line systemd shows in ``systemctl status`` (STATUS=)."""
+    def status_line(self, patience_s: float = DEFAULT_PATIENCE_S) -> str:
+        """The one line systemd shows in ``systemctl status`` (STATUS=), stalled stages last."""
         counters = self.stats.counters
         down_since_s = self.worker.unavailable_since_s
         down = ("" if down_since_s is None else
                 f"model unreachable for {self.clock() - down_since_s:.0f} s (reconnecting), ")
+        stalled = "".join(f"; {stall}" for stall in self.stalls(patience_s) if stall.shown)
         return (f"{down}queue {self.queue.qsize()}/{self.queue.maxsize}, "
                 f"buffer {self.buffer.size}/{self.buffer.capacity}, "
                 f"{counters.completed} completed, {counters.failed} failed, "
-                f"{self.stats.recent_files_per_s():.1f} files/s")
+                f"{self.stats.recent_files_per_s():.1f} files/s{stalled}")
+
+    def stalls(self, patience_s: float) -> list[Stall]:
+        """Every stage holding work that has not moved (``pipeline.stalls``); ``patience_s``:
+        the watchdog's ping interval, the least time any stage is given."""
+        counters = self.stats.counters
+        commit_replies: int = getattr(self.commits, "replies", 0)
+        progress = (counters.enqueued, counters.completed, counters.failed, counters.retried,
+                    counters.released, self.decode_pool.answered, self.worker.batches_done,
+                    commit_replies)
+        active = self.outcomes.active()
+        # Waiting for a model cluster to come back is no stall: it is shown as unreachable.
+        waiting = active > 0 and self.worker.unavailable_since_s is None
+        clock = self.stall_clock
+        now = clock.look(progress, waiting)
+        found: list[Stall] = []
+        call_limit_s: float = getattr(self.engine, "call_limit_s", 0.0)
+        busy_since_s = self.worker.busy_since_s
+        if busy_since_s is not None:
+            found.append(Stall("model", now - clock.since(busy_since_s),
+                               max(patience_s, call_limit_s), " (on one batch)"))
+        commit_waits_s: float | None = getattr(self.commits, "stalled_s", lambda: None)()
+        if commit_waits_s is not None:
+            stopped = getattr(self.commits, "stopped", lambda: False)()
+            found.append(Stall("commit", now - clock.since(now - commit_waits_s), patience_s,
+                               f" (its process, pid {getattr(self.commits, 'pid', '?')}, is "
+                               "stopped: SIGCONT it, or restart inboxd)" if stopped else ""))
+        timeout_s = self.config.preprocess.decode_timeout_s
+        for pid, stopped_s in self.decode_pool.stopped_workers():
+            found.append(Stall(f"decode worker {pid}", stopped_s, detail=" (stopped from "
+                               f"outside; replaced after {timeout_s:g} s, its file retried)"))
+        if waiting and not any(stall.shown for stall in found):
+            # The longest a stage may legitimately take without any counter moving: a decode
+            # (its counted time, then as long again stopped) or a model call, then one interval.
+            limit_s = patience_s + 2 * max(timeout_s, call_limit_s, patience_s)
+            found.append(Stall("pipeline", now - clock.since(clock.moved_s), limit_s,
+                               f" ({active} file(s) in flight, nothing moved)",
+                               shown_after_s=patience_s))
+        return found
 
     def apply_live(self, config: Config) -> None:
         """SIGHUP: the new capacities, batch and stats settings take effect now; the rest of

@@ -2,7 +2,8 @@
 
 Signal handlers only set flags (an asyncio.Event each); the coroutines below act on them:
 SIGTERM/SIGINT → ``STOPPING=1`` and an orderly drain (a second signal cuts it short), SIGHUP →
-``RELOADING=1``, re-read the YAML, apply what can change live, ``READY=1``.
+``RELOADING=1``, re-read the YAML, apply what can change live, ``READY=1`` — after every
+``RELOADING=1``, whatever the reload met (systemd waits for it, and ``systemctl reload`` with it).
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from inboxd import __version__, logs
 from inboxd.config import Config, ConfigError
 from inboxd.exit_codes import EX_DEVICE, EX_SOFTWARE, OK
 from inboxd.files.filesystems import describe as describe_watch
-from inboxd.files.layout import load_checked_config
+from inboxd.files.layout import inbox_writable, load_checked_config
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.settling import survive_lease_breaks
 from inboxd.heap import freeze_startup_heap
 from inboxd.models import faults
 from inboxd.models.device import device_fields, with_device_defaults
 from inboxd.models.engines.choice import load_here, make_engine
+from inboxd.pipeline.stalls import DEFAULT_PATIENCE_S
 from inboxd.pipeline.wiring import Pipeline
 from inboxd.service.notify import Notifier, abort_with_stacks
 
@@ -48,6 +50,9 @@ class Service:
         self.force = asyncio.Event()
         self.reload_requested = asyncio.Event()
         self.pipeline: Pipeline | None = None
+        # Why the last reload was refused, shown in STATUS= until one succeeds (None: it did).
+        self.reload_failure: str | None = None
+        self._patience_s = DEFAULT_PATIENCE_S  # the watchdog's ping interval, once known
         self.metrics: Any = None  # service.metrics.Metrics, only when metrics: is configured
 
     # -- start-up ----------------------------------------------------------------------------
@@ -56,7 +61,8 @@ class Service:
         """Lock the instance, load and warm up the model (telling systemd it takes a while)."""
         # Refuse a second daemon of this instance before spending seconds on the model.
         lifecycle = Lifecycle(self.config)
-        lifecycle.lock_instance()
+        with inbox_writable():  # a read-only or full inbox: exit 78 or 75 saying so
+            lifecycle.lock_instance()
         survive_lease_breaks()  # the main thread's, before any file is leased
         metrics = self.config.metrics
         if metrics.textfile is not None or metrics.listen is not None:
@@ -140,7 +146,7 @@ class Service:
         def ready() -> None:
             # STATUS= first: `systemctl start` returns on READY=1, and what it shows next must
             # already have the status line (the status task runs only after this returns).
-            self.notifier.status(pipeline.status_line())
+            self.notifier.status(self.status_line(pipeline))
             self.notifier.ready()
             logs.emit(logging.INFO, "ready", "ready: watching "
                       + ", ".join(str(p) for p in self.config.inbox.paths),
@@ -169,27 +175,36 @@ class Service:
         if pipeline.crashed is not None:
             self.force.set()  # after a device fault the stages still drain (back to disk)
 
+    def status_line(self, pipeline: Pipeline) -> str:
+        line = pipeline.status_line(self._patience_s)
+        if self.reload_failure is None:
+            return line
+        return f"reload failed, old configuration kept ({self.reload_failure}); {line}"
+
     async def _keep_status(self, pipeline: Pipeline) -> None:
         while True:
-            self.notifier.status(pipeline.status_line())
+            self.notifier.status(self.status_line(pipeline))
             await asyncio.sleep(STATUS_EVERY_S)
 
     async def _keep_watchdog(self, pipeline: Pipeline) -> None:
-        """``WATCHDOG=1`` only while the model worker is idle or its batch is younger than half
-        the watchdog timeout: a model call that hangs stops the pings, and systemd restarts us
-        at most 1.5 × WatchdogSec after the call began. An engine that times its own calls out
-        (Ray's) is given its ``call_limit_s`` first: a lost remote call is a retry there."""
+        """``WATCHDOG=1`` only while no stage holding work has stood still past its limit
+        (``Pipeline.stalls``): a model call that hangs (past half the watchdog timeout, or an
+        engine's own ``call_limit_s``: a lost remote call is a retry there), a commit process
+        that is stopped or stuck on a hung disk, files in flight while nothing moves. Then the
+        pings stop and systemd restarts us; idle, with nothing waiting, they go on."""
         interval_s = self.notifier.watchdog_interval_s()
         if interval_s is None:
             return
+        self._patience_s = interval_s
         while True:
-            busy_s = pipeline.worker.overdue_s(interval_s)
-            if busy_s is None:
+            overdue = [stall for stall in pipeline.stalls(interval_s) if stall.overdue]
+            if not overdue:
                 self.notifier.watchdog()
             else:
                 logs.emit(logging.ERROR, "watchdog",
-                          f"the model has been on one batch for {busy_s:.0f} s: no watchdog "
-                          "ping, systemd will restart the service", busy_s=round(busy_s))
+                          f"{'; '.join(map(str, overdue))}: no watchdog ping, systemd will "
+                          "restart the service", stalled=",".join(s.stage for s in overdue),
+                          busy_s=round(max(s.stalled_s for s in overdue)))
             await asyncio.sleep(interval_s)
 
     # -- reload ------------------------------------------------------------------------------
@@ -199,22 +214,35 @@ class Service:
             await self.reload_requested.wait()
             self.reload_requested.clear()
             self.notifier.reloading()
-            await self.reload(pipeline)
-            self.notifier.status(pipeline.status_line())  # show the new capacities at once
-            self.notifier.ready()
+            try:
+                await self.reload(pipeline)
+            except Exception as exc:  # whatever it is, the old configuration serves on
+                # A task that died here would leave systemd in "reloading" for ever, and no
+                # later SIGHUP would be heard.
+                self._reload_refused(f"{type(exc).__name__}: {exc}")
+            finally:
+                self.notifier.status(self.status_line(pipeline))  # the new capacities at once
+                self.notifier.ready()
+
+    def _reload_refused(self, why: str) -> None:
+        self.reload_failure = " ".join(why.splitlines()[:1])[:200]
+        logs.emit(logging.ERROR, "reloaded",
+                  f"reload refused, the running configuration stays: {why} (fix "
+                  f"{self.config_path or 'the config file'} and reload again: systemctl reload "
+                  "inboxd, or SIGHUP)", error=why, applied=0)
 
     async def reload(self, pipeline: Pipeline) -> None:
         try:
-            new = load_checked_config(self.config_path, self.overrides)
+            # In a thread: a config on a hung network filesystem must not stop the event loop.
+            new = await asyncio.to_thread(load_checked_config, self.config_path, self.overrides)
             new, _ = with_device_defaults(new, pipeline.model.device, pipeline.model.max_batch)
             # A larger batch is checked against the model (a .pt2 program's bound) and warmed
             # on the model's thread *before* the batcher may produce it.
             warmed, warm_s = await pipeline.engine.warm_up(new.batch.max_size)
         except ConfigError as exc:
-            logs.emit(logging.ERROR, "reloaded",
-                      f"reload refused, the running configuration stays: {exc}",
-                      error=str(exc), applied=0)
+            self._reload_refused(str(exc))
             return
+        self.reload_failure = None
         live, restart = config_changes(self.config, new)
         pipeline.apply_live(new)
         self.config = pipeline.config
