@@ -57,6 +57,7 @@ class Agreement:
     median_delta: float
     p95_delta: float
     max_delta: float
+    changed: int  # variants whose scores moved at all (the rest got the reference's pixels)
 
     def holds(self) -> bool:
         return (self.top1_agreement >= MIN_TOP1_AGREEMENT
@@ -64,13 +65,13 @@ class Agreement:
 
     def row(self) -> str:
         verdict = "holds" if self.holds() else "MISSES"
-        return (f"| {self.name} | {self.n} | {100 * self.top1_agreement:.1f} | "
+        return (f"| {self.name} | {self.n} | {self.changed} | {100 * self.top1_agreement:.1f} | "
                 f"{self.median_delta:.4f} | {self.p95_delta:.4f} | {self.max_delta:.4f} | "
                 f"{verdict} |")
 
 
-HEADER = ("| path | n | top-1 agreement % | median abs(Δ top-1) | p95 | max | contract |\n"
-          "|---|---|---|---|---|---|---|")
+HEADER = ("| path | n | changed | top-1 agreement % | median abs(Δ top-1) | p95 | max | "
+          "contract |\n|---|---|---|---|---|---|---|---|")
 
 
 def eager_fp32_predict() -> Predict:
@@ -134,8 +135,9 @@ def compare(name: str, reference: torch.Tensor, scores: torch.Tensor) -> Agreeme
     agree = float((scores.argmax(dim=1) == ref_top1).float().mean())
     rows = torch.arange(len(ref_top1))
     delta = (scores[rows, ref_top1] - reference[rows, ref_top1]).abs().numpy()
+    changed = int((scores != reference).any(dim=1).sum())
     return Agreement(name, len(delta), agree, float(np.median(delta)),
-                     float(np.percentile(delta, 95)), float(delta.max()))
+                     float(np.percentile(delta, 95)), float(delta.max()), changed)
 
 
 class Corpus:

@@ -29,6 +29,8 @@ def test_every_default_decode_path_keeps_the_contract() -> None:
     assert sum(r.n for r in results[:-1]) == len(measured.variants)  # every format has a path
     for result in results:
         assert result.holds(), result.row()
+    # Not trivially: the fast path gives other pixels than the exact one for a good share.
+    assert results[-1].changed >= len(measured.variants) // 4, results[-1].row()
 
 
 def test_the_fast_decode_is_not_the_exact_one() -> None:
