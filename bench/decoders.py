@@ -66,6 +66,37 @@ def vips_crop(data: bytes, resize: int, crop: int) -> np.ndarray:
                       shape=(image.height, image.width, image.bands))
 
 
+def vips_margin_crop(data: bytes, resize: int, crop: int, margin: float = 4) -> np.ndarray:
+    """libvips held to Pillow fast's fidelity: a JPEG shrunk on load only down to ``margin`` ×
+    the target (jpegload ``shrink``), then libvips' resize (a box shrink, then cubic)."""
+    import pyvips
+
+    head = pyvips.Image.new_from_buffer(data, "")
+    options = {}
+    if head.get("vips-loader") == "jpegload_buffer":
+        shorter = min(head.width, head.height)
+        shrink = max([s for s in (1, 2, 4, 8) if shorter / s >= margin * resize] or [1])
+        options["shrink"] = shrink
+    image = pyvips.Image.new_from_buffer(data, "", access="sequential", **options).autorot()
+    width, height = image.width, image.height
+    if width <= height:
+        new_w, new_h = resize, int(resize * height / width)
+    else:
+        new_w, new_h = int(resize * width / height), resize
+    image = image.resize(new_w / width, vscale=new_h / height, kernel="cubic")
+    left, top = round((new_w - crop) / 2.0), round((new_h - crop) / 2.0)
+    image = image.crop(left, top, crop, crop)
+    if image.hasalpha():
+        image = image.flatten(background=[255, 255, 255])
+    if image.interpretation not in ("srgb", "b-w"):
+        image = image.colourspace("srgb")
+    if image.bands == 1:
+        image = image.bandjoin([image, image])
+    image = image.cast("uchar")
+    return np.ndarray(buffer=image.write_to_memory(), dtype=np.uint8,
+                      shape=(image.height, image.width, image.bands))
+
+
 def photos() -> dict[str, list[Path]]:
     """Kind of photo -> files: the bench corpus's JPEGs, and HEIC/WebP made from its 12 MP."""
     OUT.mkdir(parents=True, exist_ok=True)
@@ -113,12 +144,12 @@ def child(decoder: str, threads: int, files: list[str]) -> None:
                      "max_image_pixels": MAX_PIXELS, "max_file_bytes": 256 << 20,
                      "decode_memory_bytes": DECODE_MEMORY_BYTES})
     worker.warm_up()
-    if decoder == "vips":
+    if decoder.startswith("vips"):
         import pyvips
 
         pyvips.cache_set_max(0)  # a worker decodes each file once: nothing to cache
     datas = [Path(f).read_bytes() for f in files]
-    if decoder == "vips":
+    if decoder.startswith("vips"):
         try:
             vips_crop(datas[0], 256, 224)
         except pyvips.Error as exc:  # pyvips-binary's libheif has no HEVC decoder
@@ -130,6 +161,8 @@ def child(decoder: str, threads: int, files: list[str]) -> None:
     def decode(data: bytes) -> np.ndarray:
         if decoder == "vips":
             return vips_crop(data, 256, 224)
+        if decoder == "vips-margin4":
+            return vips_margin_crop(data, 256, 224)
         return pillow.decode_image(data, moded, MAX_PIXELS).pixels
 
     for data in datas:  # untimed: each decoder's first use of each code path
@@ -160,6 +193,68 @@ def run_child(decoder: str, threads: int, files: list[Path]) -> dict[str, object
     return result
 
 
+INTERLEAVED = ("pillow-exact", "pillow-fast", "vips", "vips-margin4")
+
+
+def interleaved_child(kinds: dict[str, list[str]], repeats: int) -> None:
+    """In one child set up as a worker: every decoder takes its turn on each photo in each
+    round, so a shared machine's load falls on all of them alike."""
+    import pyvips
+    from inboxd.decode import pillow
+    from inboxd.decode.worker import Worker
+
+    pyvips.cache_set_max(0)
+    from inboxd.decode.spec import PreprocessSpec
+
+    spec = PreprocessSpec(256, 224, "bicubic", (0.5,) * 3, (0.5,) * 3)
+    worker = Worker({"spec": {"resize": 256, "crop": 224, "interpolation": "bicubic",
+                              "mean": (0.5,) * 3, "std": (0.5,) * 3, "resize_mode": "exact"},
+                     "max_image_pixels": MAX_PIXELS, "max_file_bytes": 256 << 20,
+                     "decode_memory_bytes": DECODE_MEMORY_BYTES})
+    worker.warm_up()
+    vips_crop(Path(kinds["12-MP JPEG"][0]).read_bytes(), 256, 224)
+    worker.limit_memory()
+    decoders = {
+        "pillow-exact": lambda d: pillow.decode_image(d, spec, MAX_PIXELS).pixels,
+        "pillow-fast": lambda d: pillow.decode_image(d, replace(spec, resize_mode="fast"),
+                                                     MAX_PIXELS).pixels,
+        "vips": lambda d: vips_crop(d, 256, 224),
+        "vips-margin4": lambda d: vips_margin_crop(d, 256, 224),
+    }
+    times: dict[str, dict[str, list[float]]] = {}
+    for _ in range(repeats):
+        for kind, files in kinds.items():
+            for file in files:
+                data = Path(file).read_bytes()
+                for name in INTERLEAVED:
+                    if "HEIC" in kind and name.startswith("vips"):
+                        continue
+                    started = time.perf_counter()
+                    decoders[name](data)
+                    elapsed_ms = (time.perf_counter() - started) * 1000
+                    times.setdefault(name, {}).setdefault(kind, []).append(elapsed_ms)
+    print(json.dumps(times))
+
+
+def interleaved(kinds: dict[str, list[Path]], repeats: int) -> None:
+    from inboxd.decode.worker_process import worker_env
+
+    env = {**worker_env(), "VIPS_CONCURRENCY": "1"}
+    chosen = {k: [str(p) for p in v] for k, v in kinds.items() if k != "12-MP HEIC"}
+    out = subprocess.run([sys.executable, "-m", "bench.decoders", "--interleaved-child",
+                          json.dumps(chosen), str(repeats)], env=env, capture_output=True,
+                         text=True, check=True, timeout=1200)
+    times = json.loads(out.stdout.strip().splitlines()[-1])
+    names = list(chosen)
+    print("\n| decoder, in turns, one thread | " + " | ".join(f"{k} ms (median / min)"
+                                                          for k in names) + " |")
+    print("|---|" + "---|" * len(names))
+    for name in INTERLEAVED:
+        cells = [f"{statistics.median(times[name][k]):.1f} / {min(times[name][k]):.1f}"
+                 if k in times[name] else "cannot" for k in names]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
 def parallel_heic(kinds: dict[str, list[Path]], repeats: int, workers: int = 2) -> None:
     """``workers`` children decoding the same HEICs at once, as a busy daemon's workers do: each
     one's median ms per photo while the others decode too (their timed passes overlap), for
@@ -187,14 +282,24 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--heic-parallel", action="store_true",
                         help="only the HEIC threads with two workers decoding at once")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="only every decoder in turns on each photo, in one worker")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--interleaved-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.child[0], int(args.child[1]), args.child[2:])
         return
+    if args.interleaved_child:
+        interleaved_child(json.loads(args.interleaved_child[0]),
+                          int(args.interleaved_child[1]))
+        return
     kinds = photos()
     if args.heic_parallel:
         parallel_heic(kinds, args.repeats)
+        return
+    if args.interleaved:
+        interleaved(kinds, args.repeats)
         return
     results: dict[tuple[str, int, str], list[float]] = {}
     peaks: dict[tuple[str, int], float] = {}
