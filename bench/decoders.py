@@ -77,7 +77,7 @@ def vips_margin_crop(data: bytes, resize: int, crop: int, margin: float = 4) -> 
         shorter = min(head.width, head.height)
         shrink = max([s for s in (1, 2, 4, 8) if shorter / s >= margin * resize] or [1])
         options["shrink"] = shrink
-    image = pyvips.Image.new_from_buffer(data, "", access="sequential", **options).autorot()
+    image = pyvips.Image.new_from_buffer(data, "", **options).autorot()
     width, height = image.width, image.height
     if width <= height:
         new_w, new_h = resize, int(resize * height / width)
