@@ -114,6 +114,7 @@ bench-fidelity: setup-test
 
 # Pillow exact/fast against libvips, in worker-limited children, in turns.
 bench-decoders: setup-test
+	$(BIN)/python -m pip install -q -e '.[vips]'
 	$(BIN)/python -m bench.decoders --interleaved $(BENCH_ARGS)
 
 bench-sweep: setup-test

@@ -12,7 +12,8 @@ JPEG DCT scaling, libwebp's scaled decode), then the centre crop, alpha over whi
 ``VIPS_CONCURRENCY`` sets its thread pool; HEIC threads are libheif's (pillow-heif's
 ``DECODE_THREADS`` for Pillow).
 
-    python -m bench.decoders [--repeats 3]
+    pip install -e '.[vips]'   # pyvips + pyvips-binary: for this benchmark only
+    python -m bench.decoders [--repeats 3] [--interleaved | --heic-parallel]
 """
 
 from __future__ import annotations

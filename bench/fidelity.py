@@ -196,12 +196,20 @@ def main() -> None:
     if not args.sweep:
         return
     candidates = sweep_paths(spec, predict)
-    from bench.decoders import vips_crop
+    try:
+        import pyvips  # noqa: F401  (pyproject's `vips` extra: a benchmark's, not the daemon's)
+    except ImportError:
+        print("(no libvips rows: pip install -e '.[vips]')")
+    else:
+        from bench.decoders import vips_crop, vips_margin_crop
 
-    candidates.append(FidelityPath(
-        "libvips thumbnail (JPEG, WebP, PNG: its libheif has no HEVC)",
-        lambda data: vips_crop(data, spec.resize, spec.crop), predict,
-        lambda v: v.fmt != "HEIC"))
+        candidates += [
+            FidelityPath("libvips thumbnail (JPEG, WebP, PNG: its libheif has no HEVC)",
+                         lambda data: vips_crop(data, spec.resize, spec.crop), predict,
+                         lambda v: v.fmt != "HEIC"),
+            FidelityPath("libvips shrink-on-load to ≥4× + resize (cubic), JPEG",
+                         lambda data: vips_margin_crop(data, spec.resize, spec.crop), predict,
+                         is_jpeg)]
     for path in candidates:
         print(data.measure(path).row())
     torch.set_num_threads(1)
