@@ -107,7 +107,7 @@ uninstall:
 	@PREFIX=$(PREFIX) bash systemd/install.sh uninstall
 
 # Benchmarks (bench/): one table + JSON + PNG under bench/out/. Not tests: figures, not asserts.
-.PHONY: bench bench-sweep bench-ray bench-overhead bench-peer
+.PHONY: bench bench-sweep bench-ray bench-overhead bench-peer bench-fidelity bench-decoders
 bench: setup-test
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
@@ -123,6 +123,15 @@ bench-overhead: setup-test
 # run also encodes the HEIC photos). BENCH_ARGS="--scale quick" checks it works in about 2.
 bench-peer: setup-test
 	$(BIN)/python -m bench.peer_vs_inboxd $(BENCH_ARGS)
+
+# The fidelity contract: every default fast decode path against resize: exact + eager fp32 on
+# the 324-variant corpus (built once into var/corpus), with the draft/reducing_gap candidates.
+bench-fidelity: setup-test
+	$(BIN)/python -m bench.fidelity --sweep $(BENCH_ARGS)
+
+# Pillow exact/fast against libvips, in worker-limited children, in turns.
+bench-decoders: setup-test
+	$(BIN)/python -m bench.decoders --interleaved $(BENCH_ARGS)
 
 bench-sweep: setup-test
 	$(BIN)/python -m bench.sweep $(BENCH_ARGS)

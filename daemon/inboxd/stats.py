@@ -20,8 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from inboxd.item import PermanentError
-
 # Percentiles are taken over the most recent samples only, so this window never grows.
 SAMPLE_WINDOW = 2048
 
@@ -82,18 +80,11 @@ class Counters:
 # Why a file failed, coarsely: the metrics label. Each exception class declares its own
 # (``reason_class``, inboxd.item); classify_failure() reads it.
 REASON_CLASSES = ("decode", "too_large", "io", "model", "refused", "other")
-# Raised in modules another change owns right now (decode/pillow.py: a decompression bomb, an
-# image over max_image_pixels; models/engines/local.py: the model failing on one input) as a plain
-# PermanentError: their class until those raise TooLargeError / ModelError.
-_UNDECLARED = (("decompression bomb", "too_large"), ("the model failed", "model"))
 
 
 def classify_failure(exc: BaseException) -> str:
     """The reason class of the exception that made a file fail (one of REASON_CLASSES)."""
     declared = getattr(exc, "reason_class", None)
-    if type(exc) is PermanentError:
-        text = str(exc).lower()
-        declared = next((cls for words, cls in _UNDECLARED if words in text), declared)
     if declared in REASON_CLASSES:
         return str(declared)
     if isinstance(exc, OSError):

@@ -15,6 +15,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ import pytest
 from inboxd.decode.pillow import decode_image
 from inboxd.decode.pool import DecodePool
 from inboxd.decode.replies import DecodeTimedOut
-from inboxd.decode.spec import PreprocessSpec
+from inboxd.decode.spec import PreprocessSpec, ResizeMode
 from inboxd.decode.worker_process import WorkerSettings
 from inboxd.files.reading import HASH_CHUNK_BYTES
 from inboxd.item import PermanentError, TransientError
@@ -39,10 +40,10 @@ FAULTS = ("abort=abort,segv=segv,hang=hang,alloc=balloon,exit=exits,"
 MiB = 1 << 20
 
 
-def settings(**overrides: float) -> WorkerSettings:
+def settings(spec: PreprocessSpec = SPEC, **overrides: float) -> WorkerSettings:
     values = {"max_image_pixels": 89_478_485, "max_file_bytes": 256 * MiB,
               "decode_memory_bytes": 512 * MiB, "decode_timeout_s": 20.0, **overrides}
-    return WorkerSettings(SPEC, int(values["max_image_pixels"]), int(values["max_file_bytes"]),
+    return WorkerSettings(spec, int(values["max_image_pixels"]), int(values["max_file_bytes"]),
                           int(values["decode_memory_bytes"]), float(values["decode_timeout_s"]))
 
 
@@ -284,15 +285,36 @@ def test_a_file_over_max_file_mb_is_refused_before_it_is_read(pool: DecodePool,
     assert result.sha256 is None
 
 
+@pytest.mark.parametrize("mode", ["exact", "fast"])
 @pytest.mark.parametrize("height", [8000, 40000])
-def test_an_extreme_aspect_ratio_decodes_in_bounded_memory(tmp_path: Path, height: int) -> None:
+def test_an_extreme_aspect_ratio_decodes_in_bounded_memory(tmp_path: Path, height: int,
+                                                           mode: ResizeMode) -> None:
     """1×8000 used to cost 2.1 GB (the strip resized to 256×2,048,000), 1×40000 a MemoryError."""
-    pool = DecodePool(1, settings())
+    pool = DecodePool(1, settings(replace(SPEC, resize_mode=mode)))
     try:
         result = pool.decode(bombs.write(tmp_path / "strip.png", bombs.png_strip(1, height)))
         assert result.error is None and result.image is not None, result
         assert result.image.pixels.shape == (224, 224, 3)
         assert result.peak_rss_bytes < 200 * MiB
+    finally:
+        pool.close()
+
+
+def test_the_resize_mode_reaches_the_workers(tmp_path: Path) -> None:
+    """A worker decodes with the spec's resize_mode: a 12-MP JPEG's fast crop is what
+    ``decode_image`` makes in fast mode here, and not the exact one."""
+    data = bombs.jpeg_bytes((4000, 3000))
+    path = bombs.write(tmp_path / "photo.jpg", data)
+    fast_spec = replace(SPEC, resize_mode="fast")
+    fast = decode_image(data, fast_spec, 89_478_485).pixels
+    exact = decode_image(data, SPEC, 89_478_485).pixels
+    assert not np.array_equal(fast, exact), "the photo does not tell the modes apart"
+    pool = DecodePool(1, settings(fast_spec))
+    try:
+        result = pool.decode(path)
+        assert result.image is not None, result
+        assert np.array_equal(result.image.pixels, fast)
+        assert (result.image.width, result.image.height) == (4000, 3000)
     finally:
         pool.close()
 

@@ -10,6 +10,7 @@ in tests/guarantees/crashers/ and are replayed here and in test_decode_isolation
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -42,9 +43,11 @@ CATEGORIES = (("the decoder crashed", "crash"), ("longer than preprocess.decode_
 
 
 def real_pool(workers: int = 2) -> DecodePool:
-    """The shipped limits (preprocess defaults) and the built-in model's resize and crop."""
+    """The shipped limits and resize mode (preprocess defaults) and the built-in model's resize
+    and crop."""
     pre = PreprocessConfig()
-    return DecodePool(workers, WorkerSettings(SPEC, pre.max_image_pixels, pre.max_file_mb << 20,
+    spec = dataclasses.replace(SPEC, resize_mode=pre.resize)
+    return DecodePool(workers, WorkerSettings(spec, pre.max_image_pixels, pre.max_file_mb << 20,
                                               pre.decode_memory_mb << 20, TIMEOUT_S))
 
 

@@ -16,10 +16,17 @@ from dataclasses import dataclass
 
 from PIL import Image, features
 
+HEIC_DECODE_THREADS = 4
 with contextlib.suppress(ImportError):  # a runtime dependency; without it HEIC is not offered
     import pillow_heif
 
     pillow_heif.register_heif_opener()
+    # libheif decodes with threads of its own (the tiles of a phone's grid HEIC, an HEVC
+    # stream's wavefronts), as Pillow's AVIF plugin does with one per usable core; a worker
+    # decodes on one thread otherwise, and HEIC is the slowest format it takes. Measured with
+    # two workers decoding at once on two cores, 4 threads were not slower than 2 or 1
+    # (bench/RESULTS.md): pillow-heif's default, set here so that a new default is a choice.
+    pillow_heif.options.DECODE_THREADS = HEIC_DECODE_THREADS
 with contextlib.suppress(ImportError):  # registers the JXL opener on import
     from pillow_jxl import JpegXLImagePlugin
 

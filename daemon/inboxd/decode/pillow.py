@@ -1,5 +1,10 @@
 """Bytes → an RGB uint8 crop with Pillow: orientation, mode, resize and crop as torchvision does.
 
+``spec.resize_mode`` (``preprocess.resize``) picks one of ``RESIZINGS``: ``exact`` gives
+torchvision's pixels; ``fast`` lets libjpeg decode a large JPEG at 1/2-1/8 scale and resizes
+every format in two steps, within the fidelity contract ``bench/fidelity.py`` measures. Either
+way the pixel bound is checked on the declared size before anything is decoded.
+
 Images stay uint8 H×W×3 (a quarter of float32); normalisation happens on the model's device, in
 one batched operation. Memory per file is bounded by the decoded size (``max_image_pixels``)
 whatever the aspect ratio: beyond ``FULL_RESIZE_MAX_RATIO`` only the crop is resized, so a 1×40000
@@ -14,6 +19,7 @@ from __future__ import annotations
 import functools
 import io
 import warnings
+from dataclasses import dataclass
 from typing import BinaryIO
 
 import numpy as np
@@ -21,11 +27,28 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from inboxd.decode import formats, jxl_header  # (formats registers the HEIF and JXL openers)
 from inboxd.decode.spec import PreprocessSpec
-from inboxd.item import DecodedImage, PermanentError
+from inboxd.item import DecodedImage, PermanentError, TooLargeError
 
-# JPEG draft decoding stops at this many times the resize target (see decode_image): with
-# 256, only photos whose shorter side is 4096 px or more decode at 1/2 scale.
-DRAFT_MARGIN = 8
+
+@dataclass(frozen=True, slots=True)
+class Resizing:
+    """How a decoded image gets to the resize target: JPEG DCT scaling down to no less than
+    ``draft_margin`` × the target's shorter side, then Pillow's resize, which with
+    ``reducing_gap`` first box-reduces by an integer factor down to that many times the
+    output size (Pillow's ``Image.resize(reducing_gap=)``), None: one full-support resample."""
+
+    draft_margin: float
+    reducing_gap: float | None
+
+
+# exact: the old behaviour, torchvision's pixels (with 256, only photos whose shorter side is
+# 4096 px or more decode at 1/2 scale, which tests/decode/test_fidelity.py holds to 2e-3).
+# fast: the margin and gap bench/fidelity.py measured to keep the contract on the corpus
+# (tests/decode/test_fast_fidelity.py); drafting to 2× the target, or a gap of 2, does not.
+RESIZINGS: dict[str, Resizing] = {
+    "exact": Resizing(draft_margin=8, reducing_gap=None),
+    "fast": Resizing(draft_margin=4, reducing_gap=3.0),
+}
 INTERPOLATIONS = {
     "bicubic": Image.Resampling.BICUBIC,
     "bilinear": Image.Resampling.BILINEAR,
@@ -54,7 +77,14 @@ def _taken_names() -> str:
 
 def decode_image(data: bytes | BinaryIO, spec: PreprocessSpec, max_pixels: int) -> DecodedImage:
     """Bytes (or a file open at its start) → RGB uint8 crop of ``spec.crop``², the way the model
-    was trained to see it."""
+    was trained to see it (``spec.resize_mode`` says how exactly)."""
+    return decode_resized(data, spec, max_pixels, RESIZINGS[spec.resize_mode])
+
+
+def decode_resized(data: bytes | BinaryIO, spec: PreprocessSpec, max_pixels: int,
+                   resizing: Resizing) -> DecodedImage:
+    """``decode_image`` with the resizing given (the benchmark and the fidelity test compare
+    others)."""
     source = io.BytesIO(data) if isinstance(data, bytes) else data
     prefix = source.read(len(jxl_header.CONTAINER_SIGNATURE))
     if prefix == b"":
@@ -76,23 +106,22 @@ def decode_image(data: bytes | BinaryIO, spec: PreprocessSpec, max_pixels: int) 
             _check_pixels(width, height, max_pixels)
             source_format, source_mode = opened.format, opened.mode
             if opened.format == "JPEG":
-                # Let libjpeg decode at 1/2, 1/4 or 1/8 scale, but only down to DRAFT_MARGIN ×
-                # the resize target, so that the antialiased resize after it gives what
-                # torchvision's Resize gives. Measured (bench/fidelity.py): drafting right
-                # down to the target changed 13 of 36 top-5s (score diff 7e-2); 1/2 scale at
-                # 12 MP, 5.9× the target, still moved scores by up to 8e-3.
-                scale = min(1.0, DRAFT_MARGIN * spec.resize / min(width, height))
+                # Let libjpeg decode at 1/2, 1/4 or 1/8 scale, but only down to a margin above
+                # the resize target, so that the antialiased resize after it still sees enough
+                # pixels: drafting right down to the target (DCT scaling in place of the
+                # antialiased resize) moves scores past the contract (bench/RESULTS.md).
+                scale = min(1.0, resizing.draft_margin * spec.resize / min(width, height))
                 opened.draft("RGB", (max(1, round(width * scale)), max(1, round(height * scale))))
             opened.load()
             # In place: a copy of every unrotated image would double the peak for nothing.
             ImageOps.exif_transpose(opened, in_place=True)
             image = to_rgb(opened)
             oriented_w, oriented_h = _oriented_size(width, height, image)
-            pixels = resize_and_crop(image, spec)
+            pixels = resize_and_crop(image, spec, resizing.reducing_gap)
     except PermanentError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise PermanentError(f"decompression bomb refused: {exc}") from exc
+        raise TooLargeError(f"decompression bomb refused: {exc}") from exc
     except UnidentifiedImageError as exc:
         raise PermanentError(f"not an image Pillow can read in a format inboxd takes "
                              f"({_taken_names()}), or corrupt") from exc
@@ -118,7 +147,7 @@ def decode_image(data: bytes | BinaryIO, spec: PreprocessSpec, max_pixels: int) 
 
 def _check_pixels(width: int, height: int, max_pixels: int) -> None:
     if width * height > max_pixels:
-        raise PermanentError(
+        raise TooLargeError(
             f"image is {width}×{height} = {width * height} pixels, more than "
             f"preprocess.max_image_pixels = {max_pixels} (a decompression bomb?)"
         )
@@ -148,8 +177,10 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def resize_and_crop(image: Image.Image, spec: PreprocessSpec) -> np.ndarray:
-    """torchvision's Resize(int) then CenterCrop.
+def resize_and_crop(image: Image.Image, spec: PreprocessSpec,
+                    reducing_gap: float | None = None) -> np.ndarray:
+    """torchvision's Resize(int) then CenterCrop (with ``reducing_gap``: Pillow's two-step
+    resize, a box reduce by an integer factor first, then the filter over fewer pixels).
 
     For extreme aspect ratios only the pixels the crop keeps are computed: Pillow's
     ``resize(box=...)`` samples the source with the same scale and filter support as a full
@@ -167,7 +198,7 @@ def resize_and_crop(image: Image.Image, spec: PreprocessSpec) -> np.ndarray:
     top = round((new_h - spec.crop) / 2.0)
     interpolation = INTERPOLATIONS[spec.interpolation]
     if new_w * new_h <= FULL_RESIZE_MAX_RATIO * spec.resize**2:
-        resized = image.resize((new_w, new_h), interpolation)
+        resized = image.resize((new_w, new_h), interpolation, reducing_gap=reducing_gap)
         cropped = resized.crop((left, top, left + spec.crop, top + spec.crop))
         return np.asarray(cropped, dtype=np.uint8)
     # The crop window in resized coordinates, clipped to the resized image: a crop larger than
@@ -176,7 +207,8 @@ def resize_and_crop(image: Image.Image, spec: PreprocessSpec) -> np.ndarray:
     x1, y1 = min(left + spec.crop, new_w), min(top + spec.crop, new_h)
     scale_x, scale_y = width / new_w, height / new_h
     box = (x0 * scale_x, y0 * scale_y, x1 * scale_x, y1 * scale_y)
-    window = image.resize((x1 - x0, y1 - y0), interpolation, box=box)
+    window = image.resize((x1 - x0, y1 - y0), interpolation, box=box,
+                          reducing_gap=reducing_gap)
     if (x0, y0, x1, y1) == (left, top, left + spec.crop, top + spec.crop):
         return np.asarray(window, dtype=np.uint8)
     canvas = Image.new("RGB", (spec.crop, spec.crop))

@@ -3,6 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+# fast: JPEGs decoded by libjpeg at a reduced scale (DCT scaling) and resized through Pillow's
+# reducing_gap, within the fidelity contract (bench/fidelity.py); exact: torchvision's pixels.
+ResizeMode = Literal["fast", "exact"]
+
+
+def resize_mode(value: object) -> ResizeMode:
+    """``value`` as a ResizeMode (a worker reads it from the daemon's request pipe)."""
+    if value == "fast":
+        return "fast"
+    if value == "exact":
+        return "exact"
+    raise ValueError(f"resize mode {value!r} is neither 'fast' nor 'exact'")
 
 
 @dataclass(frozen=True, slots=True)
@@ -14,3 +28,6 @@ class PreprocessSpec:
     interpolation: str
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
+    # Set by the daemon's preprocess.resize, not by the model: a model describes its input,
+    # and either mode gives that input. "exact" here, so a bare spec means torchvision's pixels.
+    resize_mode: ResizeMode = "exact"

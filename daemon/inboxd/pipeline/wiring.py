@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -97,9 +98,11 @@ class Pipeline:
             on_refused=self.outcomes.refused, clock=clock, held=self.held,
         )
         pre = config.preprocess
+        # The model says what its input is; preprocess.resize says how exactly the workers
+        # make it (the GPU route's tensors are torchvision's either way).
         self.decode_pool = DecodePool(pre.workers, WorkerSettings(
-            model.spec, pre.max_image_pixels, pre.max_file_mb << 20, pre.decode_memory_mb << 20,
-            pre.decode_timeout_s))
+            dataclasses.replace(model.spec, resize_mode=pre.resize), pre.max_image_pixels,
+            pre.max_file_mb << 20, pre.decode_memory_mb << 20, pre.decode_timeout_s))
         self.preprocessor = Preprocessor(
             self.queue, self.cache, self.decode_pool, pre.workers, pre.files_per_request,
             on_error=self.outcomes.error,

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from inboxd import logs
-from inboxd.item import PermanentError, TransientError, WorkItem
+from inboxd.item import ModelError, TransientError, WorkItem
 from inboxd.models.engines.cuda_overlap import Overlap
 from inboxd.models.engines.interface import DeviceFault, Outcome, is_device_error
 from inboxd.models.model import Model
@@ -123,7 +123,7 @@ def infer_splitting(model: Model, items: list[WorkItem]) -> list[Outcome]:
     if sick is not None:
         raise DeviceFault(f"{why} on one input, and a blank image fails too ({sick}): the "
                           "device or the model is broken, not the input")
-    return [(items[0], PermanentError(f"the model failed on this input: {why}"))]
+    return [(items[0], ModelError(f"the model failed on this input: {why}"))]
 
 
 def _halves(model: Model, items: list[WorkItem], why: str) -> list[Outcome]:
