@@ -26,9 +26,10 @@ import uuid
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from inboxd.files.renames import place
+from inboxd.files.renames import place_inside
+from inboxd.files.safe_paths import open_inside
 from inboxd.os_threads import name_this_thread
 
 TMP_DIRNAME = ".tmp"
@@ -42,6 +43,35 @@ _sync_pool_lock = threading.Lock()
 
 def tmp_dir_for(root: Path, instance: str) -> Path:
     return root / TMP_DIRNAME / instance
+
+
+class TmpDir(NamedTuple):
+    """A temp folder ``root/parts…``: ``root`` is trusted (a configured folder), the parts are
+    walked without following links and, with ``own``, checked to be the daemon's own (a temp
+    folder inside one others can write: the inbox's ``.processing/.tmp/<instance>``)."""
+
+    root: Path
+    parts: tuple[str, ...]
+    own: bool = False
+
+    @property
+    def path(self) -> Path:
+        return self.root.joinpath(*self.parts)
+
+    def open(self) -> contextlib.AbstractContextManager[int]:
+        return open_inside(self.root, self.parts, create=True, own=self.own)
+
+
+def tmp_dir_in(root: Path, instance: str) -> TmpDir:
+    """``root/.tmp/<instance>``, for a folder only the daemon writes (results/, done/, …)."""
+    return TmpDir(root, (TMP_DIRNAME, instance))
+
+
+def create_excl(name: str, dir_fd: int, mode: int = 0o644) -> int:
+    """A new file ``name`` in folder ``dir_fd``, for writing: never one that was there, never
+    through a link (``O_EXCL`` refuses an existing name, dangling links included)."""
+    return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                   mode, dir_fd=dir_fd)
 
 
 def tmp_name(tmp_dir: str | Path, suffix: str) -> str:
@@ -159,32 +189,34 @@ def _json_key(key: Any) -> str:
     return f'"{text}"' if text.isascii() and text.isidentifier() else json.dumps(text)
 
 
-def move(source: str | Path, target: str | Path, token: str, tmp_dir: str | Path) -> str:
-    """Move ``source`` to ``target`` or a free variant of its name (never replacing anything);
+def move(source: str | Path, root: str | Path, rel: str, token: str, tmp_dir: TmpDir) -> str:
+    """Move ``source`` to ``root/rel`` or a free variant of its name (never replacing anything,
+    the folders below ``root`` walked without following links: ``renames.place_inside``);
     across filesystems copy it to ``tmp_dir`` first (fsynced), so the destination only ever
     holds the whole file. Returns where it went."""
     try:
-        return place(source, target, token)
+        return os.path.join(root, place_inside(source, None, root, rel, token))
     except OSError as exc:
         if exc.errno != errno.EXDEV:
             raise
-    ensure_dir(tmp_dir)
-    tmp = tmp_name(tmp_dir, ".copy")
-    try:
-        if os.path.islink(source):
-            # A refused link travels as a link: copying would read (and file) what it points
-            # to, a file from outside the inbox.
-            os.symlink(os.readlink(source), tmp)
-        else:
-            fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            with os.fdopen(fd, "rb") as src, open(tmp, "xb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-                dst.flush()
-                os.fsync(dst.fileno())
-        final = place(tmp, target, token)
-    except BaseException:
-        unlink_quietly(tmp)
-        raise
+    with tmp_dir.open() as tmp_fd:
+        tmp = tmp_name("", ".copy")
+        try:
+            if os.path.islink(source):
+                # A refused link travels as a link: copying would read (and file) what it
+                # points to, a file from outside the inbox.
+                os.symlink(os.readlink(source), tmp, dir_fd=tmp_fd)
+            else:
+                fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                with os.fdopen(fd, "rb") as src, os.fdopen(create_excl(tmp, tmp_fd), "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+                    dst.flush()
+                    os.fsync(dst.fileno())
+            final = os.path.join(root, place_inside(tmp, tmp_fd, root, rel, token))
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=tmp_fd)
+            raise
     fsync_dir(os.path.dirname(final) or ".")
     os.unlink(source)
     return final

@@ -11,29 +11,41 @@ move is here, so that the no-replace and durable-first rules can be checked in o
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from pathlib import Path
 from typing import Any
 
-from inboxd.config import Config
+from inboxd.config import Config, ConfigError
 from inboxd.files import instances, renames
 from inboxd.files.durable import (
-    fsync_dir,
+    TMP_DIRNAME,
+    TmpDir,
+    create_excl,
     json_bytes,
     move,
     tmp_dir_for,
+    tmp_dir_in,
+    tmp_name,
     unlink_quietly,
     walk_files,
     write_tmp,
 )
 from inboxd.files.instances import LEDGER_SUFFIX, LOCK_WAIT_S, flock_within
-from inboxd.files.names import output_path, output_str, relative_inside
-from inboxd.files.renames import name_variants, rename_into, rename_noreplace, time_token
+from inboxd.files.names import fit_name, relative_inside
+from inboxd.files.renames import (
+    name_variants,
+    no_free_name,
+    place_inside,
+    rename_noreplace,
+    time_token,
+)
 from inboxd.files.results import ResultFiles, sha_token
-from inboxd.files.safe_paths import LinkedFolder, open_inside
+from inboxd.files.safe_paths import LinkedFolder, open_inside, split_rel
 
 ERROR_SUFFIX = ".error.json"
+PROCESSING = ".processing"
 # A file in flight at this many stage crashes in a row is failed instead of retried.
 CRASHES_BEFORE_FAILING = 2
 
@@ -57,14 +69,18 @@ class Lifecycle:
         self._processing = {inbox: os.fspath(config.processing_dir(inbox))
                             for inbox in config.inbox.paths}
         self._done = os.fspath(config.done_dir)
-        self._done_tmp = os.fspath(tmp_dir_for(config.done_dir, config.instance))
+        self._done_tmp = tmp_dir_in(config.done_dir, config.instance)
+        self._failed_tmp = tmp_dir_in(config.failed_dir, config.instance)
 
-    def tmp_dirs(self) -> list[Path]:
+    def processing_tmp(self, inbox: Path) -> TmpDir:
+        """The temp folder on an inbox's filesystem, inside ``.processing/``: a folder the group
+        can replace, so each part of it is checked to be ours."""
+        return TmpDir(inbox, (PROCESSING, TMP_DIRNAME, self.config.instance), own=True)
+
+    def tmp_dirs(self) -> list[TmpDir]:
         """Our temp folders, on the filesystem of each destination (emptied at start-up)."""
-        return [self.tmp_dir, tmp_dir_for(self.config.failed_dir, self.config.instance),
-                tmp_dir_for(self.config.done_dir, self.config.instance),
-                *(tmp_dir_for(inbox / ".processing", self.config.instance)
-                  for inbox in self.config.inbox.paths)]
+        return [tmp_dir_in(self.results_dir, self.config.instance), self._failed_tmp,
+                self._done_tmp, *(self.processing_tmp(inbox) for inbox in self.config.inbox.paths)]
 
     def lock_instance(self) -> None:
         """Hold ``<inbox>/.processing/<instance>.lock`` while we run. Two live daemons with one
@@ -76,9 +92,16 @@ class Lifecycle:
         if self._locks:
             return
         for inbox in self.config.inbox.paths:
-            lock_path = inbox / ".processing" / f"{self.config.instance}.lock"
-            lock_path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            inbox.mkdir(parents=True, exist_ok=True)  # the configured folder: trusted
+            try:
+                with open_inside(inbox, [PROCESSING], create=True, own=True) as processing:
+                    fd = os.open(f"{self.config.instance}.lock", os.O_RDWR | os.O_CREAT
+                                 | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644, dir_fd=processing)
+            except LinkedFolder as exc:  # a link, or somebody else's (ForeignFolder)
+                self.unlock_instance()
+                raise ConfigError(str(inbox), [
+                    f"{inbox / PROCESSING}: {exc.strerror}. inboxd keeps the files it works "
+                    "on there and never uses one it does not own"]) from None
             if not flock_within(fd, LOCK_WAIT_S):
                 holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
                 os.close(fd)
@@ -105,10 +128,13 @@ class Lifecycle:
         """Create every folder, and drop temp files a killed run of this instance left.
 
         An output folder that cannot be created now (a read-only or full disk) is not fatal:
-        the files wait in the inbox, and writing retries (and creates it) later. Returns what
-        could not be prepared, for the log."""
+        the files wait in the inbox, and writing retries (and creates it) later. Temp files
+        are only removed from a temp folder that is ours (made by us, not a link: one planted
+        in place of ``.processing/.tmp/<instance>`` could point at done/). Returns what could
+        not be prepared, for the log."""
         for inbox in self.config.inbox.paths:
-            self.config.processing_dir(inbox).mkdir(parents=True, exist_ok=True)
+            with open_inside(inbox, [PROCESSING, self.config.instance], create=True, own=True):
+                pass
         problems = []
         for folder in (self.config.results_dir, self.config.done_dir, self.config.failed_dir):
             try:
@@ -117,12 +143,14 @@ class Lifecycle:
                 problems.append(f"{folder}: {exc.strerror or exc}")
         for tmp_dir in self.tmp_dirs():  # made when first needed; emptied here if there
             try:
-                for leftover in tmp_dir.iterdir():
-                    leftover.unlink(missing_ok=True)
+                with open_inside(tmp_dir.root, tmp_dir.parts, own=True) as fd:
+                    for leftover in os.listdir(fd):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(leftover, dir_fd=fd)
             except FileNotFoundError:
                 pass
             except OSError as exc:
-                problems.append(f"{tmp_dir}: {exc.strerror or exc}")
+                problems.append(f"{tmp_dir.path}: {exc.strerror or exc}; not emptied")
         return problems
 
     # -- claiming ----------------------------------------------------------------------------
@@ -136,19 +164,16 @@ class Lifecycle:
         inbox would otherwise let the rename take a file from outside it (``OSError`` ELOOP).
         """
         parts = rel.split("/")
-        processing = self._processing.get(inbox) or os.fspath(self.config.processing_dir(inbox))
         with open_inside(inbox, parts[:-1]) as source_dir:
-            folder, leaf = os.path.split(output_str(processing, rel))
-            for name in name_variants(leaf, time_token()):
-                target = os.path.join(folder, name)
-                try:
-                    rename_into(parts[-1], target, source_dir)
-                except FileExistsError:
-                    continue
-                except FileNotFoundError:
-                    return None
-                return target
-        return None  # pragma: no cover - name_variants never ends
+            try:
+                # Into .processing/<instance>/ walked from the inbox and checked to be ours:
+                # the group can replace .processing with a folder of links.
+                placed = place_inside(parts[-1], source_dir, inbox,
+                                      f"{PROCESSING}/{self.config.instance}/{rel}",
+                                      time_token(), own=True)
+            except FileNotFoundError:
+                return None
+        return os.path.join(inbox, placed)
 
     def release(self, claimed: str | Path, inbox_path: str | Path) -> str | None:
         """Hand a claimed file back to the inbox, where a later scan finds it again (under a
@@ -164,9 +189,14 @@ class Lifecycle:
         else:
             inbox, rel = os.path.split(where)
         claimed_dir, claimed_name = os.path.split(claimed)
+        inside = relative_inside(claimed_dir, inbox)
         try:
-            with open_inside(claimed_dir, []) as folder:
-                placed = renames.place_inside(claimed_name, folder, inbox, rel, time_token())
+            # From the inbox, checked to be ours, when it is in .processing (it always is but
+            # in a takeover, which passes its own descriptor's folder).
+            with (open_inside(inbox, inside.split("/"), own=True)
+                  if inside is not None and inside.startswith(PROCESSING + "/")
+                  else open_inside(claimed_dir, [])) as folder:
+                placed = place_inside(claimed_name, folder, inbox, rel, time_token())
         except (FileNotFoundError, LinkedFolder):
             return None
         return os.path.join(inbox, placed)
@@ -260,13 +290,25 @@ class Lifecycle:
 
     def write_ledger(self, inbox: Path, instance: str, entries: dict[str, Any]) -> None:
         """Replace ``instance``'s ledger (ours, or a dead one's while we hold its lock)."""
-        processing = self.config.processing_dir(inbox)
-        if not entries and instance != self.config.instance:
-            self.ledger_path(inbox, instance).unlink(missing_ok=True)
-            return
-        tmp = write_tmp(tmp_dir_for(processing.parent, self.config.instance),
-                        json_bytes(entries), ".crashes")
-        os.replace(tmp, self.ledger_path(inbox, instance))
+        ledger = self.ledger_path(inbox, instance).name
+        with open_inside(inbox, [PROCESSING], own=True) as processing:
+            if not entries and instance != self.config.instance:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(ledger, dir_fd=processing)
+                return
+            with open_inside(processing, [TMP_DIRNAME, self.config.instance], create=True,
+                             own=True) as tmp_dir:
+                tmp = tmp_name("", ".crashes")
+                try:
+                    with os.fdopen(create_excl(tmp, tmp_dir), "wb") as handle:
+                        handle.write(json_bytes(entries))
+                        handle.flush()
+                        os.fsync(handle.fileno())
+                    os.replace(tmp, ledger, src_dir_fd=tmp_dir, dst_dir_fd=processing)
+                except BaseException:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp, dir_fd=tmp_dir)
+                    raise
 
     # -- outcomes ----------------------------------------------------------------------------
 
@@ -277,7 +319,7 @@ class Lifecycle:
         if policy == "delete":
             unlink_quietly(claimed)
         elif policy == "move":
-            move(claimed, output_str(self._done, name), sha_token(sha256), self._done_tmp)
+            move(claimed, self._done, name, sha_token(sha256), self._done_tmp)
         else:
             # keep: back where the user put it; intake skips files whose result describes them.
             self.release(claimed, inbox_path)
@@ -285,42 +327,61 @@ class Lifecycle:
     def finish_failure(self, claimed: str | Path | None, key: str,
                        report: dict[str, Any]) -> str:
         """``failed/<name>.error.json`` first, then the source under the same ``<name>``: never
-        a failed file without why, never over an earlier failure. Returns ``<name>``."""
-        failed_dir = self.config.failed_dir
+        a failed file without why, never over an earlier failure. Returns ``<name>``. A key
+        whose folder in failed/ is a file (``x.jpg/a.png`` after ``x.jpg`` failed: its report
+        is ``x.jpg.error.json``, its file ``x.jpg``) is filed at the top of failed/ instead:
+        its report says where it came from, which is all ``inboxd retry`` needs."""
         sha = report.get("sha256")
         token = sha_token(sha) if isinstance(sha, str) else time_token()
-        tmp = write_tmp(tmp_dir_for(failed_dir, self.config.instance), json_bytes(report),
-                        ERROR_SUFFIX)
+        tmp = write_tmp(self._failed_tmp.path, json_bytes(report), ERROR_SUFFIX)
         try:
-            folder, _, leaf = key.rpartition("/")
-            for name in name_variants(leaf, token):
-                variant = f"{folder}/{name}" if folder else name
-                target = output_path(failed_dir, variant)
-                if os.path.lexists(target):
-                    continue
-                report_path = output_path(failed_dir, variant, ERROR_SUFFIX)
-                report_path.parent.mkdir(parents=True, exist_ok=True)
-                try:
-                    rename_noreplace(tmp, report_path)
-                except FileExistsError:
-                    continue
-                fsync_dir(report_path.parent)
-                if claimed is not None and os.path.lexists(claimed):
-                    self._move_failed(claimed, target, report_path)
-                return variant
+            try:
+                return self._file_failure(claimed, key, tmp, token)
+            except LinkedFolder:
+                if "/" not in key:
+                    raise
+                return self._file_failure(claimed, key.rpartition("/")[2], tmp, token)
         finally:
             unlink_quietly(tmp)
-        raise AssertionError("name_variants never ends")  # pragma: no cover
 
-    def _move_failed(self, claimed: str | Path, target: Path, report_path: Path) -> None:
+    def _file_failure(self, claimed: str | Path | None, key: str, tmp: str, token: str) -> str:
+        failed_dir = self.config.failed_dir
+        folders, leaf = split_rel(key)
+        folders = [fit_name(part, "") for part in folders]
+        with open_inside(failed_dir, folders, create=True) as folder:
+            for name in name_variants(fit_name(leaf, ""), token):
+                variant = "/".join([*folders, name])
+                if _lexists(name, folder):
+                    continue
+                report_name = fit_name(name, ERROR_SUFFIX)
+                try:
+                    rename_noreplace(tmp, report_name, None, folder)
+                except FileExistsError:
+                    continue
+                os.fsync(folder)
+                if claimed is not None and os.path.lexists(claimed):
+                    self._move_failed(claimed, folder, variant, report_name)
+                return variant
+        raise no_free_name(failed_dir / key)
+
+    def _move_failed(self, claimed: str | Path, folder: int, variant: str,
+                     report_name: str) -> None:
         try:
-            rename_noreplace(claimed, target)
+            rename_noreplace(claimed, variant.rpartition("/")[2], None, folder)
         except OSError as exc:
             if exc.errno == errno.EXDEV:
-                move(claimed, target, "x", tmp_dir_for(self.config.failed_dir,
-                                                        self.config.instance))
+                move(claimed, self.config.failed_dir, variant, "x", self._failed_tmp)
                 return
             # The report is out but the source could not follow (a file appeared under that
             # very name since the check): take the report back, so there is one outcome only.
-            report_path.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(report_name, dir_fd=folder)
             raise
+
+
+def _lexists(name: str, folder: int) -> bool:
+    try:
+        os.stat(name, dir_fd=folder, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True

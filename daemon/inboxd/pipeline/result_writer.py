@@ -159,6 +159,9 @@ class ResultWriter:
         for item, existed, problem in _filed(good, committed):
             if problem is None:
                 self.outcomes.completed(item, duplicate=existed)
+            elif not item.name:  # no result: this file's own permanent problem
+                item.finishing = item.name = None
+                await self.outcomes.error(item, PermanentError(problem.strerror or str(problem)))
             else:
                 # The result is durable: only the move is retried, never the work.
                 await self.outcomes.finish_later(item, problem)
