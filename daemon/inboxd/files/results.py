@@ -136,8 +136,7 @@ class ResultFiles:
 
     def refusal(self, key: str) -> LinkedFolder | None:
         """Why ``key``'s result (or, with after_success: move, its source in done/) can never
-        be filed: a folder on the way is a file or a link. None: it can; the folders are made.
-        """
+        be filed: a folder on the way is a file or a link. None: it can."""
         self.json_file(key)  # an unsafe key (``..``) is a bug, raised as such
         folders, _ = split_rel(key)
         if not folders:
@@ -147,8 +146,10 @@ class ResultFiles:
             if root is None:
                 continue
             try:
-                with open_inside(root, parts, create=True):
+                with open_inside(root, parts):
                     pass
+            except FileNotFoundError:
+                continue  # a part is missing, so is all below it: they are made when filed
             except LinkedFolder as exc:
                 return LinkedFolder(exc.errno, f"it cannot be filed under {label}/"
                                     f"{'/'.join(folders)}/: {exc.strerror}; rename that folder "

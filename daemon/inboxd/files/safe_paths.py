@@ -89,9 +89,9 @@ def _open_part(fd: int, part: str, create: bool, mode: int) -> int:
         return os.open(part, DIR_FLAGS, dir_fd=fd)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            what = "a symbolic link" if _is_link(fd, part) else "not a folder"
-            raise LinkedFolder(exc.errno, f"{part} is {what}, where a folder should be; links "
-                               "are never followed", part) from None
+            what = ("a symbolic link, not a folder; links are never followed"
+                    if _is_link(fd, part) else "not a folder (a file has that name)")
+            raise LinkedFolder(exc.errno, f"{part} is {what}", part) from None
         raise
 
 
