@@ -20,6 +20,7 @@ import errno
 import json
 import os
 import shutil
+import stat
 import threading
 import time
 import uuid
@@ -189,25 +190,29 @@ def _json_key(key: Any) -> str:
     return f'"{text}"' if text.isascii() and text.isidentifier() else json.dumps(text)
 
 
-def move(source: str | Path, root: str | Path, rel: str, token: str, tmp_dir: TmpDir) -> str:
-    """Move ``source`` to ``root/rel`` or a free variant of its name (never replacing anything,
-    the folders below ``root`` walked without following links: ``renames.place_inside``);
-    across filesystems copy it to ``tmp_dir`` first (fsynced), so the destination only ever
-    holds the whole file. Returns where it went."""
+def move(source: str | Path, root: str | Path, rel: str, token: str, tmp_dir: TmpDir,
+         source_dir_fd: int | None = None) -> str:
+    """Move ``source`` (relative to folder ``source_dir_fd`` when given) to ``root/rel`` or a
+    free variant of its name (never replacing anything, the folders below ``root`` walked
+    without following links: ``renames.place_inside``); across filesystems copy it to
+    ``tmp_dir`` first (fsynced), so the destination only ever holds the whole file. Returns
+    where it went."""
     try:
-        return os.path.join(root, place_inside(source, None, root, rel, token))
+        return os.path.join(root, place_inside(source, source_dir_fd, root, rel, token))
     except OSError as exc:
         if exc.errno != errno.EXDEV:
             raise
     with tmp_dir.open() as tmp_fd:
         tmp = tmp_name("", ".copy")
         try:
-            if os.path.islink(source):
+            info = os.stat(source, dir_fd=source_dir_fd, follow_symlinks=False)
+            if stat.S_ISLNK(info.st_mode):
                 # A refused link travels as a link: copying would read (and file) what it
                 # points to, a file from outside the inbox.
-                os.symlink(os.readlink(source), tmp, dir_fd=tmp_fd)
+                os.symlink(os.readlink(source, dir_fd=source_dir_fd), tmp, dir_fd=tmp_fd)
             else:
-                fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             dir_fd=source_dir_fd)
                 with os.fdopen(fd, "rb") as src, os.fdopen(create_excl(tmp, tmp_fd), "wb") as dst:
                     shutil.copyfileobj(src, dst, 1 << 20)
                     dst.flush()
@@ -218,7 +223,7 @@ def move(source: str | Path, root: str | Path, rel: str, token: str, tmp_dir: Tm
                 os.unlink(tmp, dir_fd=tmp_fd)
             raise
     fsync_dir(os.path.dirname(final) or ".")
-    os.unlink(source)
+    os.unlink(source, dir_fd=source_dir_fd)
     return final
 
 

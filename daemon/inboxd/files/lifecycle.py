@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -188,18 +189,28 @@ class Lifecycle:
                 break
         else:
             inbox, rel = os.path.split(where)
-        claimed_dir, claimed_name = os.path.split(claimed)
-        inside = relative_inside(claimed_dir, inbox)
         try:
-            # From the inbox, checked to be ours, when it is in .processing (it always is but
-            # in a takeover, which passes its own descriptor's folder).
-            with (open_inside(inbox, inside.split("/"), own=True)
-                  if inside is not None and inside.startswith(PROCESSING + "/")
-                  else open_inside(claimed_dir, [])) as folder:
-                placed = place_inside(claimed_name, folder, inbox, rel, time_token())
+            with self.claimed_file(claimed) as (folder, name):
+                placed = place_inside(name, folder, inbox, rel, time_token())
         except (FileNotFoundError, LinkedFolder):
             return None
         return os.path.join(inbox, placed)
+
+    @contextlib.contextmanager
+    def claimed_file(self, claimed: str | Path) -> Iterator[tuple[int | None, str]]:
+        """A claimed file as (its folder's descriptor, its name), the folder walked from its
+        inbox and checked to be ours: the group can swap ``.processing`` for a folder of links
+        to files elsewhere, and a move by path would take one of those. A path that is not in
+        a ``.processing/`` (a takeover's ``/proc/self/fd/N/name``) is used as it is."""
+        path = os.fspath(claimed)
+        for inbox in self.config.inbox.paths:
+            rel = relative_inside(path, inbox)
+            if rel is not None and rel.startswith(PROCESSING + "/"):
+                folders, name = split_rel(rel)
+                with open_inside(inbox, folders, own=True) as folder:
+                    yield folder, name
+                return
+        yield None, path
 
     def recover(self) -> tuple[int, int]:
         """Return every file this instance had claimed (after a crash) to its inbox — except
@@ -317,9 +328,12 @@ class Lifecycle:
         """After the result is durable: move, delete or keep the source, per config."""
         policy = self.config.inbox.after_success
         if policy == "delete":
-            unlink_quietly(claimed)
+            with self.claimed_file(claimed) as (folder, leaf), \
+                    contextlib.suppress(FileNotFoundError):
+                os.unlink(leaf, dir_fd=folder)
         elif policy == "move":
-            move(claimed, self._done, name, sha_token(sha256), self._done_tmp)
+            with self.claimed_file(claimed) as (folder, leaf):
+                move(leaf, self._done, name, sha_token(sha256), self._done_tmp, folder)
         else:
             # keep: back where the user put it; intake skips files whose result describes them.
             self.release(claimed, inbox_path)
@@ -359,19 +373,29 @@ class Lifecycle:
                 except FileExistsError:
                     continue
                 os.fsync(folder)
-                if claimed is not None and os.path.lexists(claimed):
+                if claimed is not None:
                     self._move_failed(claimed, folder, variant, report_name)
                 return variant
         raise no_free_name(failed_dir / key)
 
     def _move_failed(self, claimed: str | Path, folder: int, variant: str,
                      report_name: str) -> None:
+        walked = False
         try:
-            rename_noreplace(claimed, variant.rpartition("/")[2], None, folder)
+            with self.claimed_file(claimed) as (source_dir, source):
+                walked = True
+                if not _lexists(source, source_dir):
+                    return  # gone (a report for a file only: fail_crasher's, or a lost one)
+                try:
+                    rename_noreplace(source, variant.rpartition("/")[2], source_dir, folder)
+                except OSError as exc:
+                    if exc.errno != errno.EXDEV:
+                        raise
+                    move(source, self.config.failed_dir, variant, "x", self._failed_tmp,
+                         source_dir)
         except OSError as exc:
-            if exc.errno == errno.EXDEV:
-                move(claimed, self.config.failed_dir, variant, "x", self._failed_tmp)
-                return
+            if not walked and isinstance(exc, FileNotFoundError):
+                return  # its folder is gone, and the file with it: the report stands alone
             # The report is out but the source could not follow (a file appeared under that
             # very name since the check): take the report back, so there is one outcome only.
             with contextlib.suppress(FileNotFoundError):
@@ -379,7 +403,7 @@ class Lifecycle:
             raise
 
 
-def _lexists(name: str, folder: int) -> bool:
+def _lexists(name: str, folder: int | None) -> bool:
     try:
         os.stat(name, dir_fd=folder, follow_symlinks=False)
     except FileNotFoundError:

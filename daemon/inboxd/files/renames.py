@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from inboxd.files.names import fit_name
-from inboxd.files.safe_paths import LinkedFolder, open_inside, split_rel
+from inboxd.files.safe_paths import ForeignFolder, LinkedFolder, open_inside, split_rel
 
 RENAME_NOREPLACE = 1
 AT_FDCWD = -100
@@ -48,6 +48,8 @@ class NoFreeName(OSError):
 def path_problem(exc: OSError) -> bool:
     """Whether ``exc`` is the destination path's own permanent problem (a folder on the way
     that is not one, no free name left), not a condition that may clear (a full disk)."""
+    if isinstance(exc, ForeignFolder):  # the layout (.processing swapped), not the path
+        return False
     return isinstance(exc, LinkedFolder | NoFreeName) or exc.errno in PATH_ERRNOS
 
 
