@@ -23,7 +23,9 @@ from inboxd import cli
 from inboxd.config import ConfigError, load_config
 from inboxd.files import retry
 from inboxd.files.lifecycle import Lifecycle
+from inboxd.files.reading import read_and_hash
 from inboxd.files.safe_paths import LinkedFolder
+from inboxd.item import TransientError
 from inboxd.pipeline.wiring import Pipeline
 
 from tests.conftest import make_image, write_config
@@ -241,3 +243,30 @@ def test_a_foreign_processing_folder_is_refused_with_a_clear_error(
     as_neighbour(lambda: (inbox / ".processing").mkdir())
     with pytest.raises(ConfigError, match="not the daemon's own folder: owned by uid 42421"):
         Lifecycle(load_config(config_path)).lock_instance()
+
+
+def test_a_claimed_file_is_never_read_through_a_swapped_processing_folder(
+        layout: tuple[Path, Path], tmp_path: Path) -> None:
+    """Claimed, then ``.processing`` swapped for the neighbour's with ``<instance>`` a link to
+    their own folder holding a file of the same name: read by path, the decode would read
+    (and file a result of) the neighbour's bytes for this file's name."""
+    config_path, outside = layout
+    inbox = tmp_path / "inbox"
+    lifecycle = Lifecycle(load_config(config_path))
+    lifecycle.lock_instance()
+    (inbox / "x.png").write_bytes(b"the real photo")
+    claimed = lifecycle.claim(inbox, "x.png")
+    assert claimed is not None
+    os.chown(outside, NEIGHBOUR_UID, GROUP_GID)
+
+    def plant() -> None:
+        (outside / "x.png").write_bytes(b"the neighbour's bytes")
+        os.rename(inbox / ".processing", inbox / ".processing-was")
+        (inbox / ".processing").mkdir()
+        (inbox / ".processing" / "default").symlink_to(outside)
+
+    as_neighbour(plant)
+    with pytest.raises(TransientError):
+        read_and_hash(claimed)
+    lifecycle.unlock_instance()
+    assert (inbox / ".processing-was" / "default" / "x.png").read_bytes() == b"the real photo"

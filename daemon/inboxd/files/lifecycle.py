@@ -43,10 +43,9 @@ from inboxd.files.renames import (
     time_token,
 )
 from inboxd.files.results import ResultFiles, sha_token
-from inboxd.files.safe_paths import LinkedFolder, open_inside, split_rel
+from inboxd.files.safe_paths import PROCESSING, LinkedFolder, open_inside, split_rel
 
 ERROR_SUFFIX = ".error.json"
-PROCESSING = ".processing"
 # A file in flight at this many stage crashes in a row is failed instead of retried.
 CRASHES_BEFORE_FAILING = 2
 

@@ -24,9 +24,9 @@ from typing import Any
 
 from inboxd.config import Config
 from inboxd.files.durable import TMP_DIRNAME, TmpDir, fsync_dir, json_bytes, move
-from inboxd.files.lifecycle import PROCESSING
 from inboxd.files.names import output_path
 from inboxd.files.renames import rename_noreplace, time_token
+from inboxd.files.safe_paths import PROCESSING
 
 REPORT_SUFFIX = ".error.json"
 ASIDE_PREFIX = "retry-"

@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+PROCESSING = ".processing"  # claimed files: ``<inbox>/.processing/<instance>/``
 
 
 class LinkedFolder(OSError):
