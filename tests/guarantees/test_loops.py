@@ -60,8 +60,8 @@ def test_a_folder_named_like_a_result_fails_its_files_and_the_daemon_goes_on(
     drop(make_image(tmp_path / "src" / "later.png", color=(9, 9, 9)), inbox)
     wait_until((tmp_path / "results" / "later.png.json").exists, 60, "a later file's result")
     report_path = tmp_path / "failed" / "a.png.json" / "p.png.error.json"
-    wait_until(report_path.exists, 60, "p.png's outcome")
-    assert (tmp_path / "failed" / "a.png.json" / "p.png").exists()
+    # The report comes first, the file follows it.
+    wait_until((tmp_path / "failed" / "a.png.json" / "p.png").exists, 60, "p.png's outcome")
     assert "not a folder" in read_json(report_path)["reason"]
     assert read_json(tmp_path / "results" / "a.png.json")["source"] == "a.png"  # untouched
     assert daemon.stop(timeout_s=30) == 0

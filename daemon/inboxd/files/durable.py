@@ -84,12 +84,12 @@ def tmp_name(tmp_dir: str | Path, suffix: str) -> str:
 def ensure_dir(folder: str | Path) -> None:
     """``mkdir -p``, one syscall when the folder is there (each write_tmp of a batch asks)."""
     try:
-        os.mkdir(folder)
+        os.mkdir(folder, 0o755)  # a temp folder: never writable by the group, whatever the umask
     except FileExistsError:
         if not os.path.isdir(folder):
             raise
     except FileNotFoundError:
-        os.makedirs(folder, exist_ok=True)
+        os.makedirs(folder, 0o755, exist_ok=True)
 
 
 def unlink_quietly(path: str | Path) -> None:

@@ -65,9 +65,6 @@ class Lifecycle:
                                    replace_kept=policy == "keep")
         self._locks: list[int] = []
         self.max_file_bytes = config.preprocess.max_file_mb * 2**20
-        # Per-folder paths, made once: claims and moves join file names to these as strs.
-        self._processing = {inbox: os.fspath(config.processing_dir(inbox))
-                            for inbox in config.inbox.paths}
         self._done = os.fspath(config.done_dir)
         self._done_tmp = tmp_dir_in(config.done_dir, config.instance)
         self._failed_tmp = tmp_dir_in(config.failed_dir, config.instance)
