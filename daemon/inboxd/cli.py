@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import os
 import re
+import secrets
 import shutil
+import stat
 import sys
 import threading
 from datetime import datetime, timedelta
@@ -163,16 +167,52 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def submit_file(source: Path, inbox: Path) -> Path:
-    """Copy under a hidden temp name (never picked up), fsync, then rename into place: the
-    daemon sees the whole file or nothing. copy2 keeps the old mtime, so it is taken at once."""
-    from inboxd.files.renames import place, time_token
+    """Copy ``source`` into the inbox so that the daemon sees the whole file or nothing.
 
-    tmp = inbox / f".{source.name}.{os.getpid()}.submit.tmp"
-    shutil.copy2(source, tmp)
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-    # Never over a file already waiting under that name: the next free variant instead.
-    return Path(place(tmp, inbox / source.name, time_token()))
+    The inbox is shared by a group, so nothing here follows a link or uses a name another
+    member could guess and plant one at: the copy is an unnamed file (``O_TMPFILE``) in the
+    inbox, opened by descriptor, fsynced, then linked in under its name (or a free variant;
+    a link there is a taken name, never followed). A full disk, a quota or an interrupt leaves
+    nothing behind, not even a kill: an unnamed file is gone with its descriptor. Where the
+    filesystem has no ``O_TMPFILE`` (NFS, vfat), a hidden temp with a random name, created
+    with ``O_EXCL|O_NOFOLLOW``, is renamed in instead, and removed on every failure. The old
+    mtime is kept (as ``cp -p``), so the daemon takes it at once."""
+    from inboxd.files.renames import first_free, rename_noreplace, time_token
+    from inboxd.files.safe_paths import open_inside
+
+    with open(source, "rb") as src, open_inside(inbox, []) as folder:
+        info = os.fstat(src.fileno())
+        tmp: str | None = None
+        try:
+            fd = os.open(".", os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600, dir_fd=folder)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+            tmp = f".inboxd-submit-{secrets.token_hex(16)}.tmp"  # hidden and .tmp: never taken
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600, dir_fd=folder)
+        try:
+            with os.fdopen(fd, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+                dst.flush()
+                os.fchmod(dst.fileno(), stat.S_IMODE(info.st_mode))
+                os.utime(dst.fileno(), ns=(info.st_atime_ns, info.st_mtime_ns))
+                os.fsync(dst.fileno())
+                if tmp is None:
+                    unnamed = f"/proc/self/fd/{dst.fileno()}"
+                    name = first_free(source.name, time_token(), lambda candidate: os.link(
+                        unnamed, candidate, dst_dir_fd=folder, follow_symlinks=True))
+            if tmp is not None:
+                named = tmp
+                name = first_free(source.name, time_token(), lambda candidate: rename_noreplace(
+                    named, candidate, folder, folder))
+                tmp = None
+        except BaseException:
+            if tmp is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp, dir_fd=folder)
+            raise
+    return inbox / name
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from inboxd.config import load_config
 from inboxd.files import results as results_module
-from inboxd.files.durable import move
+from inboxd.files.durable import move, tmp_dir_in
 from inboxd.files.layout import processing_dir
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.results import ResultEntry
@@ -153,7 +153,8 @@ def test_a_link_moved_across_filesystems_stays_a_link(tmp_path: Path) -> None:
         secret = tmp_path / "secret.txt"
         secret.write_bytes(b"private")
         (tmp_path / "link.png").symlink_to(secret)
-        where = Path(move(tmp_path / "link.png", other / "link.png", "x", other / ".tmp"))
+        where = Path(move(tmp_path / "link.png", other, "link.png", "x",
+                              tmp_dir_in(other, "default")))
         assert where.is_symlink() and os.readlink(where) == str(secret)
         assert not (tmp_path / "link.png").exists()
     finally:

@@ -7,7 +7,12 @@ place without a temp name, drop the same bytes again, replace or delete a file s
 rename it inside the inbox, move a whole folder in, put a link in (to a file and to a folder
 outside), drop with a future mtime, drop a corrupt file, fill the output disk and free it,
 SIGKILL the daemon and start it again, stop a helper process (or the daemon with all of them)
-for a while and continue it, reload a config file that cannot be used and then the fixed one.
+for a while and continue it, reload a config file that cannot be used and then the fixed one;
+and what a member of the inbox's group can do (issue
+33): a folder named like a done file or a result (its files can never be filed there: they
+end in failed/), links planted in the inbox's hidden folders (``.processing``, its ``.tmp``,
+the temp names ``inboxd submit`` used to use) and ``inboxd submit`` beside them, and
+``.processing`` swapped for a folder of the neighbour's own for a moment.
 
 The reference model only tracks bytes (by sha256): every input must end exactly once in done/
 (with ``results/<its name>.json`` describing those bytes, or — for a byte-identical re-drop — an
@@ -35,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from inboxd import cli
 from PIL import Image
 
 from tests.conftest import DaemonProcess, read_json, write_config
@@ -45,6 +51,7 @@ STEPS_SOAK = 2000
 KILL_EVERY_STEPS = 60  # on average: 5 kills in CI, ~33 in the soak
 NAMES = ["scan.png", "a.png", "b.png", "deep/c.png", "deep/er/d.png"]
 ROOT = os.geteuid() == 0
+NEIGHBOUR_UID = 42_421  # the owner of a .processing the neighbour made
 
 
 def sha(data: bytes) -> str:
@@ -221,6 +228,79 @@ class World:
             self.ballast.unlink()
             self.ballast = None
 
+    # -- what a member of the inbox's group does --------------------------------------------
+
+    def folder_like_an_outcome(self) -> None:
+        """A folder named like a done file (``x.png/``) or like its result (``x.png.json/``),
+        with a photo in it: done/x.png/ or results/x.png.json/ can never be made."""
+        done = [p for p in (self.outputs / "done").glob("*.png") if p.is_file()]
+        if not done:
+            return
+        name = self.rng.choice(done).name + self.rng.choice(["", ".json"])
+        if os.path.lexists(self.inbox / name):
+            return
+        folder = self.root / f"like{self.counter}"
+        folder.mkdir()
+        data = self.image_bytes()
+        (folder / "p.png").write_bytes(data)
+        os.rename(folder, self.inbox / name)
+        self.ref.added(data, f"folder like an outcome {name}/p.png")
+
+    def _outside_file(self, what: str) -> Path:
+        target = self.elsewhere / f"{what}{self.counter}.png"
+        target.write_bytes(self.image_bytes())
+        self.ref.outside[target] = sha(target.read_bytes())
+        return target
+
+    def plant_links(self) -> None:
+        """Links in the hidden folders: none is followed, emptied through or moved."""
+        processing = self.inbox / ".processing"
+        target = self._outside_file("planted")
+        where = self.rng.choice([
+            self.inbox / f".a.png.{os.getpid()}.submit.tmp",
+            processing / ".tmp" / f"other{self.counter}",
+            processing / ".tmp" / "default" / f"left{self.counter}",
+            processing / f"ghost{self.counter}",
+            processing / "default" / f"claimed{self.counter}.png",
+        ])
+        if where.parent.is_dir() and not where.parent.is_symlink():
+            with contextlib.suppress(FileExistsError):
+                where.symlink_to(target if "ghost" not in where.name else self.elsewhere)
+
+    def submit(self) -> None:
+        """``inboxd submit`` (in this process), with links planted at the temp names it used
+        to write to: ``.NAME.PID.submit.tmp``."""
+        data = self.image_bytes()
+        source = self.root / "submitted" / f"sub{self.counter}.png"
+        source.parent.mkdir(exist_ok=True)
+        source.write_bytes(data)
+        victim = self._outside_file("victim")
+        with contextlib.suppress(FileExistsError):
+            (self.inbox / f".{source.name}.{os.getpid()}.submit.tmp").symlink_to(victim)
+        cli.submit_file(source, self.inbox)
+        self.ref.added(data, f"submit {source.name}")
+
+    def swap_processing(self) -> None:
+        """The group can rename ``.processing`` away and make one of its own (with links
+        inside): for a moment, until an admin puts it back. Claims and moves meanwhile wait
+        (retried), and nothing goes through the neighbour's folder."""
+        processing = self.inbox / ".processing"
+        aside = self.inbox / ".processing-aside"
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(processing, aside)
+        processing.mkdir()
+        (processing / "default").symlink_to(self.elsewhere)
+        (processing / ".tmp").mkdir()
+        (processing / ".tmp" / "default").symlink_to(self.outputs / "done")
+        os.chown(processing, NEIGHBOUR_UID, NEIGHBOUR_UID)
+        time.sleep(self.rng.choice([0.05, 0.3, 1.0]))
+        for link in (processing / "default", processing / ".tmp" / "default"):
+            link.unlink()
+        (processing / ".tmp").rmdir()
+        processing.rmdir()
+        if aside.exists():
+            os.rename(aside, processing)
+
     # -- what the system does --------------------------------------------------------------
 
     def start(self) -> None:
@@ -283,8 +363,9 @@ class World:
                    (self.move_folder_in, 3), (self.link_in, 3), (self.future_mtime, 3),
                    (self.corrupt, 4)]
         actions += self.stuck_helper_actions()
+        actions += [(self.folder_like_an_outcome, 2), (self.plant_links, 2), (self.submit, 2)]
         if ROOT:
-            actions.append((self.fill_or_free_disk, 2))
+            actions += [(self.fill_or_free_disk, 2), (self.swap_processing, 1)]
         if self.rng.random() < 1 / KILL_EVERY_STEPS:
             self.kill_and_restart()
             return "kill"

@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from inboxd.config import Config
-from inboxd.files.durable import output_mode, source_mode_of
+from inboxd.files.durable import output_mode
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.results import ResultEntry, ResultFiles
 
@@ -43,7 +43,8 @@ class Committed:
     """What came of a batch: either ``error`` (no result was written: a full or read-only
     results disk) or, per entry, the name its result is filed under, whether that result was
     there already (the same bytes, filed earlier), and why its source could not move (None: it
-    did, and only then is the file done)."""
+    did, and only then is the file done). A name of "" is a result that can never be filed
+    (``ResultFiles.refusal``), and its error says why."""
 
     filed: list[tuple[str, bool]] = field(default_factory=list)
     moves: list[OSError | None] = field(default_factory=list)
@@ -67,19 +68,25 @@ def commit(lifecycle: Lifecycle, entries: Sequence[CommitEntry]) -> Committed:
         filed = results.write([
             ResultEntry(entry.key, entry.sha256,
                         functools.partial(filed_document, results, entry.key, entry.document),
-                        entry.vector, output_mode(source_mode_of(entry.claimed)))
+                        entry.vector, output_mode(lifecycle.source_mode(entry.claimed)))
             for entry in entries])
     except OSError as exc:
         return Committed(error=exc)
+    names: list[tuple[str, bool]] = []
     moves: list[OSError | None] = []
-    for entry, (name, _existed) in zip(entries, filed, strict=True):
+    for entry, got in zip(entries, filed, strict=True):
+        if isinstance(got, OSError):  # its result can never be filed: no name, nothing moved
+            names.append(("", False))
+            moves.append(got)
+            continue
+        names.append(got)
         try:
-            lifecycle.finish_success(entry.claimed, name, entry.inbox_path, entry.sha256)
+            lifecycle.finish_success(entry.claimed, got[0], entry.inbox_path, entry.sha256)
         except OSError as exc:
             moves.append(exc)
         else:
             moves.append(None)
-    return Committed(filed, moves)
+    return Committed(names, moves)
 
 
 def filed_document(results: ResultFiles, key: str, document: dict[str, Any],

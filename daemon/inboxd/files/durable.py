@@ -27,10 +27,11 @@ import uuid
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from inboxd.files.layout import TMP_DIRNAME
-from inboxd.files.renames import place
+from inboxd.files.renames import place_inside
+from inboxd.files.safe_paths import open_inside
 from inboxd.os_threads import name_this_thread
 
 RESULT_MODE = 0o644  # before the umask (the unit's 0027 makes it 0640): see output_mode
@@ -45,8 +46,33 @@ _sync_pool: ThreadPoolExecutor | None = None
 _sync_pool_lock = threading.Lock()
 
 
-def tmp_dir_for(root: Path, instance: str) -> Path:
-    return root / TMP_DIRNAME / instance
+class TmpDir(NamedTuple):
+    """A temp folder ``root/parts…``: ``root`` is trusted (a configured folder), the parts are
+    walked without following links and, with ``own``, checked to be the daemon's own (a temp
+    folder inside one others can write: the inbox's ``.processing/.tmp/<instance>``)."""
+
+    root: Path
+    parts: tuple[str, ...]
+    own: bool = False
+
+    @property
+    def path(self) -> Path:
+        return self.root.joinpath(*self.parts)
+
+    def open(self) -> contextlib.AbstractContextManager[int]:
+        return open_inside(self.root, self.parts, create=True, own=self.own)
+
+
+def tmp_dir_in(root: Path, instance: str) -> TmpDir:
+    """``root/.tmp/<instance>``, for a folder only the daemon writes (results/, done/, …)."""
+    return TmpDir(root, (TMP_DIRNAME, instance))
+
+
+def create_excl(name: str, dir_fd: int, mode: int = 0o644) -> int:
+    """A new file ``name`` in folder ``dir_fd``, for writing: never one that was there, never
+    through a link (``O_EXCL`` refuses an existing name, dangling links included)."""
+    return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                   mode, dir_fd=dir_fd)
 
 
 def tmp_name(tmp_dir: str | Path, suffix: str) -> str:
@@ -58,12 +84,12 @@ def tmp_name(tmp_dir: str | Path, suffix: str) -> str:
 def ensure_dir(folder: str | Path) -> None:
     """``mkdir -p``, one syscall when the folder is there (each write_tmp of a batch asks)."""
     try:
-        os.mkdir(folder)
+        os.mkdir(folder, 0o755)  # a temp folder: never writable by the group, whatever the umask
     except FileExistsError:
         if not os.path.isdir(folder):
             raise
     except FileNotFoundError:
-        os.makedirs(folder, exist_ok=True)
+        os.makedirs(folder, 0o755, exist_ok=True)
 
 
 def unlink_quietly(path: str | Path) -> None:
@@ -79,14 +105,6 @@ def output_mode(source_mode: int | None) -> int:
     if source_mode is None:
         return RESULT_MODE
     return 0o600 | (source_mode & 0o044)
-
-
-def source_mode_of(path: str | Path) -> int | None:
-    """The source's permission bits, None when it is gone (then the default applies)."""
-    try:
-        return os.lstat(path).st_mode & 0o7777
-    except OSError:
-        return None
 
 
 def write_tmp(tmp_dir: str | Path, data: bytes, suffix: str, mode: int = 0o644) -> str:
@@ -185,44 +203,48 @@ def _json_key(key: Any) -> str:
     return f'"{text}"' if text.isascii() and text.isidentifier() else json.dumps(text)
 
 
-def move(source: str | Path, target: str | Path, token: str, tmp_dir: str | Path) -> str:
-    """Move ``source`` to ``target`` or a free variant of its name (never replacing anything);
-    across filesystems copy it to ``tmp_dir`` first (fsynced), so the destination only ever
-    holds the whole file, with the source's mode, owner and group (as far as this process may
-    set them), timestamps and extended attributes (ACLs among them): a move must not make a
-    private photo readable by the folder's group. Returns where it went."""
+def move(source: str | Path, root: str | Path, rel: str, token: str, tmp_dir: TmpDir,
+         source_dir_fd: int | None = None) -> str:
+    """Move ``source`` (relative to folder ``source_dir_fd`` when given) to ``root/rel`` or a
+    free variant of its name (never replacing anything, the folders below ``root`` walked
+    without following links: ``renames.place_inside``); across filesystems copy it to
+    ``tmp_dir`` first (fsynced), so the destination only ever holds the whole file, with the
+    source's mode, owner and group (as far as this process may set them), timestamps and
+    extended attributes (ACLs among them): a move must not make a private photo readable by
+    the folder's group. Returns where it went."""
     try:
-        return place(source, target, token)
+        return os.path.join(root, place_inside(source, source_dir_fd, root, rel, token))
     except OSError as exc:
         if exc.errno != errno.EXDEV:
             raise
-    ensure_dir(tmp_dir)
-    tmp = tmp_name(tmp_dir, ".copy")
-    try:
-        if os.path.islink(source):
-            # A refused link travels as a link: copying would read (and file) what it points
-            # to, a file from outside the inbox.
-            os.symlink(os.readlink(source), tmp)
-        else:
-            _copy_whole(source, tmp)
-        final = place(tmp, target, token)
-    except BaseException:
-        unlink_quietly(tmp)
-        raise
+    with tmp_dir.open() as tmp_fd:
+        tmp = tmp_name("", ".copy")
+        try:
+            info = os.stat(source, dir_fd=source_dir_fd, follow_symlinks=False)
+            if stat.S_ISLNK(info.st_mode):
+                # A refused link travels as a link: copying would read (and file) what it
+                # points to, a file from outside the inbox.
+                os.symlink(os.readlink(source, dir_fd=source_dir_fd), tmp, dir_fd=tmp_fd)
+            else:
+                _copy_whole(source, source_dir_fd, tmp, tmp_fd)
+            final = os.path.join(root, place_inside(tmp, tmp_fd, root, rel, token))
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=tmp_fd)
+            raise
     fsync_dir(os.path.dirname(final) or ".")
-    os.unlink(source)
+    os.unlink(source, dir_fd=source_dir_fd)
     return final
 
 
-def _copy_whole(source: str | Path, tmp: str) -> None:
-    """``source``'s bytes and metadata into the new file ``tmp``, fsynced. The copy is made
-    0600 and only gets the source's mode once its owner is set: never, even for a moment,
-    readable by anybody the source was not."""
-    src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+def _copy_whole(source: str | Path, source_dir_fd: int | None, tmp: str, tmp_fd: int) -> None:
+    """``source``'s bytes and metadata into the new file ``tmp`` (each in its folder's fd),
+    fsynced. The copy is made 0600 and only gets the source's mode once its owner is set:
+    never, even for a moment, readable by anybody the source was not."""
+    src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=source_dir_fd)
     try:
         st = os.fstat(src)
-        dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                      0o600)
+        dst = create_excl(tmp, tmp_fd, 0o600)
         try:
             with os.fdopen(os.dup(src), "rb") as reader, os.fdopen(os.dup(dst), "wb") as writer:
                 shutil.copyfileobj(reader, writer, 1 << 20)

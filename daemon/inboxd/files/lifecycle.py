@@ -11,31 +11,40 @@ no-replace and durable-first rules can be checked in one place.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from inboxd.config import Config
+from inboxd.config import Config, ConfigError
 from inboxd.files import instances, renames
 from inboxd.files.durable import (
-    fsync_dir,
+    TmpDir,
+    create_excl,
     json_bytes,
     move,
     output_mode,
-    source_mode_of,
-    tmp_dir_for,
+    tmp_dir_in,
+    tmp_name,
     unlink_quietly,
     walk_files,
     write_tmp,
 )
 from inboxd.files.instances import LEDGER_SUFFIX, LOCK_WAIT_S, flock_within
-from inboxd.files.layout import PROCESSING_DIRNAME, processing_dir
-from inboxd.files.names import output_path, output_str, relative_inside
-from inboxd.files.renames import name_variants, rename_into, rename_noreplace, time_token
+from inboxd.files.layout import PROCESSING_DIRNAME, TMP_DIRNAME, processing_dir
+from inboxd.files.names import fit_name, relative_inside
+from inboxd.files.renames import (
+    name_variants,
+    no_free_name,
+    place_inside,
+    rename_noreplace,
+    time_token,
+)
 from inboxd.files.results import ResultFiles, sha_token
-from inboxd.files.safe_paths import LinkedFolder, open_inside
+from inboxd.files.safe_paths import LinkedFolder, open_inside, split_rel
 
 ERROR_SUFFIX = ".error.json"
 # Errors that say the process is short of something for now, not that the file has a problem.
@@ -54,25 +63,26 @@ class Lifecycle:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.results_dir = config.results_dir
-        self.tmp_dir = tmp_dir_for(config.results_dir, config.instance)
+        self.tmp_dir = tmp_dir_in(config.results_dir, config.instance).path
         policy = config.inbox.after_success
         self.results = ResultFiles(config.results_dir, self.tmp_dir,
                                    config.done_dir if policy == "move" else None,
                                    replace_kept=policy == "keep")
         self._locks: list[int] = []
         self.max_file_bytes = config.preprocess.max_file_mb * 2**20
-        # Per-folder paths, made once: claims and moves join file names to these as strs.
-        self._processing = {inbox: os.fspath(processing_dir(config, inbox))
-                            for inbox in config.inbox.paths}
         self._done = os.fspath(config.done_dir)
-        self._done_tmp = os.fspath(tmp_dir_for(config.done_dir, config.instance))
+        self._done_tmp = tmp_dir_in(config.done_dir, config.instance)
+        self._failed_tmp = tmp_dir_in(config.failed_dir, config.instance)
 
-    def tmp_dirs(self) -> list[Path]:
+    def processing_tmp(self, inbox: Path) -> TmpDir:
+        """The temp folder on an inbox's filesystem, inside ``.processing/``: a folder the group
+        can replace, so each part of it is checked to be ours."""
+        return TmpDir(inbox, (PROCESSING_DIRNAME, TMP_DIRNAME, self.config.instance), own=True)
+
+    def tmp_dirs(self) -> list[TmpDir]:
         """Our temp folders, on the filesystem of each destination (emptied at start-up)."""
-        return [self.tmp_dir, tmp_dir_for(self.config.failed_dir, self.config.instance),
-                tmp_dir_for(self.config.done_dir, self.config.instance),
-                *(tmp_dir_for(inbox / PROCESSING_DIRNAME, self.config.instance)
-                  for inbox in self.config.inbox.paths)]
+        return [tmp_dir_in(self.results_dir, self.config.instance), self._failed_tmp,
+                self._done_tmp, *(self.processing_tmp(inbox) for inbox in self.config.inbox.paths)]
 
     def lock_instance(self) -> None:
         """Hold ``<inbox>/.processing/<instance>.lock`` while we run. Two live daemons with one
@@ -84,9 +94,16 @@ class Lifecycle:
         if self._locks:
             return
         for inbox in self.config.inbox.paths:
-            lock_path = inbox / PROCESSING_DIRNAME / f"{self.config.instance}.lock"
-            lock_path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            inbox.mkdir(parents=True, exist_ok=True)  # the configured folder: trusted
+            try:
+                with open_inside(inbox, [PROCESSING_DIRNAME], create=True, own=True) as processing:
+                    fd = os.open(f"{self.config.instance}.lock", os.O_RDWR | os.O_CREAT
+                                 | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644, dir_fd=processing)
+            except LinkedFolder as exc:  # a link, or somebody else's (ForeignFolder)
+                self.unlock_instance()
+                raise ConfigError(str(inbox), [
+                    f"{inbox / PROCESSING_DIRNAME}: {exc.strerror}. inboxd keeps the files it "
+                    "works on there and never uses one it does not own"]) from None
             if not flock_within(fd, LOCK_WAIT_S):
                 holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
                 os.close(fd)
@@ -113,10 +130,14 @@ class Lifecycle:
         """Create every folder, and drop temp files a killed run of this instance left.
 
         An output folder that cannot be created now (a read-only or full disk) is not fatal:
-        the files wait in the inbox, and writing retries (and creates it) later. Returns what
-        could not be prepared, for the log."""
+        the files wait in the inbox, and writing retries (and creates it) later. Temp files
+        are only removed from a temp folder that is ours (made by us, not a link: one planted
+        in place of ``.processing/.tmp/<instance>`` could point at done/). Returns what could
+        not be prepared, for the log."""
         for inbox in self.config.inbox.paths:
-            processing_dir(self.config, inbox).mkdir(parents=True, exist_ok=True)
+            with open_inside(inbox, [PROCESSING_DIRNAME, self.config.instance], create=True,
+                             own=True):
+                pass
         problems = []
         for folder in (self.config.results_dir, self.config.done_dir, self.config.failed_dir):
             try:
@@ -125,12 +146,14 @@ class Lifecycle:
                 problems.append(f"{folder}: {exc.strerror or exc}")
         for tmp_dir in self.tmp_dirs():  # made when first needed; emptied here if there
             try:
-                for leftover in tmp_dir.iterdir():
-                    leftover.unlink(missing_ok=True)
+                with open_inside(tmp_dir.root, tmp_dir.parts, own=True) as fd:
+                    for leftover in os.listdir(fd):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(leftover, dir_fd=fd)
             except FileNotFoundError:
                 pass
             except OSError as exc:
-                problems.append(f"{tmp_dir}: {exc.strerror or exc}")
+                problems.append(f"{tmp_dir.path}: {exc.strerror or exc}; not emptied")
         return problems
 
     # -- claiming ----------------------------------------------------------------------------
@@ -144,19 +167,16 @@ class Lifecycle:
         inbox would otherwise let the rename take a file from outside it (``OSError`` ELOOP).
         """
         parts = rel.split("/")
-        processing = self._processing.get(inbox) or os.fspath(processing_dir(self.config, inbox))
         with open_inside(inbox, parts[:-1]) as source_dir:
-            folder, leaf = os.path.split(output_str(processing, rel))
-            for name in name_variants(leaf, time_token()):
-                target = os.path.join(folder, name)
-                try:
-                    rename_into(parts[-1], target, source_dir)
-                except FileExistsError:
-                    continue
-                except FileNotFoundError:
-                    return None
-                return target
-        return None  # pragma: no cover - name_variants never ends
+            try:
+                # Into .processing/<instance>/ walked from the inbox and checked to be ours:
+                # the group can replace .processing with a folder of links.
+                placed = place_inside(parts[-1], source_dir, inbox,
+                                      f"{PROCESSING_DIRNAME}/{self.config.instance}/{rel}",
+                                      time_token(), own=True)
+            except FileNotFoundError:
+                return None
+        return os.path.join(inbox, placed)
 
     def release(self, claimed: str | Path, inbox_path: str | Path) -> str | None:
         """Hand a claimed file back to the inbox, where a later scan finds it again (under a
@@ -171,11 +191,10 @@ class Lifecycle:
                 break
         else:
             inbox, rel = os.path.split(where)
-        claimed_dir, claimed_name = os.path.split(claimed)
         for attempt in range(RELEASE_TRIES):
             try:
-                with open_inside(claimed_dir, []) as folder:
-                    placed = renames.place_inside(claimed_name, folder, inbox, rel, time_token())
+                with self.claimed_file(claimed) as (folder, name):
+                    placed = place_inside(name, folder, inbox, rel, time_token())
             except (FileNotFoundError, LinkedFolder):
                 return None
             except OSError as exc:
@@ -188,6 +207,31 @@ class Lifecycle:
                 continue
             return os.path.join(inbox, placed)
         return None
+
+    @contextlib.contextmanager
+    def claimed_file(self, claimed: str | Path) -> Iterator[tuple[int | None, str]]:
+        """A claimed file as (its folder's descriptor, its name), the folder walked from its
+        inbox and checked to be ours: the group can swap ``.processing`` for a folder of links
+        to files elsewhere, and a move by path would take one of those. A path that is not in
+        a ``.processing/`` (a takeover's ``/proc/self/fd/N/name``) is used as it is."""
+        path = os.fspath(claimed)
+        for inbox in self.config.inbox.paths:
+            rel = relative_inside(path, inbox)
+            if rel is not None and rel.startswith(PROCESSING_DIRNAME + "/"):
+                folders, name = split_rel(rel)
+                with open_inside(inbox, folders, own=True) as folder:
+                    yield folder, name
+                return
+        yield None, path
+
+    def source_mode(self, claimed: str | Path) -> int | None:
+        """A claimed file's permission bits (what its result's mode follows: ``output_mode``),
+        read through ``claimed_file``; None when it is gone."""
+        try:
+            with self.claimed_file(claimed) as (folder, name):
+                return os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode & 0o7777
+        except (OSError, LinkedFolder):
+            return None
 
     def recover(self) -> tuple[int, int]:
         """Return every file this instance had claimed (after a crash) to its inbox — except
@@ -278,13 +322,25 @@ class Lifecycle:
 
     def write_ledger(self, inbox: Path, instance: str, entries: dict[str, Any]) -> None:
         """Replace ``instance``'s ledger (ours, or a dead one's while we hold its lock)."""
-        processing = processing_dir(self.config, inbox)
-        if not entries and instance != self.config.instance:
-            self.ledger_path(inbox, instance).unlink(missing_ok=True)
-            return
-        tmp = write_tmp(tmp_dir_for(processing.parent, self.config.instance),
-                        json_bytes(entries), ".crashes")
-        os.replace(tmp, self.ledger_path(inbox, instance))
+        ledger = self.ledger_path(inbox, instance).name
+        with open_inside(inbox, [PROCESSING_DIRNAME], own=True) as processing:
+            if not entries and instance != self.config.instance:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(ledger, dir_fd=processing)
+                return
+            with open_inside(processing, [TMP_DIRNAME, self.config.instance], create=True,
+                             own=True) as tmp_dir:
+                tmp = tmp_name("", ".crashes")
+                try:
+                    with os.fdopen(create_excl(tmp, tmp_dir), "wb") as handle:
+                        handle.write(json_bytes(entries))
+                        handle.flush()
+                        os.fsync(handle.fileno())
+                    os.replace(tmp, ledger, src_dir_fd=tmp_dir, dst_dir_fd=processing)
+                except BaseException:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp, dir_fd=tmp_dir)
+                    raise
 
     # -- outcomes ----------------------------------------------------------------------------
 
@@ -293,9 +349,12 @@ class Lifecycle:
         """After the result is durable: move, delete or keep the source, per config."""
         policy = self.config.inbox.after_success
         if policy == "delete":
-            unlink_quietly(claimed)
+            with self.claimed_file(claimed) as (folder, leaf), \
+                    contextlib.suppress(FileNotFoundError):
+                os.unlink(leaf, dir_fd=folder)
         elif policy == "move":
-            move(claimed, output_str(self._done, name), sha_token(sha256), self._done_tmp)
+            with self.claimed_file(claimed) as (folder, leaf):
+                move(leaf, self._done, name, sha_token(sha256), self._done_tmp, folder)
         else:
             # keep: back where the user put it; intake skips files whose result describes them.
             self.release(claimed, inbox_path)
@@ -303,43 +362,72 @@ class Lifecycle:
     def finish_failure(self, claimed: str | Path | None, key: str,
                        report: dict[str, Any]) -> str:
         """``failed/<name>.error.json`` first, then the source under the same ``<name>``: never
-        a failed file without why, never over an earlier failure. Returns ``<name>``."""
-        failed_dir = self.config.failed_dir
+        a failed file without why, never over an earlier failure. Returns ``<name>``. A key
+        whose folder in failed/ is a file (``x.jpg/a.png`` after ``x.jpg`` failed: its report
+        is ``x.jpg.error.json``, its file ``x.jpg``) is filed at the top of failed/ instead:
+        its report says where it came from, which is all ``inboxd retry`` needs."""
         sha = report.get("sha256")
         token = sha_token(sha) if isinstance(sha, str) else time_token()
-        mode = output_mode(None if claimed is None else source_mode_of(claimed))
-        tmp = write_tmp(tmp_dir_for(failed_dir, self.config.instance), json_bytes(report),
-                        ERROR_SUFFIX, mode)
+        mode = output_mode(None if claimed is None else self.source_mode(claimed))
+        tmp = write_tmp(self._failed_tmp.path, json_bytes(report), ERROR_SUFFIX, mode)
         try:
-            folder, _, leaf = key.rpartition("/")
-            for name in name_variants(leaf, token):
-                variant = f"{folder}/{name}" if folder else name
-                target = output_path(failed_dir, variant)
-                if os.path.lexists(target):
-                    continue
-                report_path = output_path(failed_dir, variant, ERROR_SUFFIX)
-                report_path.parent.mkdir(parents=True, exist_ok=True)
-                try:
-                    rename_noreplace(tmp, report_path)
-                except FileExistsError:
-                    continue
-                fsync_dir(report_path.parent)
-                if claimed is not None and os.path.lexists(claimed):
-                    self._move_failed(claimed, target, report_path)
-                return variant
+            try:
+                return self._file_failure(claimed, key, tmp, token)
+            except LinkedFolder:
+                if "/" not in key:
+                    raise
+                return self._file_failure(claimed, key.rpartition("/")[2], tmp, token)
         finally:
             unlink_quietly(tmp)
-        raise AssertionError("name_variants never ends")  # pragma: no cover
 
-    def _move_failed(self, claimed: str | Path, target: Path, report_path: Path) -> None:
+    def _file_failure(self, claimed: str | Path | None, key: str, tmp: str, token: str) -> str:
+        failed_dir = self.config.failed_dir
+        folders, leaf = split_rel(key)
+        folders = [fit_name(part, "") for part in folders]
+        with open_inside(failed_dir, folders, create=True) as folder:
+            for name in name_variants(fit_name(leaf, ""), token):
+                variant = "/".join([*folders, name])
+                if _lexists(name, folder):
+                    continue
+                report_name = fit_name(name, ERROR_SUFFIX)
+                try:
+                    rename_noreplace(tmp, report_name, None, folder)
+                except FileExistsError:
+                    continue
+                os.fsync(folder)
+                if claimed is not None:
+                    self._move_failed(claimed, folder, variant, report_name)
+                return variant
+        raise no_free_name(failed_dir / key)
+
+    def _move_failed(self, claimed: str | Path, folder: int, variant: str,
+                     report_name: str) -> None:
+        walked = False
         try:
-            rename_noreplace(claimed, target)
+            with self.claimed_file(claimed) as (source_dir, source):
+                walked = True
+                if not _lexists(source, source_dir):
+                    return  # gone (a report for a file only: fail_crasher's, or a lost one)
+                try:
+                    rename_noreplace(source, variant.rpartition("/")[2], source_dir, folder)
+                except OSError as exc:
+                    if exc.errno != errno.EXDEV:
+                        raise
+                    move(source, self.config.failed_dir, variant, "x", self._failed_tmp,
+                         source_dir)
         except OSError as exc:
-            if exc.errno == errno.EXDEV:
-                move(claimed, target, "x", tmp_dir_for(self.config.failed_dir,
-                                                        self.config.instance))
-                return
+            if not walked and isinstance(exc, FileNotFoundError):
+                return  # its folder is gone, and the file with it: the report stands alone
             # The report is out but the source could not follow (a file appeared under that
             # very name since the check): take the report back, so there is one outcome only.
-            report_path.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(report_name, dir_fd=folder)
             raise
+
+
+def _lexists(name: str, folder: int | None) -> bool:
+    try:
+        os.stat(name, dir_fd=folder, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True

@@ -14,6 +14,8 @@ import os
 import stat
 from typing import BinaryIO
 
+from inboxd.files.layout import PROCESSING_DIRNAME
+from inboxd.files.safe_paths import open_inside, split_rel
 from inboxd.item import PermanentError, RefusedError, TooLargeError, TransientError
 
 # Errors reading a file that a later attempt may not see (it is being replaced, the disk
@@ -29,7 +31,7 @@ def open_input(path: os.PathLike[str] | str, max_bytes: int | None = None) -> Bi
     path, which an adversary can swap): not a link, a regular file (a FIFO opened for reading
     would block a worker for ever), and not larger than ``max_bytes``."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = _open_claimed(os.fspath(path))
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise RefusedError("refused: a symbolic link; links are never followed") from exc
@@ -47,6 +49,21 @@ def open_input(path: os.PathLike[str] | str, max_bytes: int | None = None) -> Bi
     except BaseException:
         os.close(fd)
         raise
+
+
+def _open_claimed(path: str) -> int:
+    """``path`` opened for reading without following a link; a claimed file
+    (``<inbox>/.processing/<instance>/…``) from its inbox, each folder on the way checked to be
+    the daemon's own: the group can swap ``.processing`` for a folder whose ``<instance>`` is a
+    link to its own files, and reading by path would read (and file a result of) one of
+    those. Hidden folders are never walked into, so the last ``/.processing/`` is the one."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    inbox, sep, below = path.rpartition(f"/{PROCESSING_DIRNAME}/")
+    if not sep or not inbox:
+        return os.open(path, flags)
+    folders, leaf = split_rel(f"{PROCESSING_DIRNAME}/{below}")
+    with open_inside(inbox, folders, own=True) as folder:
+        return os.open(leaf, flags, dir_fd=folder)
 
 
 def hash_stream(handle: BinaryIO, max_bytes: int | None = None

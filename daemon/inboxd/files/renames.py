@@ -4,7 +4,15 @@ Every name can be reused: a scanner that always writes ``scan.jpg``, two cameras
 numbering, a user dropping the same file twice. A plain ``rename(2)`` silently replaces what is
 at the destination — a different input, gone. Every move inboxd makes goes through
 :func:`rename_noreplace` (``renameat2(RENAME_NOREPLACE)``, atomic in the kernel), and a taken
-name is resolved by trying the next of :func:`name_variants`, without an upper limit.
+name is resolved by trying the next of :func:`name_variants`.
+
+Only EEXIST at the destination means "taken, try the next name". Anything else — a folder on
+the way that is a file or a link (``LinkedFolder``: ENOTDIR, ELOOP), a name too long — is the
+same for every variant of the name, so trying the next one would loop for ever: it is raised,
+and the caller makes it that file's outcome. Every name loop is bounded too
+(``MAX_NAME_VARIANTS``, ``NoFreeName``): a variant is only needed when the same name is
+already taken by other bytes (or by the same bytes dropped again), and ten thousand of those
+in one folder is an attack, not a workload.
 """
 
 from __future__ import annotations
@@ -14,11 +22,11 @@ import errno
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from inboxd.files.names import fit_name
-from inboxd.files.safe_paths import open_inside
+from inboxd.files.safe_paths import ForeignFolder, LinkedFolder, open_inside, split_rel
 
 RENAME_NOREPLACE = 1
 AT_FDCWD = -100
@@ -27,6 +35,22 @@ _renameat2 = getattr(_libc, "renameat2", None)
 # Filesystems that lack the flag answer EINVAL (some FUSE and network filesystems); a libc
 # without renameat2 has no symbol. Both fall back to link + unlink, which also fails on EEXIST.
 _FLAG_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP}
+# How many names one move tries before it gives up (the name itself and its variants).
+MAX_NAME_VARIANTS = 10_000
+# Errors of a destination path that no retry and no other variant of the name can change.
+PATH_ERRNOS = frozenset({errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.ENAMETOOLONG})
+
+
+class NoFreeName(OSError):
+    """Every one of ``MAX_NAME_VARIANTS`` names for a destination is taken."""
+
+
+def path_problem(exc: OSError) -> bool:
+    """Whether ``exc`` is the destination path's own permanent problem (a folder on the way
+    that is not one, no free name left), not a condition that may clear (a full disk)."""
+    if isinstance(exc, ForeignFolder):  # the layout (.processing swapped), not the path
+        return False
+    return isinstance(exc, LinkedFolder | NoFreeName) or exc.errno in PATH_ERRNOS
 
 
 def rename_noreplace(source: Path | str, target: Path | str,
@@ -73,23 +97,33 @@ def rename_into(source: Path | str, target: Path | str,
         folder = os.path.dirname(target) or "."
         if os.path.isdir(folder):
             raise
-        os.makedirs(folder, exist_ok=True)
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except FileExistsError:
+            # Something that is not a folder holds the folder's name (or a part of it): not
+            # "the target is taken", which would send the caller on to the next name for ever.
+            raise LinkedFolder(errno.ENOTDIR, f"{folder} (or a folder above it) is not a "
+                               "folder", str(folder)) from None
         rename_noreplace(source, target, source_dir_fd)
 
 
 def name_variants(name: str, token: str) -> Iterator[str]:
     """``photo.jpg``, then ``photo.<token>.jpg``, ``photo.<token>.1.jpg``, ``photo.<token>.2.jpg``
-    … for ever; each within NAME_MAX. The token makes the second name stable for the same
-    content (a sha256 prefix) so a re-drop finds its earlier result in one look."""
+    … up to ``MAX_NAME_VARIANTS`` names in all; each within NAME_MAX. The token makes the
+    second name stable for the same content (a sha256 prefix) so a re-drop finds its earlier
+    result in one look."""
     yield name
     stem, dot, suffix = name.rpartition(".")
     if not stem:  # no extension (or only a leading dot): the token goes at the end
         stem, dot, suffix = name, "", ""
-    n = 0
-    while True:
+    for n in range(MAX_NAME_VARIANTS - 1):
         extra = f".{token}" + (f".{n}" if n else "")
         yield fit_name(stem + extra, dot + suffix)
-        n += 1
+
+
+def no_free_name(where: str | Path) -> NoFreeName:
+    return NoFreeName(errno.EEXIST, f"{MAX_NAME_VARIANTS} names for it are all taken "
+                      "(move some of them away)", str(where))
 
 
 def key_variants(key: str, token: str) -> Iterator[str]:
@@ -115,32 +149,39 @@ def time_token() -> str:
     return f"t{time.time_ns():x}"
 
 
-def place(source: Path | str, target: Path | str, token: str) -> str:
-    """Rename ``source`` to ``target``, or to the first free variant of its name; returns where
-    it went. The folder is created when missing."""
-    folder, leaf = os.path.split(target)
-    for name in name_variants(leaf, token):
-        candidate = os.path.join(folder, name)
+def first_free(name: str, token: str, put: Callable[[str], None]) -> str:
+    """``put(candidate)`` for ``name`` and then each variant of it, until one does not raise
+    ``FileExistsError``; returns that one. The one loop over names: only EEXIST means "taken"
+    (anything else is raised, it would be the same for every variant), and it ends."""
+    for candidate in name_variants(name, token):
         try:
-            rename_into(source, candidate)
+            put(candidate)
         except FileExistsError:
             continue
         return candidate
-    raise AssertionError("name_variants never ends")  # pragma: no cover
+    raise no_free_name(name)
 
 
-def place_inside(source: str, source_dir_fd: int, root: str | Path, rel: str, token: str
-                 ) -> str:
-    """Rename ``source`` (in folder ``source_dir_fd``) to ``root/rel`` or the first free
-    variant of its name; returns the ``rel`` it got. The folders on the way are made or opened
-    without following links: one swapped for a link since the file left would carry it out
-    of ``root`` (``LinkedFolder``, and nothing moves)."""
-    folders, _, leaf = rel.rpartition("/")
-    with open_inside(root, folders.split("/") if folders else [], create=True) as target_dir:
-        for candidate in name_variants(leaf, token):
-            try:
-                rename_noreplace(source, candidate, source_dir_fd, target_dir)
-            except FileExistsError:
-                continue
-            return f"{folders}/{candidate}" if folders else candidate
-    raise AssertionError("name_variants never ends")  # pragma: no cover
+def place(source: Path | str, target: Path | str, token: str) -> str:
+    """Rename ``source`` to ``target`` or the first free variant of its name; returns where
+    it went. For folders only the daemon writes (results/); under any other, use
+    :func:`place_inside`, which walks the folders without following links."""
+    folder, leaf = os.path.split(target)
+    return os.path.join(folder, first_free(
+        leaf, token, lambda name: rename_into(source, os.path.join(folder, name))))
+
+
+def place_inside(source: str | Path, source_dir_fd: int | None, root: str | Path | int,
+                 rel: str, token: str, own: bool = False) -> str:
+    """Rename ``source`` (relative to folder ``source_dir_fd``, or a path when None) to
+    ``root/rel`` or the first free variant of its name; returns the ``rel`` it got. The
+    folders on the way are made or opened without following links (``safe_paths``): one
+    swapped for a link since the file left would carry it out of ``root``, and one that is a
+    file can never hold it (``LinkedFolder`` both, and nothing moves). ``own``: they must be
+    the daemon's own folders, too."""
+    folders, leaf = split_rel(rel)
+    folders = [fit_name(part, "") for part in folders]
+    with open_inside(root, folders, create=True, own=own) as target_dir:
+        placed = first_free(fit_name(leaf, ""), token, lambda name: rename_noreplace(
+            source, name, source_dir_fd, target_dir))
+    return "/".join([*folders, placed])

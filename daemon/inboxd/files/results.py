@@ -3,7 +3,11 @@ never one input's result over another's.
 
 ``<name>`` is the input's key (``photo.jpg``), or — when that name already holds the result of
 *different* bytes — ``photo.<sha256[:12]>.jpg``, then ``photo.<sha256[:12]>.1.jpg`` and so on
-without limit. The source later moves to ``done/<name>``, the same name, so a file in ``done/``
+(up to ``renames.MAX_NAME_VARIANTS``). A key whose folder cannot hold a result — a file has
+that folder's name, as when ``a.jpg.json/`` with photos in it arrives after ``a.jpg`` was
+done — is refused before anything is written: that file's own permanent problem
+(``ResultFiles.refusal``), never a reason to try name after name, nor to fail the batch.
+The source later moves to ``done/<name>``, the same name, so a file in ``done/``
 finds its result by name. The same bytes under the same key always map to the same name, so a
 re-drop or a rerun after a crash finds its earlier result in one or two opens.
 
@@ -39,8 +43,16 @@ from inboxd.files.durable import (
     write_tmp,
     write_tmps,
 )
-from inboxd.files.names import output_path, output_str
-from inboxd.files.renames import key_variants, place, rename_into
+from inboxd.files.names import fit_name, output_path, output_str
+from inboxd.files.renames import (
+    MAX_NAME_VARIANTS,
+    NoFreeName,
+    key_variants,
+    no_free_name,
+    place,
+    rename_into,
+)
+from inboxd.files.safe_paths import LinkedFolder, open_inside, split_rel
 
 JSON_SUFFIX = ".json"
 VECTOR_SUFFIX = ".npy"
@@ -105,7 +117,10 @@ class ResultFiles:
         try:
             with open(path, "rb") as existing:
                 sha = json.load(existing).get("sha256")
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
+            # NotADirectory: a file holds the name of a folder on the way (a.jpg.json, the
+            # result of a.jpg, for the key a.jpg.json/b.jpg): no result there, nor under any
+            # variant of the name. Read as "says none", the lookup would try variants for ever.
             return None
         except (OSError, ValueError, AttributeError):
             return ""
@@ -119,7 +134,35 @@ class ResultFiles:
                 return None
             if recorded == sha256:
                 return name
-        return None  # pragma: no cover - key_variants never ends
+        return None  # every variant holds other bytes' result: none of them is ours
+
+    def refusal(self, key: str) -> LinkedFolder | None:
+        """Why ``key``'s result (or, with after_success: move, its source in done/) can never
+        be filed: a folder on the way is a file or a link. None: it can."""
+        self.json_file(key)  # an unsafe key (``..``) is a bug, raised as such
+        folders, _ = split_rel(key)
+        if not folders:
+            return None
+        parts = [fit_name(part, "") for part in folders]
+        for label, root in (("results", self._results), ("done", self._done)):
+            if root is None:
+                continue
+            try:
+                with open_inside(root, parts):
+                    pass
+            except FileNotFoundError:
+                continue  # a part is missing, so is all below it: they are made when filed
+            except LinkedFolder as exc:
+                return LinkedFolder(exc.errno, f"it cannot be filed under {label}/"
+                                    f"{'/'.join(folders)}/: {exc.strerror}; rename that folder "
+                                    "in the inbox and drop its files again", key)
+        return None
+
+    def _next_free(self, key: str, sha256: str, taken: Set[str]) -> str:
+        name = next(self._free_names(key, sha256, taken), None)
+        if name is None:
+            raise no_free_name(self.json_file(key))
+        return name
 
     def _free_names(self, key: str, sha256: str, taken: Set[str]) -> Iterator[str]:
         """Names free for these bytes' result: not given out by this ``write`` (``taken``),
@@ -133,10 +176,11 @@ class ResultFiles:
                 continue
             yield name
 
-    def write(self, entries: Sequence[ResultEntry]) -> list[tuple[str, bool]]:
+    def write(self, entries: Sequence[ResultEntry]) -> list[tuple[str, bool] | OSError]:
         """Durably file every entry's result. Returns, per entry, the name it is filed under
-        and whether that result was already there (the same bytes, filed earlier)."""
-        outcome: list[tuple[str, bool] | None] = []
+        and whether that result was already there (the same bytes, filed earlier) — or why it
+        can never be filed (that file's own problem: its batch is filed all the same)."""
+        outcome: list[tuple[str, bool] | OSError | None] = []
         todo: list[tuple[int, ResultEntry, str]] = []
         # The names this call gave out: none goes to two entries, though no JSON is there yet.
         given: dict[tuple[str, str], str] = {}
@@ -152,7 +196,14 @@ class ResultFiles:
                 continue
             name = given.get((entry.key, entry.sha256))
             if name is None:  # (the same bytes twice in one batch share one result)
-                name = self._claim_name(entry, taken)
+                refused: OSError | None = self.refusal(entry.key)
+                try:
+                    name = self._claim_name(entry, taken) if refused is None else None
+                except NoFreeName as exc:
+                    refused = exc
+                if name is None:
+                    outcome[-1] = refused
+                    continue
                 if entry.vector is not None:
                     name = self._write_vector(entry, name, taken)
                     vector_folders.add(os.path.dirname(self.vector_file(name)))
@@ -182,13 +233,13 @@ class ResultFiles:
         for folder in folders:
             fsync_dir(folder)
         commit_pause()
-        return [filed for filed in outcome if filed is not None]
+        return [filed for filed in outcome if filed is not None]  # every entry has one now
 
     def _claim_name(self, entry: ResultEntry, taken: Set[str]) -> str:
         if self.replace_kept and entry.key not in taken:
             self._move_aside(entry.key, entry.sha256)
             return entry.key
-        return next(self._free_names(entry.key, entry.sha256, taken))
+        return self._next_free(entry.key, entry.sha256, taken)
 
     def _move_aside(self, key: str, sha256: str) -> None:
         """keep: an older result of different bytes under the plain name moves to its own
@@ -213,8 +264,9 @@ class ResultFiles:
         # allow_pickle=False: a float32 array never needs it, and readers can refuse it.
         np.save(data, entry.vector, allow_pickle=False)
         tmp = write_tmp(self._tmp, data.getvalue(), VECTOR_SUFFIX, entry.mode)
+        tried: set[str] = set(taken)
         try:
-            while True:
+            for _ in range(MAX_NAME_VARIANTS):
                 try:
                     rename_into(tmp, self.vector_file(name))
                     return name
@@ -223,7 +275,9 @@ class ResultFiles:
                         # keep: the same bytes' result is there, and that vector is theirs.
                         unlink_quietly(tmp)
                         return name
-                name = next(self._free_names(entry.key, entry.sha256, taken))
+                tried.add(name)
+                name = self._next_free(entry.key, entry.sha256, tried)
+            raise no_free_name(self.vector_file(entry.key))
         except OSError:
             unlink_quietly(tmp)
             raise
@@ -231,7 +285,7 @@ class ResultFiles:
     def _place_json(self, tmp: str, entry: ResultEntry, name: str, taken: set[str]) -> str:
         """Rename ``tmp`` to ``name``'s JSON; if another writer took that name meanwhile, the
         next free one (rewriting the JSON, and the vector, for it)."""
-        while True:
+        for _ in range(MAX_NAME_VARIANTS):
             target = self.json_file(name)
             try:
                 rename_into(tmp, target)
@@ -241,10 +295,12 @@ class ResultFiles:
                     unlink_quietly(tmp)  # the same bytes' result is already there
                     return name
             unlink_quietly(tmp)
-            name = next(self._free_names(entry.key, entry.sha256, taken))
+            name = self._next_free(entry.key, entry.sha256, taken)
             if entry.vector is not None:
                 name = self._write_vector(entry, name, taken)
                 fsync_dir(os.path.dirname(self.vector_file(name)))  # durable before its JSON
             taken.add(name)
             tmp = write_tmp(self._tmp, json_bytes(entry.document(name)), JSON_SUFFIX,
                             entry.mode)
+        unlink_quietly(tmp)
+        raise no_free_name(self.json_file(entry.key))

@@ -3,7 +3,10 @@
 Each failed file ``failed/<key>`` has its report ``failed/<key>.error.json`` (source key, the
 inbox it came from, reason, reason class, instance). A retry returns the file to the inbox it
 came from, under its original relative path, with the same unique naming as every other move
-(a file of that name already there is never overwritten), and removes the report. Safe while
+(a file of that name already there is never overwritten, a link there is a taken name, never
+followed), and removes the report. The inbox is a folder others can write: its folders are
+walked without following links (one replaced by a link fails that file's retry, and the file
+stays in failed/). Safe while
 the daemon runs: the report is first moved aside, so a retried file that fails again at once
 gets a fresh report that is never the one deleted here; a retry killed half-way leaves the
 report aside, and the next retry puts it back.
@@ -20,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from inboxd.config import Config
-from inboxd.files.durable import fsync_dir, json_bytes, move, tmp_dir_for
+from inboxd.files.durable import TmpDir, fsync_dir, json_bytes, move
 from inboxd.files.layout import PROCESSING_DIRNAME, TMP_DIRNAME
 from inboxd.files.names import output_path
 from inboxd.files.renames import rename_noreplace, time_token
@@ -168,8 +171,11 @@ def retry(config: Config, failed: Failed) -> Path:
     failed.report_path.unlink()
     assert failed.inbox is not None
     try:
-        target = move(failed.input_path, failed.destination, time_token(),
-                      tmp_dir_for(failed.inbox / PROCESSING_DIRNAME, config.instance))
+        # Walked from the inbox without following links (a member of its group may have
+        # replaced a folder with one), across filesystems by way of our own .processing/.tmp.
+        target = move(failed.input_path, failed.inbox, failed.rel, time_token(),
+                      TmpDir(failed.inbox, (PROCESSING_DIRNAME, TMP_DIRNAME, config.instance),
+                             own=True))
     except OSError:
         rename_noreplace(aside, failed.report_path)  # nothing moved: the failure stays
         raise

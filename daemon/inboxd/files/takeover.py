@@ -61,15 +61,15 @@ def take_over_dead(lifecycle: Lifecycle) -> Sweep:
     own = lifecycle.config.instance
     for inbox in lifecycle.config.inbox.paths:
         try:
-            with open_inside(inbox, [PROCESSING_DIRNAME]) as processing:
+            with open_inside(inbox, [PROCESSING_DIRNAME], own=True) as processing:
                 for name in _other_instances(processing, own, inbox / PROCESSING_DIRNAME, sweep):
                     try:
                         _take_over_one(lifecycle, inbox, processing, name, sweep)
                     except OSError as exc:  # that instance's problem: the others still go
                         sweep.refused.append((str(inbox / PROCESSING_DIRNAME / name),
                                               f"cannot take it over now: {exc}"))
-        except LinkedFolder:
-            sweep.refused.append((str(inbox / PROCESSING_DIRNAME), "a symbolic link, not a folder"))
+        except LinkedFolder as exc:  # a link, or not ours (the group can make its own)
+            sweep.refused.append((str(inbox / PROCESSING_DIRNAME), exc.strerror or str(exc)))
         except FileNotFoundError:
             continue
     return sweep

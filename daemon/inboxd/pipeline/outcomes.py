@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from inboxd import __version__, logs
 from inboxd.config import Config
 from inboxd.files.lifecycle import Lifecycle
+from inboxd.files.renames import path_problem
 from inboxd.files.settling import still_being_written
 from inboxd.item import PermanentError, RefusedError, WorkItem
 from inboxd.pipeline.held_files import HeldFiles
@@ -131,6 +132,10 @@ class Outcomes:
         where = "done/" if item.finishing == "success" else "failed/"
         doing = doing or f"cannot move {item.key} to {where}"
         reason = f"{doing}: {exc.strerror or exc}"
+        if path_problem(exc):
+            # A folder on the way that is a file or a link: no wait and no retry changes that.
+            await self._cannot_finish(item, reason)
+            return
         item.finish_attempts += 1
         if item.finish_attempts >= self.config.retry.max_attempts:
             # Still no room after every backoff: the file waits on disk, its outcome not lost
@@ -148,6 +153,18 @@ class Outcomes:
         # No room to wait here: the file waits on disk. Its durable result (if any) is found
         # again by sha256, so a later pass only finishes the move.
         await self.release(item, f"{reason}, and the retry list is full")
+
+    async def _cannot_finish(self, item: WorkItem, reason: str) -> None:
+        """The source can never reach its destination: a success goes to failed/ instead,
+        saying so (its result stays filed); a failure that failed/ cannot take (no free name
+        left there) waits in the inbox."""
+        if item.finishing != "success":
+            await self.release(item, reason)
+            return
+        result = self.lifecycle.results.json_file(item.name or item.key)
+        item.errors.append(f"its result is filed ({result}), but {reason}")
+        self._decide_failure(item, True, "io")
+        await self.finish(item)
 
     async def error(self, item: WorkItem, exc: BaseException) -> None:
         """Permanent errors and exhausted retries go to failed/; the rest to the retry list,

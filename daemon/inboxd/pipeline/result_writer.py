@@ -24,7 +24,7 @@ from inboxd import __version__
 from inboxd.config import Config
 from inboxd.files.commits import CommitEntry, Commits, Committed
 from inboxd.files.lifecycle import Lifecycle
-from inboxd.item import ModelError, TransientError, WorkItem
+from inboxd.item import ModelError, PermanentError, TransientError, WorkItem
 from inboxd.models.engines.interface import Outcome
 from inboxd.models.model import Embedding, Model, Prediction, not_finite
 from inboxd.pipeline.outcomes import Outcomes, RunIO, utc_now
@@ -159,6 +159,9 @@ class ResultWriter:
         for item, existed, problem in _filed(good, committed):
             if problem is None:
                 self.outcomes.completed(item, duplicate=existed)
+            elif not item.name:  # no result: this file's own permanent problem
+                item.finishing = item.name = None
+                await self.outcomes.error(item, PermanentError(problem.strerror or str(problem)))
             else:
                 # The result is durable: only the move is retried, never the work.
                 await self.outcomes.finish_later(item, problem)
