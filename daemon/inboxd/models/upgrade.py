@@ -1,0 +1,145 @@
+"""The fast runner, brought in without a start-up penalty: from the cache at start-up when a valid
+artifact is there, else exported in the background while the plain torch model serves, then
+swapped in between two batches on the model thread.
+
+Every artifact, cached or fresh, runs one probe batch beside the plain model first and is used
+only if it agrees (``models/agreement.py``). A build that fails, a file that cannot be used and
+a runner that disagrees are each logged once (``INBOXD_EVENT=runtime``) with the reason, and the
+plain model keeps serving. One build per process: a thread that waits on one exporter process.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from inboxd import logs
+from inboxd.config import ModelConfig
+from inboxd.models import onnx_runtime
+from inboxd.models.agreement import measure
+from inboxd.models.model import Model, Runner
+from inboxd.models.onnx_export import export_in_child
+from inboxd.models.runtime_choice import cpu_flags, native_bf16
+
+Exporter = Callable[[ModelConfig, Path, str], None]
+# The CLI's exit check looks for threads with the model thread's prefix: an export still
+# running when the daemon is done must not hold the interpreter.
+BUILD_THREAD_NAME = "inboxd-model-build"
+
+
+class FastPath:
+    def __init__(self, model: Model, config: ModelConfig, exporter: Exporter = export_in_child
+                 ) -> None:
+        assert config.cache_dir is not None
+        self.model = model
+        self.config = config
+        self.exporter = exporter
+        source = model.info.source if model.info is not None else model.name
+        self.path = onnx_runtime.artifact_path(config.cache_dir, model.name, source)
+        self.threads = torch.get_num_threads()
+        self.key = ""
+        # pending → serving (from the cache) | building → serving | failed
+        self.state = "pending"
+        self.fields: dict[str, Any] = {}  # the latest runtime facts, for records
+        self._exported = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- on the model thread -----------------------------------------------------------------
+
+    def start(self) -> None:
+        """At start-up: serve from a valid cached artifact now, or start the build."""
+        if self.state != "pending":
+            return
+        try:
+            self.key = onnx_runtime.expected_key(self.model.network, self.model.spec.crop,
+                                                 self.model.max_batch)
+            cached = onnx_runtime.load_cached(self.path, self.key, self.threads)
+        except onnx_runtime.ArtifactRefused as refused:
+            self.fields["RUNTIME_REBUILD_REASON"] = str(refused)
+        except Exception as exc:  # hashing the weights or loading failed: nobody's input
+            self._fail(f"cannot prepare the onnxruntime runner: {type(exc).__name__}: {exc}")
+            return
+        else:
+            self._swap(cached, "cached", announce=False)
+            return
+        self.state = "building"
+        self._thread = threading.Thread(target=self._build, name=BUILD_THREAD_NAME, daemon=True)
+        self._thread.start()
+
+    def swap_if_built(self) -> None:
+        """Between two batches: once the exporter is done, load, check and use its artifact."""
+        if self.state != "building" or not self._exported.is_set():
+            return
+        try:
+            built = onnx_runtime.load_cached(self.path, self.key, self.threads)
+        except onnx_runtime.ArtifactRefused as refused:
+            self._fail(f"the exported artifact {self.path} cannot be used: {refused}")
+            return
+        self._swap(built, "exported", announce=True)
+
+    def _swap(self, fast: Runner, how: str, announce: bool) -> None:
+        plain = self.model.runner
+        try:
+            agreement = measure(lambda images: self.model.run(images, plain),
+                                lambda images: self.model.run(images, fast),
+                                self.model.spec.crop, self.model.output == "embed")
+        except Exception as exc:  # the runner fails on the probe: it must not serve
+            self._fail(f"onnxruntime fails on the probe batch: {type(exc).__name__}: {exc}")
+            return
+        if not agreement.ok:
+            self._fail(f"onnxruntime does not agree with torch: {agreement.describe()}")
+            return
+        self.model.use(fast)
+        self.state = "serving"
+        self.fields.update({"RUNTIME_ARTIFACT": how, "RUNTIME_CACHE_FILE": str(self.path),
+                            **agreement.fields()})
+        if announce:
+            self._record(logging.INFO, f"runtime: onnxruntime fp32 now serves ({how} to "
+                         f"{self.path}), swapped in between two batches; {agreement.describe()}")
+
+    # -- in the build thread -----------------------------------------------------------------
+
+    def _build(self) -> None:
+        try:
+            self.exporter(self.config, self.path, self.key)
+        except Exception as exc:  # ExportFailed, or the exporter boundary failing otherwise
+            self._fail(f"exporting the network to ONNX failed: {exc}")
+            return
+        self._exported.set()
+
+    def _fail(self, why: str) -> None:
+        self.state = "failed"
+        self.fields["RUNTIME_FAILURE"] = why
+        self._record(logging.WARNING, f"runtime: {why}; torch {self.model.precision} keeps "
+                     "serving (fix the cause, or set model.runtime: torch to skip the attempt)")
+
+    def _record(self, level: int, message: str) -> None:
+        logs.emit(level, "runtime", message, runtime=self.model.runtime,
+                  precision=self.model.precision, runtime_state=self.state,
+                  **{k.lower(): v for k, v in self.fields.items()})
+
+    def join(self, timeout_s: float | None = None) -> None:
+        """For tests and benchmarks: wait for the build thread."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+
+def runtime_fields(model: Model, fast: FastPath | None) -> dict[str, Any]:
+    """For the started record: what serves now, what was chosen and why, and on the CPU the
+    capability the choice rests on."""
+    fields: dict[str, Any] = {"RUNTIME": model.runtime, "PRECISION": model.precision}
+    choice = model.choice
+    if choice is not None:
+        fields.update({"RUNTIME_CHOSEN": choice.runtime, "PRECISION_CHOSEN": choice.precision,
+                       "RUNTIME_REASON": choice.reason})
+    if model.device.type == "cpu":
+        fields.update({"CPU_CAPABILITY": torch.backends.cpu.get_cpu_capability(),
+                       "BF16_NATIVE": ",".join(native_bf16(cpu_flags())) or "no"})
+    if fast is not None:
+        fields.update({"RUNTIME_STATE": fast.state, **fast.fields})
+    return fields
