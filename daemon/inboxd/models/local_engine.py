@@ -21,6 +21,7 @@ path above, on the model thread; on the CPU that path is the only one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +51,8 @@ class LocalEngine:
         self.fast = fast
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=THREAD_NAME_PREFIX,
                                            initializer=name_this_thread)
+        if fast is not None:
+            fast.on_exported = self._swap_soon
         self.warmed_sizes: set[int] = set()
         self.overlap = Overlap(model) if (model.on_gpu if overlap is None else overlap) else None
         # Results wait here, so the model thread can launch the next batch meanwhile; a model
@@ -83,6 +86,12 @@ class LocalEngine:
             # above, so the careful path runs the batch again with nothing of it held.
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, self._infer_here, batch)
+
+    def _swap_soon(self) -> None:
+        """From the build thread: swap on the model thread after the batch it runs now."""
+        assert self.fast is not None
+        with contextlib.suppress(RuntimeError):  # shut down meanwhile: nothing left to serve
+            self.executor.submit(self.fast.swap_if_built)
 
     def _infer_here(self, batch: list[WorkItem]) -> list[Outcome]:
         """On the model thread: between the previous batch and this one is where a built fast

@@ -48,6 +48,9 @@ class FastPath:
         self.fields: dict[str, Any] = {}  # the latest runtime facts, for records
         self._exported = threading.Event()
         self._thread: threading.Thread | None = None
+        # Called from the build thread once the artifact is written: the local engine queues
+        # ``swap_if_built`` on its model thread, so an idle daemon swaps too, between batches.
+        self.on_exported: Callable[[], None] | None = None
 
     # -- on the model thread -----------------------------------------------------------------
 
@@ -111,6 +114,8 @@ class FastPath:
             self._fail(f"exporting the network to ONNX failed: {exc}")
             return
         self._exported.set()
+        if self.on_exported is not None:
+            self.on_exported()
 
     def _fail(self, why: str) -> None:
         self.state = "failed"
