@@ -318,6 +318,26 @@ def test_a_runner_that_disagrees_is_not_swapped_in(tmp_path: Path, exported: Pat
     assert "does not agree" in runtime_records.fields()["RUNTIME_FAILURE"]
 
 
+def test_a_pt2_program_gets_the_same_fast_path(tmp_path: Path) -> None:
+    """Bring-your-own: a torch.export program is exported by the real exporter process (which
+    rebuilds it from the config), checked and swapped in like the built-in model."""
+    from tests.byo_models import NUM_CLASSES, export, resnet18
+
+    program = export(resnet18(), tmp_path / "net.pt2")
+    labels = tmp_path / "labels.txt"
+    labels.write_text("\n".join(f"class {i}" for i in range(NUM_CLASSES)))
+    config = ModelConfig(export=program, labels=labels, cache_dir=tmp_path / "cache")
+    model = load_model(config)
+    images = list(crops(model).values())
+    before = model.outputs(images)
+    fast = FastPath(model, config)
+    fast.start()
+    fast.join(900)
+    fast.swap_if_built()
+    assert (fast.state, model.runtime) == ("serving", "onnxruntime"), fast.fields
+    assert torch.allclose(model.outputs(images), before, atol=1e-4, rtol=1e-4)
+
+
 def test_the_exporter_process_reports_why_it_failed(tmp_path: Path) -> None:
     config = ModelConfig(device="cpu", cache_dir=tmp_path)
     with pytest.raises(ExportFailed, match="not the daemon's"):
