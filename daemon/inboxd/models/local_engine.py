@@ -67,8 +67,7 @@ class LocalEngine:
         Returns those sizes and the seconds it took."""
         loop = asyncio.get_running_loop()
         if self.fast is not None and self.fast.state == "pending":
-            # The cached artifact, when valid, serves from the first batch; else the build
-            # starts here, in the background.
+            # In the background: torch serves meanwhile, even the first batch.
             await loop.run_in_executor(self.executor, self.fast.start)
         sizes = [s for s in self.model.warm_up_sizes(max_size) if s not in self.warmed_sizes]
         if not sizes:

@@ -220,13 +220,6 @@ def expected_key(network: nn.Module, crop: int, max_batch: int | None) -> str:
     return key_of(cache_key(network, crop, max_batch))
 
 
-def load_cached(path: Path, key: str, threads: int) -> Runner:
-    """The cached artifact at ``path`` as a runner; ``ArtifactRefused`` when it cannot be used.
-    Call it on the thread that will run it: ONNX Runtime's pool threads are made here and
-    inherit this thread's scheduling priority."""
-    return from_bytes(verified(path, key), threads)
-
-
 def verified(path: Path, key: str) -> bytes:
     data = read_artifact(path)
     check_self_contained(data, key)

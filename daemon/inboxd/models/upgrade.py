@@ -1,6 +1,6 @@
-"""The fast runner, brought in without a start-up penalty: from the cache at start-up when a valid
-artifact is there, else exported in the background while the plain torch model serves, then
-swapped in between two batches on the model thread.
+"""The fast runner, brought in without a start-up penalty: while the plain torch model serves, a
+background thread finds a valid cached artifact or has one exported, and the model thread swaps
+it in between two batches (within a second or two of start-up when the cache is valid).
 
 Every artifact, cached or fresh, runs one probe batch beside the plain model first and is used
 only if it agrees (``models/agreement.py``). A build that fails, a file that cannot be used and
@@ -22,7 +22,7 @@ from inboxd import logs
 from inboxd.config import ModelConfig
 from inboxd.models import onnx_runtime
 from inboxd.models.agreement import measure
-from inboxd.models.model import Model, Runner
+from inboxd.models.model import Model
 from inboxd.models.onnx_export import export_in_child
 from inboxd.models.runtime_choice import cpu_flags, native_bf16
 
@@ -46,46 +46,38 @@ class FastPath:
         # pending → serving (from the cache) | building → serving | failed
         self.state = "pending"
         self.fields: dict[str, Any] = {}  # the latest runtime facts, for records
-        self._exported = threading.Event()
+        self._ready: tuple[bytes, str] | None = None  # the artifact's bytes, cached | exported
         self._thread: threading.Thread | None = None
-        # Called from the build thread once the artifact is written: the local engine queues
+        # Called from the build thread once the artifact is ready: the local engine queues
         # ``swap_if_built`` on its model thread, so an idle daemon swaps too, between batches.
         self.on_exported: Callable[[], None] | None = None
 
     # -- on the model thread -----------------------------------------------------------------
 
     def start(self) -> None:
-        """At start-up: serve from a valid cached artifact now, or start the build."""
+        """At start-up: look for the artifact (and export it if need be) in the build thread,
+        so the first batch is served by torch at once, with nothing added to start-up."""
         if self.state != "pending":
-            return
-        try:
-            self.key = onnx_runtime.expected_key(self.model.network, self.model.spec.crop,
-                                                 self.model.max_batch)
-            cached = onnx_runtime.load_cached(self.path, self.key, self.threads)
-        except onnx_runtime.ArtifactRefused as refused:
-            self.fields["RUNTIME_REBUILD_REASON"] = str(refused)
-        except Exception as exc:  # hashing the weights or loading failed: nobody's input
-            self._fail(f"cannot prepare the onnxruntime runner: {type(exc).__name__}: {exc}")
-            return
-        else:
-            self._swap(cached, "cached", announce=False)
             return
         self.state = "building"
         self._thread = threading.Thread(target=self._build, name=BUILD_THREAD_NAME, daemon=True)
         self._thread.start()
 
     def swap_if_built(self) -> None:
-        """Between two batches: once the exporter is done, load, check and use its artifact."""
-        if self.state != "building" or not self._exported.is_set():
+        """Between two batches: once the artifact is ready, load it, check it on the probe
+        batch against the model serving now, and serve with it. The session is made here, on
+        the model thread, because ONNX Runtime's pool threads inherit their maker's priority."""
+        ready = self._ready
+        if self.state != "building" or ready is None:
             return
+        self._ready = None
+        data, how = ready
         try:
-            built = onnx_runtime.load_cached(self.path, self.key, self.threads)
+            fast = onnx_runtime.from_bytes(data, self.threads)
         except onnx_runtime.ArtifactRefused as refused:
-            self._fail(f"the exported artifact {self.path} cannot be used: {refused}")
+            self._fail(f"the artifact {self.path} cannot be used: {refused}")
             return
-        self._swap(built, "exported", announce=True)
-
-    def _swap(self, fast: Runner, how: str, announce: bool) -> None:
+        del data
         plain = self.model.runner
         try:
             agreement = measure(lambda images: self.model.run(images, plain),
@@ -101,19 +93,24 @@ class FastPath:
         self.state = "serving"
         self.fields.update({"RUNTIME_ARTIFACT": how, "RUNTIME_CACHE_FILE": str(self.path),
                             **agreement.fields()})
-        if announce:
-            self._record(logging.INFO, f"runtime: onnxruntime fp32 now serves ({how} to "
-                         f"{self.path}), swapped in between two batches; {agreement.describe()}")
+        self._record(logging.INFO, f"runtime: onnxruntime fp32 now serves ({how} artifact "
+                     f"{self.path}), swapped in between two batches; {agreement.describe()}")
 
     # -- in the build thread -----------------------------------------------------------------
 
     def _build(self) -> None:
         try:
-            self.exporter(self.config, self.path, self.key)
-        except Exception as exc:  # ExportFailed, or the exporter boundary failing otherwise
+            self.key = onnx_runtime.expected_key(self.model.network, self.model.spec.crop,
+                                                 self.model.max_batch)
+            try:
+                self._ready = (onnx_runtime.verified(self.path, self.key), "cached")
+            except onnx_runtime.ArtifactRefused as refused:
+                self.fields["RUNTIME_REBUILD_REASON"] = str(refused)
+                self.exporter(self.config, self.path, self.key)
+                self._ready = (onnx_runtime.verified(self.path, self.key), "exported")
+        except Exception as exc:  # ExportFailed, an unusable export, the boundary failing
             self._fail(f"exporting the network to ONNX failed: {exc}")
             return
-        self._exported.set()
         if self.on_exported is not None:
             self.on_exported()
 

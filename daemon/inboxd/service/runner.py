@@ -100,8 +100,8 @@ class Service:
         runtime = runtime_fields(model, getattr(engine, "fast", None))
         state = runtime.get("RUNTIME_STATE")
         ran = (f"{model.runtime} {model.precision}"
-               + (" (onnxruntime building in the background)" if state == "building" else "")
-               + (f" ({runtime['RUNTIME_ARTIFACT']} artifact)" if state == "serving" else ""))
+               + (" (onnxruntime being prepared in the background)" if state == "building" else "")
+               )
         logs.emit(logging.INFO, "started",
                   f"inboxd {__version__}: model {model.name}{source} on {on}, runs {ran}, "
                   f"loaded and warmed up in {time.perf_counter() - started:.1f} s; watching "
