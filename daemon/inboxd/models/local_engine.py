@@ -66,14 +66,15 @@ class LocalEngine:
         """Warm the batch sizes up to ``max_size`` not warmed yet, on the inference thread.
         Returns those sizes and the seconds it took."""
         loop = asyncio.get_running_loop()
-        if self.fast is not None and self.fast.state == "pending":
-            # In the background: torch serves meanwhile, even the first batch.
-            await loop.run_in_executor(self.executor, self.fast.start)
         sizes = [s for s in self.model.warm_up_sizes(max_size) if s not in self.warmed_sizes]
-        if not sizes:
-            return [], 0.0
-        seconds = await loop.run_in_executor(self.executor, self.model.warm_up, sizes)
-        self.warmed_sizes.update(sizes)
+        seconds = 0.0
+        if sizes:
+            seconds = await loop.run_in_executor(self.executor, self.model.warm_up, sizes)
+            self.warmed_sizes.update(sizes)
+        if self.fast is not None and self.fast.state == "pending":
+            # After the warm-up, which it would slow down; in the background, so torch serves
+            # meanwhile, even the first batch.
+            self.fast.start()
         return sizes, seconds
 
     async def infer(self, batch: list[WorkItem]) -> list[Outcome]:
