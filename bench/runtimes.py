@@ -27,7 +27,7 @@ import torch
 
 def variants(model: Any, compile_too: bool) -> dict[str, Any]:
     from inboxd.models import onnx_runtime
-    from inboxd.models.model import Runner
+    from inboxd.models.runner import Runner
 
     threads = torch.get_num_threads()
     network = model.network

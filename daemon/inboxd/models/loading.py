@@ -23,8 +23,9 @@ from inboxd.config import ConfigError, ModelConfig, ModelInputConfig
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.models.agreement import measure
 from inboxd.models.device import pick_device
-from inboxd.models.model import Model, ModelInfo, Runner, imagenet_labels
+from inboxd.models.model import Model, ModelInfo, imagenet_labels
 from inboxd.models.preflight import label_count_problem, problem, read_labels
+from inboxd.models.runner import Runner
 from inboxd.models.runtime_choice import Choice, choose, cpu_flags
 from inboxd.models.sources import (
     IMAGENET_CLASSES,
@@ -32,7 +33,6 @@ from inboxd.models.sources import (
     builtin,
     export_program,
     last_linear,
-    onnx_program,
     torchvision_model,
 )
 
@@ -111,6 +111,8 @@ def build(config: ModelConfig, device: torch.device, label_count: int | None) ->
     if config.kind == "export":
         return export_program(config, device)
     if config.kind == "onnx":
+        from inboxd.models.onnx_runtime import onnx_program
+
         return onnx_program(config)
     return builtin()
 

@@ -7,6 +7,9 @@ runs in channels_last, which is what cuDNN and the CPU kernels are fastest with 
 
 What to load, and every check that the configured files and device can work, lives in
 ``inboxd.models.loading``; this module only runs what it was given.
+
+Longer than 300 lines because the whole run-time path of a batch (stacking, normalisation, the
+runner that serves, reduce, predictions, warm-up) reads best in one place.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch import nn
 from inboxd.config import ConfigError
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.models.memory import cuda_memory_fields
+from inboxd.models.runner import Runner
 from inboxd.models.staging import HostStaging
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -80,19 +84,6 @@ def not_finite(prediction: Prediction) -> str | None:
         return f"{bad} of the {prediction.dim} embedding values" if bad else None
     bad = sum(not math.isfinite(float(entry.get("score", 0.0))) for entry in prediction.top_k)
     return f"{bad} of the top-{len(prediction.top_k)} scores" if bad else None
-
-
-@dataclass(frozen=True)
-class Runner:
-    """What runs the network on a normalised batch (N×3×H×W float32 → N×D float32), and how
-    results say it ran: torch eager or compiled under autocast, or ONNX Runtime."""
-
-    runtime: str  # torch | onnxruntime
-    precision: str  # fp32 | fp16 | bf16: the autocast dtype for torch
-    forward: Callable[[torch.Tensor], torch.Tensor]
-    # The input layout it is fastest with: channels_last for torch's convolutions; ONNX
-    # Runtime takes a contiguous NCHW array without a copy.
-    memory_format: torch.memory_format = torch.channels_last
 
 
 @dataclass(frozen=True)

@@ -273,39 +273,3 @@ def _input_signature(program: Any, path: Path) -> tuple[int | None, tuple[int, i
     fixed = (height, width) if isinstance(height, int) and isinstance(width, int) else None
     return max_batch, fixed
 
-
-# -- an ONNX file ---------------------------------------------------------------------------
-
-
-def onnx_program(config: ModelConfig) -> Source:
-    """An ``.onnx`` file in an ONNX Runtime session (CPU). It must take one float N×3×H×W input
-    with a dynamic N, like a .pt2 program; its first output is what inboxd reads."""
-    from inboxd.models import onnx_runtime
-
-    assert config.onnx is not None
-    path = config.onnx
-    try:
-        session = onnx_runtime.session(str(path), torch.get_num_threads())
-    except Exception as exc:  # ONNX Runtime's own words say what is wrong with the file
-        missing = not path.is_file()
-        raise problem(f"onnx: cannot read {path}: no such file" if missing else
-                      f"onnx: {path} cannot be loaded by onnxruntime: {type(exc).__name__}: "
-                      f"{str(exc)[:300]}") from exc
-    inputs = session.get_inputs()
-    if len(inputs) != 1:
-        raise problem(f"onnx: {path} must take exactly one input (a N×3×H×W batch), it takes "
-                      f"{len(inputs)}")
-    shape, kind = list(inputs[0].shape), inputs[0].type
-    if kind != "tensor(float)":
-        raise problem(f"onnx: {path} takes a {kind} input; inboxd feeds float32 (export the "
-                      "network in fp32)")
-    if len(shape) != 4 or shape[1] != 3:
-        raise problem(f"onnx: {path} takes a {shape} input; inboxd feeds N×3×H×W")
-    if isinstance(shape[0], int):
-        raise problem(f"onnx: {path} was exported for a fixed batch of {shape[0]}; inboxd sends "
-                      "batches of varying size: export with a dynamic batch axis "
-                      "(dynamic_shapes or dynamic_axes on dimension 0)")
-    height, width = shape[2], shape[3]
-    fixed = (height, width) if isinstance(height, int) and isinstance(width, int) else None
-    return Source(path.name, onnx_runtime.OnnxNetwork(session), TORCHVISION_INPUT,
-                  f"ONNX model {path}", None, None, fixed)
