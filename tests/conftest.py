@@ -7,12 +7,14 @@ fixed sleep.
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,7 +27,11 @@ from PIL import Image
 from tests.waiting import wait_until as wait_until  # re-exported: what the tests import
 
 REPO = Path(__file__).resolve().parent.parent
-
+# One ONNX artifact cache for every daemon a test starts (model.cache_dir), so the background
+# export runs once per machine and checkout, not once per test; tests of the cache itself give
+# their own cache_dir.
+SHARED_MODEL_CACHE = Path(tempfile.gettempdir()) / (
+    f"inboxd-test-model-cache-{os.getuid()}-{hashlib.sha256(str(REPO).encode()).hexdigest()[:8]}")
 
 
 def run_interleaved(targets: list[Callable[[], None]]) -> None:
@@ -52,6 +58,7 @@ def write_config(root: Path, **sections: Any) -> Path:
         "failed_dir": str(root / "failed"),
         "stats": {"interval_s": 1},
         "shutdown": {"grace_s": 20},
+        "model": {"cache_dir": str(SHARED_MODEL_CACHE)},
     }
     for key, value in sections.items():
         if isinstance(value, dict) and isinstance(config.get(key), dict):

@@ -29,6 +29,7 @@ class FakeModel:
     name = "fake"
     device = torch.device("cpu")
     precision = "fp32"
+    runtime = "torch"
     on_gpu = False
     spec = PreprocessSpec(resize=8, crop=8, interpolation="nearest", mean=(0.5,) * 3,
                           std=(0.5,) * 3)

@@ -181,3 +181,59 @@ def test_flood_with_tiny_capacities_keeps_every_bound(tmp_path: Path, daemon_fac
         assert int(stats[f"{layer.upper()}_CAPACITY"]) == bound
     assert int(stats["QUEUE_HIGH_WATER"]) == capacity["queue"], "the queue really filled"
     assert int(stats["BATCH_HIGH_WATER"]) <= 8
+
+
+@pytest.mark.timeout(900)  # the export, at a low priority on a busy machine, takes minutes
+def test_the_fast_runtime_is_swapped_in_while_serving_and_reused_after_a_restart(
+        tmp_path: Path, daemon_factory) -> None:
+    """The real daemon serves at once with torch while the exporter process builds the ONNX
+    artifact, swaps it in between two batches (every file still gets a result that agrees),
+    and a restart loads the artifact instead of exporting again."""
+    from tests.conftest import line_fields
+    from tests.photos import photo_paths
+
+    photos = photo_paths()
+    cache = tmp_path / "cache"
+    config = write_config(tmp_path, model={"cache_dir": str(cache)})
+    inbox = tmp_path / "inbox"
+    for name, path in photos.items():  # found by the start-up scan: served before any swap
+        drop(path, inbox, f"before/{name}{path.suffix}")
+    daemon = daemon_factory(config)
+    started = line_fields(daemon.wait_for("started")[0])
+    assert (started["RUNTIME"], started["RUNTIME_CHOSEN"], started["RUNTIME_STATE"]) == (
+        "torch", "onnxruntime", "building"), started
+    assert started["BF16_NATIVE"] and started["CPU_CAPABILITY"]
+    before = {name: tmp_path / "results" / "before" / f"{name}{path.suffix}.json"
+              for name, path in photos.items()}
+    wait_until(lambda: all(p.exists() for p in before.values()), 120, "the first results")
+    swapped = line_fields(daemon.wait_for("runtime", timeout_s=600)[0])
+    assert (swapped["RUNTIME"], swapped["RUNTIME_ARTIFACT"]) == ("onnxruntime", "exported"), (
+        daemon.output())
+    for name, path in photos.items():
+        drop(path, inbox, f"after/{name}{path.suffix}")
+    after = {name: tmp_path / "results" / "after" / f"{name}{path.suffix}.json"
+             for name, path in photos.items()}
+    wait_until(lambda: all(p.exists() for p in after.values()), 120, "the results after")
+    for name in photos:
+        old, new = read_json(before[name]), read_json(after[name])
+        assert (old["runtime"], new["runtime"]) == ("torch", "onnxruntime"), name
+        assert old["precision"] == new["precision"] == "fp32"
+        assert new["top_k"][0]["index"] == old["top_k"][0]["index"], name
+        assert abs(new["top_k"][0]["score"] - old["top_k"][0]["score"]) <= 0.01, name
+    assert 281 <= read_json(after["chelsea"])["top_k"][0]["index"] <= 285
+    assert daemon.stop() == 0
+    assert len(daemon.records("runtime")) == 1
+
+    artifact = Path(swapped["RUNTIME_CACHE_FILE"])
+    built = os.stat(artifact)
+    again = daemon_factory(config)
+    reloaded = line_fields(again.wait_for("runtime", timeout_s=120)[0])
+    assert (reloaded["RUNTIME"], reloaded["RUNTIME_ARTIFACT"]) == ("onnxruntime", "cached")
+    drop(photos["chelsea"], inbox, "restart/cat.png")
+    result = tmp_path / "results" / "restart" / "cat.png.json"
+    wait_until(result.exists, 60, "the result after the restart")
+    assert read_json(result)["runtime"] == "onnxruntime"
+    assert again.stop() == 0
+    assert len(again.records("runtime")) == 1  # loaded, not exported: the file is the same
+    now = os.stat(artifact)
+    assert (now.st_ino, now.st_mtime_ns) == (built.st_ino, built.st_mtime_ns)

@@ -157,7 +157,9 @@ class ModelInputConfig(Section):
         return self
 
 
-ModelKind = Literal["builtin", "torchvision", "export"]
+ModelKind = Literal["builtin", "torchvision", "export", "onnx"]
+# The environment variable systemd sets for a unit's CacheDirectory= (several: colon-separated).
+CACHE_DIRECTORY_ENV = "CACHE_DIRECTORY"
 
 
 class RayConfig(Section):
@@ -216,6 +218,7 @@ class ModelConfig(Section):
     name: Literal["efficientnet_lite0"] | None = None
     torchvision: str | None = None  # an architecture name from torchvision.models
     export: Path | None = None  # a torch.export .pt2 program
+    onnx: Path | None = None  # an ONNX network, run by ONNX Runtime on the CPU
     weights: Path | None = None  # torchvision: the state_dict file
     num_classes: Positive | None = None  # torchvision: default = the labels count, else 1000
     labels: Path | None = None  # one label per line, or a JSON list
@@ -223,8 +226,17 @@ class ModelConfig(Section):
     output: Literal["classify", "embed"] = "classify"
     top_k: Annotated[int, Field(gt=0, le=1000)] = 5  # classify only
     device: str = "auto"
-    precision: Literal["fp32", "fp16", "bf16"] = "fp32"
+    # auto: from the device's capability and the runtime (inboxd.models.runtime_choice says
+    # how); the choice and its reason are in the started record. An explicit value wins.
+    precision: Literal["auto", "fp32", "fp16", "bf16"] = "auto"
     compile: bool = False
+    # What runs the network: torch (eager, or compiled with compile: true), onnxruntime (the
+    # network exported once to ONNX, cached in cache_dir, swapped in between batches once it
+    # agrees with torch on a probe batch), or auto (onnxruntime on the CPU where it applies).
+    runtime: Literal["auto", "torch", "onnxruntime"] = "auto"
+    # Built artifacts (the exported ONNX network). Unset: $CACHE_DIRECTORY (systemd's
+    # CacheDirectory=), else a cache folder beside results_dir.
+    cache_dir: Path | None = None
     # Where the model runs: a thread of this process (local) or a Ray Serve application.
     engine: Literal["local", "ray"] = "local"
     ray: RayConfig = RayConfig()
@@ -246,13 +258,21 @@ class ModelConfig(Section):
             raise ValueError("export is a model of its own: remove name/torchvision")
         return _absolute(value)
 
+    @field_validator("onnx")
+    @classmethod
+    def _one_onnx(cls, value: Path | None, info: ValidationInfo) -> Path | None:
+        if value is not None and (info.data.get("name") or info.data.get("torchvision")
+                                  or info.data.get("export")):
+            raise ValueError("onnx is a model of its own: remove name/torchvision/export")
+        return _absolute(value)
+
     @field_validator("weights", "num_classes")
     @classmethod
     def _torchvision_only(cls, value: Any, info: ValidationInfo) -> Any:
         if value is not None and info.data.get("torchvision") is None:
-            if info.data.get("export"):
-                why = ("a .pt2 program carries its own weights" if info.field_name == "weights"
-                       else "a .pt2 program's output size is its class count")
+            if info.data.get("export") or info.data.get("onnx"):
+                why = ("a program carries its own weights" if info.field_name == "weights"
+                       else "a program's output size is its class count")
             else:
                 why = "the built-in model is EfficientNet-Lite0 with its ImageNet weights"
             raise ValueError(f"{info.field_name} only applies to torchvision: models ({why})")
@@ -261,9 +281,10 @@ class ModelConfig(Section):
     @field_validator("labels")
     @classmethod
     def _not_builtin(cls, value: Path | None, info: ValidationInfo) -> Path | None:
-        if value is not None and not (info.data.get("torchvision") or info.data.get("export")):
+        if value is not None and not (info.data.get("torchvision") or info.data.get("export")
+                                      or info.data.get("onnx")):
             raise ValueError("the built-in model uses the ImageNet class names; labels only "
-                             "applies to torchvision: and export: models")
+                             "applies to torchvision:, export: and onnx: models")
         return _absolute(value)
 
     @field_validator("device")
@@ -282,8 +303,19 @@ class ModelConfig(Section):
                              "use fp32 or bf16 on the CPU")
         return precision
 
+    @field_validator("cache_dir")
+    @classmethod
+    def _cache_absolute(cls, value: Path | None) -> Path | None:
+        return _absolute(value)
+
     @model_validator(mode="after")
     def _complete(self) -> ModelConfig:
+        if self.onnx is not None and (self.compile or self.runtime == "torch"):
+            raise ValueError("an onnx: model runs in onnxruntime: remove compile: true and "
+                             "runtime: torch")
+        if self.onnx is not None and self.precision in ("fp16", "bf16"):
+            raise ValueError("an onnx: model runs at the precision it was exported with: "
+                             "set precision: auto or fp32")
         if self.torchvision is not None and self.weights is None:
             raise ValueError(
                 "torchvision: needs weights: PATH, a local state_dict file "
@@ -297,6 +329,8 @@ class ModelConfig(Section):
             return "torchvision"
         if self.export is not None:
             return "export"
+        if self.onnx is not None:
+            return "onnx"
         return "builtin"
 
 
@@ -411,11 +445,19 @@ class Config(Section):
         textfile = self.metrics.textfile
         metrics = self.metrics.model_copy(
             update={"textfile": absolute(textfile) if textfile is not None else None})
+        results_dir = absolute(self.results_dir)
+        model = self.model
+        if model.cache_dir is None:
+            from_systemd = os.environ.get(CACHE_DIRECTORY_ENV, "").split(":")[0]
+            cache_dir = absolute(Path(from_systemd)) if from_systemd else (
+                results_dir.parent / "cache")
+            model = model.model_copy(update={"cache_dir": cache_dir})
         return self.model_copy(
             update={
                 "inbox": inbox,
                 "metrics": metrics,
-                "results_dir": absolute(self.results_dir),
+                "model": model,
+                "results_dir": results_dir,
                 "done_dir": absolute(self.done_dir),
                 "failed_dir": absolute(self.failed_dir),
             }

@@ -117,6 +117,9 @@ class WorkItem:
     preprocessed_s: float = 0.0
     inferred_s: float = 0.0
     inference_ms: float = 0.0
+    # What ran it (the local engine swaps runners between batches): "" until inferred here.
+    runtime: str = ""
+    precision: str = ""
 
     @property
     def inbox_path(self) -> str:

@@ -34,7 +34,7 @@ SUMMARY_INTERVAL_S = 5.0
 # and hide a warning that matters, such as a rejected reload.
 EXEMPT_EVENTS = frozenset({
     "started", "ready", "stats", "reloaded", "stopping", "stopped", "suppressed",
-    "recovered", "metrics", "gpu_decode", "no_cuda", "faults",  # once, at start-up
+    "recovered", "metrics", "gpu_decode", "no_cuda", "faults", "runtime",  # once each
     "deferred", "watching", "model_unavailable", "model_available", "model_connected",
 })
 

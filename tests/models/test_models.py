@@ -409,7 +409,10 @@ def resnet18_backbone(files: dict[str, Path]) -> nn.Module:
 def inboxd(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "inboxd", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          # This checkout's daemon/ first: the shared venv's editable install
+                          # may point at another one.
+                          env={**os.environ,
+                               "PYTHONPATH": os.pathsep.join([str(REPO / "daemon"), str(REPO)])})
 
 
 @pytest.mark.daemon

@@ -64,13 +64,16 @@ class HostStaging(threading.local):
         self.pixels = Staging(pin=False)
         self.inputs: torch.Tensor | None = None
 
-    def stage(self, images: Sequence[np.ndarray[Any, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The images stacked (N×H×W×3 uint8) and a float input of their shape to normalise
-        into, the input grown to the largest batch seen."""
+    def stage(self, images: Sequence[np.ndarray[Any, Any]],
+              memory_format: torch.memory_format = torch.channels_last
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The images stacked (N×H×W×3 uint8) and a float input of their shape, in
+        ``memory_format``, to normalise into, the input grown to the largest batch seen."""
         pixels, _ = self.pixels.fill(images)
         count, height, width, channels = pixels.shape
         if self.inputs is None or self.inputs.shape[1:] != (channels, height, width) or (
-                len(self.inputs) < count):
+                len(self.inputs) < count) or not self.inputs.is_contiguous(
+                    memory_format=memory_format):
             self.inputs = torch.empty((count, channels, height, width)).contiguous(
-                memory_format=torch.channels_last)
+                memory_format=memory_format)
         return pixels, self.inputs[:count]

@@ -9,6 +9,7 @@ an input size the architecture cannot take and a program that does not return on
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import os
 import shutil
@@ -20,9 +21,12 @@ from torch import nn
 
 from inboxd.config import ConfigError, ModelConfig, ModelInputConfig
 from inboxd.decode.spec import PreprocessSpec
+from inboxd.models.agreement import measure
 from inboxd.models.device import pick_device
 from inboxd.models.model import Model, ModelInfo, imagenet_labels
 from inboxd.models.preflight import label_count_problem, problem, read_labels
+from inboxd.models.runner import Runner
+from inboxd.models.runtime_choice import Choice, choose, cpu_flags
 from inboxd.models.sources import (
     IMAGENET_CLASSES,
     Source,
@@ -39,29 +43,66 @@ BATCH_INDEPENDENCE_TOLERANCE = 1e-3
 
 
 def load_model(config: ModelConfig) -> Model:
-    device = pick_device(config.device)
-    check_device(config, device)
+    device = pick_device("cpu" if config.kind == "onnx" and config.device == "auto"
+                         else config.device)
+    choice = choose_runtime(config, device)
+    check_device(config, device, choice.precision)
     labels = read_labels(config.labels) if config.labels is not None else None
-    source = build(config, device, len(labels) if labels else None)
-    spec = input_spec(config.input, source)
-    # A program returns what it was exported to return; the others are turned into embedders.
-    embed_here = config.output == "embed" and config.kind != "export"
-    embedding_dim = strip_classifier(source) if embed_here else None
-    outputs = probe(source.network, spec, device, config.kind == "export")
-    if embedding_dim is not None and outputs != embedding_dim:
-        raise problem(f"output: embed: the last Linear layer of {source.name} is not its final "
-                      "layer, so inboxd cannot find the pooled features; export a program that "
-                      "returns the embedding instead")
+    source, spec, outputs = network_for(config, device, labels)
     labels = _labels_for(config, source, labels, outputs)
     info = ModelInfo(config.kind, source.description,
                      sum(p.numel() for p in source.network.parameters()), outputs,
                      source.max_batch)
-    model = Model(source.name, source.network, spec, labels, device, config.precision,
+    runner = onnx_source_runner(source.network) if config.kind == "onnx" else None
+    # A precision chosen by auto starts in fp32 and is kept only if it agrees (below).
+    start = "fp32" if choice.precision_by_auto else choice.precision
+    model = Model(source.name, source.network, spec, labels, device, start,
                   config.top_k, output=config.output, color=config.input.color,
-                  compile=config.compile, info=info)
+                  compile=config.compile, info=info, runner=runner)
+    model.choice = choice
+    if choice.runtime == "torch" and start != choice.precision:
+        model.choice = keep_if_agrees(model, choice)
     if config.compile:
         _compile_now(model)
     return model
+
+
+def choose_runtime(config: ModelConfig, device: torch.device) -> Choice:
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return choose(config, device.type, flags=cpu_flags(),
+                  cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                  gpu_capability=capability)
+
+
+def keep_if_agrees(model: Model, choice: Choice) -> Choice:
+    """Serve at the reduced precision ``auto`` chose only if it agrees with fp32 on the probe
+    batch; otherwise fp32, with the reason."""
+    agreement = measure(lambda images: model.run(images, model.torch_runner("fp32")),
+                        lambda images: model.run(images, model.torch_runner(choice.precision)),
+                        model.spec.crop, model.output == "embed")
+    if agreement.ok:
+        model.use(model.torch_runner(choice.precision))
+        return dataclasses.replace(choice, reason=f"{choice.reason}; {agreement.describe()}")
+    return dataclasses.replace(choice, precision="fp32", reason=(
+        f"{choice.reason}, but {choice.precision} does not agree with fp32 "
+        f"({agreement.describe()}): fp32"))
+
+
+def network_for(config: ModelConfig, device: torch.device, labels: list[str] | None
+                ) -> tuple[Source, PreprocessSpec, int]:
+    """The configured network as it will run (an embedder's classifier removed), its input
+    and its output size, each checked: what the exporter process rebuilds too."""
+    source = build(config, device, len(labels) if labels else None)
+    spec = input_spec(config.input, source)
+    # A program returns what it was exported to return; the others are turned into embedders.
+    embed_here = config.output == "embed" and config.kind not in ("export", "onnx")
+    embedding_dim = strip_classifier(source) if embed_here else None
+    outputs = probe(source.network, spec, device, config.kind in ("export", "onnx"))
+    if embedding_dim is not None and outputs != embedding_dim:
+        raise problem(f"output: embed: the last Linear layer of {source.name} is not its final "
+                      "layer, so inboxd cannot find the pooled features; export a program that "
+                      "returns the embedding instead")
+    return source, spec, outputs
 
 
 def build(config: ModelConfig, device: torch.device, label_count: int | None) -> Source:
@@ -69,15 +110,22 @@ def build(config: ModelConfig, device: torch.device, label_count: int | None) ->
         return torchvision_model(config, label_count)
     if config.kind == "export":
         return export_program(config, device)
+    if config.kind == "onnx":
+        from inboxd.models.onnx_runtime import onnx_program
+
+        return onnx_program(config)
     return builtin()
 
 
-def check_device(config: ModelConfig, device: torch.device) -> None:
+def check_device(config: ModelConfig, device: torch.device, precision: str) -> None:
     """The precision and compile settings against the device ``device: auto`` resolved to."""
-    if config.precision == "fp16" and device.type == "cpu":
+    if config.kind == "onnx" and device.type == "cuda":
+        raise problem("onnx: models run in onnxruntime on the CPU (the onnxruntime package has "
+                      "no CUDA execution provider): set device: cpu or auto")
+    if precision == "fp16" and device.type == "cpu":
         raise problem("precision: fp16 needs a CUDA GPU and the device is the CPU (CPUs have no "
                       "fast fp16 kernels): use fp32, or bf16 on a CPU with AVX-512/AMX")
-    if (config.precision == "bf16" and device.type == "cuda"
+    if (precision == "bf16" and device.type == "cuda"
             and not torch.cuda.is_bf16_supported(including_emulation=False)):
         raise problem(f"precision: bf16 is not supported natively by "
                       f"{torch.cuda.get_device_name(device)} (it needs compute capability 8.0 "
@@ -180,7 +228,7 @@ def _labels_for(config: ModelConfig, source: Source, labels: list[str] | None,
     classify = config.output == "classify"
     if config.kind == "builtin":
         return imagenet_labels() if classify else None
-    if not classify and config.kind == "export":
+    if not classify and config.kind in ("export", "onnx"):
         return None  # the program returns the embedding: there are no classes to count
     classes = source.classes if source.classes is not None else outputs
     if labels is not None:
@@ -197,6 +245,13 @@ def _labels_for(config: ModelConfig, source: Source, labels: list[str] | None,
         return imagenet_labels()  # 1000 outputs: the ImageNet classes, as torchvision's weights
     raise problem(f"labels: the model has {classes} classes: give labels: PATH (one label per "
                   "line, or a JSON list), or set output: embed")
+
+
+def onnx_source_runner(network: nn.Module) -> Runner:
+    from inboxd.models import onnx_runtime
+
+    assert isinstance(network, onnx_runtime.OnnxNetwork)
+    return onnx_runtime.runner(network)
 
 
 def _compile_now(model: Model) -> None:

@@ -7,6 +7,9 @@ runs in channels_last, which is what cuDNN and the CPU kernels are fastest with 
 
 What to load, and every check that the configured files and device can work, lives in
 ``inboxd.models.loading``; this module only runs what it was given.
+
+Longer than 300 lines because the whole run-time path of a batch (stacking, normalisation, the
+runner that serves, reduce, predictions, warm-up) reads best in one place.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from inboxd.config import ConfigError
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.models.host_buffers import HostStaging
 from inboxd.models.memory import cuda_memory_fields
+from inboxd.models.runner import Runner
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # Pillow's convert("L") in fixed point (ITU-R 601-2 luma: 0.299 R + 0.587 G + 0.114 B, scaled
@@ -113,22 +117,24 @@ class Model:
         color: Color = "rgb",
         compile: bool = False,
         info: ModelInfo | None = None,
+        runner: Runner | None = None,
     ) -> None:
+        """``runner``: what runs ``network`` when it is not torch itself (an ``.onnx`` file)."""
         if output == "classify" and not labels:
             raise ValueError("a classifying model needs its labels")
         self.name = name
         self.spec = spec
         self.labels = labels
         self.device = device
-        self.precision = precision
         self.output = output
         self.color = color
         self.top_k = min(top_k, len(labels)) if labels else 0
         self.info = info
         self.network = network.to(device).to(memory_format=torch.channels_last)
-        self._forward: Callable[[torch.Tensor], torch.Tensor] = (
-            torch.compile(self.network) if compile else self.network
-        )
+        # The runner that serves; the local engine swaps a faster one in between two batches
+        # (``use``), on the model thread, so a batch runs on one runner from start to end.
+        self.runner = runner or Runner(
+            "torch", precision, torch.compile(self.network) if compile else self.network)
         self._mean = torch.tensor(spec.mean, device=device).view(1, 3, 1, 1) * 255
         self._std = torch.tensor(spec.std, device=device).view(1, 3, 1, 1) * 255
         self._luma = torch.tensor(_LUMA_WEIGHTS, dtype=torch.int32, device=device).view(1, 3, 1, 1)
@@ -139,15 +145,35 @@ class Model:
         # The device boundary of the stats probe: a test puts a fake memory API here.
         self.cuda_memory: Any = torch.cuda
         self._staging = HostStaging()
+        # What runtime_choice decided and why (set by loading; None for a model built by hand).
+        self.choice: Any = None
 
     @property
     def on_gpu(self) -> bool:
         return self.device.type == "cuda"
 
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.precision == "fp32":
+    @property
+    def precision(self) -> str:
+        return self.runner.precision
+
+    @property
+    def runtime(self) -> str:
+        return self.runner.runtime
+
+    def use(self, runner: Runner) -> None:
+        """Serve with ``runner`` from the next batch on. Call it on the thread that runs
+        inference, between two batches."""
+        self.runner = runner
+
+    def torch_runner(self, precision: str) -> Runner:
+        """The network in torch eager at ``precision``: the reference a fast runner is checked
+        against, or the same network at another autocast dtype."""
+        return Runner("torch", precision, self.network)
+
+    def _autocast(self, runner: Runner) -> contextlib.AbstractContextManager[Any]:
+        if runner.precision == "fp32" or runner.runtime != "torch":
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=PRECISIONS[self.precision])
+        return torch.autocast(self.device.type, dtype=PRECISIONS[runner.precision])
 
     def to_device(self, images: Sequence[Pixels]) -> torch.Tensor:
         """N×H×W×3 uint8 on the device. Host arrays are stacked (pinned on a GPU, so the copy
@@ -188,16 +214,23 @@ class Model:
         """The network's output for a batch, as float32: logits, or embeddings for ``embed``."""
         if self.before_forward is not None:
             self.before_forward(len(images))
+        return self.run(images, self.runner)
+
+    def run(self, images: Sequence[Pixels], runner: Runner) -> torch.Tensor:
+        """``outputs`` through a chosen runner (a probe compares two), without the test seam."""
         with torch.inference_mode():
             if self.on_gpu or not on_host(images):
-                return self.forward(self.to_device(images))
-            return self.forward(*self._staging.stage(images))  # type: ignore[arg-type]
+                return self.forward(self.to_device(images), runner=runner)
+            pixels, inputs = self._staging.stage(images, runner.memory_format)  # type: ignore[arg-type]
+            return self.forward(pixels, inputs, runner)
 
-    def forward(self, pixels: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, pixels: torch.Tensor, out: torch.Tensor | None = None,
+                runner: Runner | None = None) -> torch.Tensor:
         """N×H×W×3 uint8 on the device → the network's float32 output (call in inference_mode);
         ``out`` as for ``normalise``."""
-        with self._autocast():
-            return self._forward(self.normalise(pixels, out)).float()
+        runner = runner or self.runner
+        with self._autocast(runner):
+            return runner.forward(self.normalise(pixels, out)).float()
 
     def reduce(self, outputs: torch.Tensor) -> list[torch.Tensor]:
         """On the device, what the predictions need: top-k (scores, indices), or the vectors."""

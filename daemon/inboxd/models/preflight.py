@@ -89,6 +89,8 @@ def preflight(config: ModelConfig) -> list[str]:
             why = (f"export: {config.export} is not a torch.export program "
                    "(a .pt2 file written by torch.export.save)")
         problems.append(why or "")
+    if config.onnx is not None:
+        problems.append(unreadable("onnx", config.onnx, "an ONNX model") or "")
     if config.labels is not None:
         try:
             labels = read_labels(config.labels)

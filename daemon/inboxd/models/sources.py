@@ -272,3 +272,4 @@ def _input_signature(program: Any, path: Path) -> tuple[int | None, tuple[int, i
     height, width = shape[2], shape[3]
     fixed = (height, width) if isinstance(height, int) and isinstance(width, int) else None
     return max_batch, fixed
+

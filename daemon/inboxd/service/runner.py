@@ -27,6 +27,7 @@ from inboxd.heap import freeze_startup_heap
 from inboxd.models import faults
 from inboxd.models.device import device_fields, with_device_defaults
 from inboxd.models.engines.choice import load_here, make_engine
+from inboxd.models.upgrade import runtime_fields
 from inboxd.pipeline.stalls import DEFAULT_PATIENCE_S
 from inboxd.pipeline.wiring import Pipeline
 from inboxd.service.notify import Notifier, abort_with_stacks
@@ -99,10 +100,16 @@ class Service:
                    f"cuDNN {device['CUDNN_VERSION']})")
         self.pipeline = Pipeline(self.config, model, lifecycle=lifecycle, engine=engine)
         plans = self.pipeline.watcher.plans
+        runtime = runtime_fields(model, getattr(engine, "fast", None))
+        state = runtime.get("RUNTIME_STATE")
+        ran = (f"{model.runtime} {model.precision}"
+               + (" (onnxruntime being prepared in the background)" if state == "building" else "")
+               )
         logs.emit(logging.INFO, "started",
-                  f"inboxd {__version__}: model {model.name}{source} on {on}, "
+                  f"inboxd {__version__}: model {model.name}{source} on {on}, runs {ran}, "
                   f"loaded and warmed up in {time.perf_counter() - started:.1f} s; watching "
-                  f"{describe_watch(plans)}",
+                  f"{describe_watch(plans)}; {runtime.get('RUNTIME_REASON', '')}",
+                  **{key.lower(): value for key, value in runtime.items()},
                   model=model.name, device=str(model.device), warmup_s=round(warm_s, 3),
                   warmed_batch_sizes=",".join(map(str, warmed)), **device,
                   instance=self.config.instance, version=__version__,

@@ -6,6 +6,7 @@ from inboxd.config import Config, ModelConfig
 from inboxd.models.engines.interface import ModelEngine
 from inboxd.models.engines.local import LocalEngine
 from inboxd.models.model import Model
+from inboxd.models.upgrade import FastPath
 
 
 def here(config: ModelConfig) -> ModelConfig:
@@ -14,7 +15,8 @@ def here(config: ModelConfig) -> ModelConfig:
     host without a GPU (or whose GPU is for something else) can load it."""
     if config.engine == "local":
         return config
-    return config.model_copy(update={"device": "cpu", "precision": "fp32", "compile": False})
+    return config.model_copy(update={"device": "cpu", "precision": "fp32", "compile": False,
+                                     "runtime": "torch"})
 
 
 def load_here(config: ModelConfig) -> Model:
@@ -28,4 +30,12 @@ def make_engine(config: Config, model: Model) -> ModelEngine:
         from inboxd.models.engines.ray_serve import RayEngine
 
         return RayEngine(model, config.model, config.batch.max_size)
-    return LocalEngine(model)
+    return LocalEngine(model, fast=fast_path(config.model, model))
+
+
+def fast_path(config: ModelConfig, model: Model) -> FastPath | None:
+    """The ONNX Runtime runner to bring in, where the choice was onnxruntime and torch serves."""
+    choice = model.choice
+    if choice is None or choice.runtime != "onnxruntime" or model.runtime != "torch":
+        return None
+    return FastPath(model, config)

@@ -51,6 +51,7 @@ class Pending:
         elapsed_ms = (time.perf_counter() - self.started_s) * 1000
         for item in self.items:
             item.inference_ms = elapsed_ms
+            item.runtime, item.precision = self.model.runtime, self.model.precision
         return list(zip(self.items, predictions, strict=True))
 
 

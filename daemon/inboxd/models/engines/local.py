@@ -21,6 +21,7 @@ path above, on the model thread; on the CPU that path is the only one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +33,7 @@ from inboxd.item import ModelError, TransientError, WorkItem
 from inboxd.models.engines.cuda_overlap import Overlap
 from inboxd.models.engines.interface import DeviceFault, Outcome, is_device_error
 from inboxd.models.model import Model
+from inboxd.models.upgrade import FastPath
 from inboxd.os_threads import name_this_thread
 
 # The CLI looks for a live thread of this name at exit: a hung model call must not keep the
@@ -40,11 +42,17 @@ THREAD_NAME_PREFIX = "inboxd-model"
 
 
 class LocalEngine:
-    def __init__(self, model: Model, overlap: bool | None = None) -> None:
-        """``overlap``: launch/collect split (default: on CUDA only; a test forces it)."""
+    def __init__(self, model: Model, overlap: bool | None = None,
+                 fast: FastPath | None = None) -> None:
+        """``overlap``: launch/collect split (default: on CUDA only; a test forces it).
+        ``fast``: a faster runner to bring in (``models/upgrade.py``), swapped in on the model
+        thread between two batches."""
         self.model = model
+        self.fast = fast
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=THREAD_NAME_PREFIX,
                                            initializer=name_this_thread)
+        if fast is not None:
+            fast.on_exported = self._swap_soon
         self.warmed_sizes: set[int] = set()
         self.overlap = Overlap(model) if (model.on_gpu if overlap is None else overlap) else None
         # Results wait here, so the model thread can launch the next batch meanwhile; a model
@@ -57,12 +65,16 @@ class LocalEngine:
     async def warm_up(self, max_size: int) -> tuple[list[int], float]:
         """Warm the batch sizes up to ``max_size`` not warmed yet, on the inference thread.
         Returns those sizes and the seconds it took."""
-        sizes = [s for s in self.model.warm_up_sizes(max_size) if s not in self.warmed_sizes]
-        if not sizes:
-            return [], 0.0
         loop = asyncio.get_running_loop()
-        seconds = await loop.run_in_executor(self.executor, self.model.warm_up, sizes)
-        self.warmed_sizes.update(sizes)
+        sizes = [s for s in self.model.warm_up_sizes(max_size) if s not in self.warmed_sizes]
+        seconds = 0.0
+        if sizes:
+            seconds = await loop.run_in_executor(self.executor, self.model.warm_up, sizes)
+            self.warmed_sizes.update(sizes)
+        if self.fast is not None and self.fast.state == "pending":
+            # After the warm-up, which it would slow down; in the background, so torch serves
+            # meanwhile, even the first batch.
+            self.fast.start()
         return sizes, seconds
 
     async def infer(self, batch: list[WorkItem]) -> list[Outcome]:
@@ -73,7 +85,20 @@ class LocalEngine:
             # Failed: the call's frames (its input, its activations) went with the coroutine
             # above, so the careful path runs the batch again with nothing of it held.
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, infer_splitting, self.model, batch)
+        return await loop.run_in_executor(self.executor, self._infer_here, batch)
+
+    def _swap_soon(self) -> None:
+        """From the build thread: swap on the model thread after the batch it runs now."""
+        assert self.fast is not None
+        with contextlib.suppress(RuntimeError):  # shut down meanwhile: nothing left to serve
+            self.executor.submit(self.fast.swap_if_built)
+
+    def _infer_here(self, batch: list[WorkItem]) -> list[Outcome]:
+        """On the model thread: between the previous batch and this one is where a built fast
+        runner is swapped in, so a batch never straddles two runners."""
+        if self.fast is not None:
+            self.fast.swap_if_built()
+        return infer_splitting(self.model, batch)
 
     async def _overlapped(self, batch: list[WorkItem]) -> list[Outcome] | None:
         """Launch on the model thread, collect on the results thread; None when anything
@@ -108,6 +133,7 @@ def infer_splitting(model: Model, items: list[WorkItem]) -> list[Outcome]:
         elapsed_ms = (time.perf_counter() - started) * 1000
         for item in items:
             item.inference_ms = elapsed_ms
+            item.runtime, item.precision = model.runtime, model.precision
         return list(zip(items, predictions, strict=True))
     # Only now, out of the handler, is the exception gone, and with its traceback the frames of
     # the failed call: its input and activations. Retrying from inside the handler would run

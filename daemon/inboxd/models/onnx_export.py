@@ -1,0 +1,96 @@
+"""The exporter process: ``python -m inboxd.models.onnx_export`` rebuilds the configured network
+and writes its ONNX artifact into the cache.
+
+A process of its own, not a thread beside the model: torch.export's tracing modes are not
+confined to the thread that exports, and an eager forward run meanwhile on another thread was
+seen to run under the exporter's fake-tensor mode (and to fail). Here the exporter cannot touch
+a real batch, it runs at a lower priority (the daemon serves on the same cores meanwhile), and
+its crash, hang or runaway memory is its own: the daemon logs the reason and keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from inboxd.config import ModelConfig
+
+EXPORT_TIMEOUT_S = 900.0
+# Below the daemon's own threads, so the first results are not delayed by the export, but not
+# at the bottom (19): under a steady flood the CPU is never idle, and an exporter that only
+# gets idle time would never finish, while the runner it builds pays for itself within minutes.
+EXPORTER_NICE = 10
+EXIT_OTHER_NETWORK = 3
+_TAIL_CHARS = 400
+
+
+class ExportFailed(Exception):
+    """Why no artifact was written, in words for the journal."""
+
+
+def request(config: ModelConfig, path: Path, key: str) -> str:
+    return json.dumps({"model": config.model_dump(mode="json"), "path": str(path), "key": key})
+
+
+def export_in_child(config: ModelConfig, path: Path, key: str,
+                    timeout_s: float = EXPORT_TIMEOUT_S) -> None:
+    """Run the exporter process; ``ExportFailed`` with its reason when it wrote nothing."""
+    try:
+        done = subprocess.run([sys.executable, "-m", "inboxd.models.onnx_export"],
+                              input=request(config, path, key), capture_output=True, text=True,
+                              errors="replace", timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise ExportFailed(f"the exporter took more than {timeout_s:.0f} s and was killed"
+                           ) from exc
+    except OSError as exc:
+        raise ExportFailed(f"the exporter could not start: {exc.strerror or exc}") from exc
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1][-_TAIL_CHARS:]
+        raise ExportFailed(f"the exporter exited {done.returncode}: {last}")
+
+
+def die_with_parent() -> None:
+    """The exporter must not outlive the daemon (``inboxd once`` exits without waiting for it):
+    the kernel kills it when the thread that started it ends."""
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return  # not Linux: the exporter may finish its one file after the daemon is gone
+    if os.getppid() == 1:  # the parent died before prctl: nobody is waiting for this
+        sys.exit(1)
+
+
+def main() -> int:
+    die_with_parent()
+    os.nice(EXPORTER_NICE)
+    import torch
+
+    from inboxd.models import onnx_runtime
+    from inboxd.models.loading import network_for
+    from inboxd.models.preflight import read_labels
+
+    torch.set_num_threads(1)
+    asked: dict[str, Any] = json.loads(sys.stdin.read())
+    config = ModelConfig.model_validate(asked["model"])
+    labels = read_labels(config.labels) if config.labels is not None else None
+    source, spec, _ = network_for(config, torch.device("cpu"), labels)
+    key = onnx_runtime.expected_key(source.network, spec.crop, source.max_batch)
+    if key != asked["key"]:
+        print("the network rebuilt here is not the daemon's (its weights or versions differ)",
+              file=sys.stderr)
+        return EXIT_OTHER_NETWORK
+    data = onnx_runtime.export_bytes(source.network, spec.crop, source.max_batch, key)
+    onnx_runtime.write_atomically(Path(asked["path"]), data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
