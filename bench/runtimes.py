@@ -26,8 +26,8 @@ import torch
 
 
 def variants(model: Any, compile_too: bool) -> dict[str, Any]:
-    from inboxd.models import onnx_runtime
-    from inboxd.models.runner import Runner
+    from inboxd.models.runtimes import onnx as onnx_runtime
+    from inboxd.models.runtimes.runner import Runner
 
     threads = torch.get_num_threads()
     network = model.network

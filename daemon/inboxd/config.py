@@ -226,7 +226,7 @@ class ModelConfig(Section):
     output: Literal["classify", "embed"] = "classify"
     top_k: Annotated[int, Field(gt=0, le=1000)] = 5  # classify only
     device: str = "auto"
-    # auto: from the device's capability and the runtime (inboxd.models.runtime_choice says
+    # auto: from the device's capability and the runtime (inboxd.models.runtimes.choice says
     # how); the choice and its reason are in the started record. An explicit value wins.
     precision: Literal["auto", "fp32", "fp16", "bf16"] = "auto"
     compile: bool = False

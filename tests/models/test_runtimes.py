@@ -18,13 +18,14 @@ import pytest
 import torch
 from inboxd.config import ConfigError, ModelConfig
 from inboxd.decode.pillow import decode_image
-from inboxd.models import loading, onnx_runtime
-from inboxd.models.agreement import SCORE_TOLERANCE, probe_images
+from inboxd.models import loading
+from inboxd.models.fast_path import FastPath
 from inboxd.models.loading import load_model
 from inboxd.models.model import Classification, Model
 from inboxd.models.onnx_export import ExportFailed, export_in_child
-from inboxd.models.runtime_choice import choose, cpu_flags, native_bf16
-from inboxd.models.upgrade import FastPath
+from inboxd.models.runtimes import onnx as onnx_runtime
+from inboxd.models.runtimes.agreement import SCORE_TOLERANCE, probe_images
+from inboxd.models.runtimes.choice import choose, cpu_flags, native_bf16
 
 from tests.photos import photo_paths
 

@@ -59,15 +59,25 @@ def open_inside(root: str | Path | int, parts: Sequence[str], create: bool = Fal
     ``create``: a missing part is made (a link there is still refused, never followed).
     ``own``: every part must be the daemon's own folder (``ForeignFolder`` otherwise)."""
     fd = os.dup(root) if isinstance(root, int) else os.open(root, DIR_FLAGS)
+    # The path walked so far, for the errors: a user reads "/srv/inbox/.processing", not the
+    # bare ".processing" the syscall was given relative to a descriptor.
+    where = None if isinstance(root, int) else os.fspath(root)
     try:
         owners = frozenset({os.fstat(fd).st_uid, os.geteuid(), 0}) if own else frozenset()
         for part in parts:
-            child = _open_part(fd, part, create, OWN_FOLDER_MODE if own else 0o777)
-            os.close(fd)
-            fd = child
-            if own and (why := not_own(os.fstat(fd), owners)) is not None:
-                raise ForeignFolder(errno.EPERM, f"{part} is not the daemon's own folder: {why}; "
-                                    "someone replaced it — move it aside and look inside", part)
+            try:
+                child = _open_part(fd, part, create, OWN_FOLDER_MODE if own else 0o777)
+                os.close(fd)
+                fd = child
+                if own and (why := not_own(os.fstat(fd), owners)) is not None:
+                    raise ForeignFolder(errno.EPERM, f"{part} is not the daemon's own folder: "
+                                        f"{why}; someone replaced it — move it aside and look "
+                                        "inside", part)
+            except OSError as exc:
+                if where is not None and exc.filename == part:
+                    exc.filename = os.path.join(where, part)
+                raise
+            where = None if where is None else os.path.join(where, part)
         yield fd
     finally:
         os.close(fd)

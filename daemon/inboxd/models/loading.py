@@ -21,12 +21,12 @@ from torch import nn
 
 from inboxd.config import ConfigError, ModelConfig, ModelInputConfig
 from inboxd.decode.spec import PreprocessSpec
-from inboxd.models.agreement import measure
 from inboxd.models.device import pick_device
 from inboxd.models.model import Model, ModelInfo, imagenet_labels
 from inboxd.models.preflight import label_count_problem, problem, read_labels
-from inboxd.models.runner import Runner
-from inboxd.models.runtime_choice import Choice, choose, cpu_flags
+from inboxd.models.runtimes.agreement import measure
+from inboxd.models.runtimes.choice import Choice, choose, cpu_flags
+from inboxd.models.runtimes.runner import Runner
 from inboxd.models.sources import (
     IMAGENET_CLASSES,
     Source,
@@ -111,7 +111,7 @@ def build(config: ModelConfig, device: torch.device, label_count: int | None) ->
     if config.kind == "export":
         return export_program(config, device)
     if config.kind == "onnx":
-        from inboxd.models.onnx_runtime import onnx_program
+        from inboxd.models.runtimes.onnx import onnx_program
 
         return onnx_program(config)
     return builtin()
@@ -248,7 +248,7 @@ def _labels_for(config: ModelConfig, source: Source, labels: list[str] | None,
 
 
 def onnx_source_runner(network: nn.Module) -> Runner:
-    from inboxd.models import onnx_runtime
+    from inboxd.models.runtimes import onnx as onnx_runtime
 
     assert isinstance(network, onnx_runtime.OnnxNetwork)
     return onnx_runtime.runner(network)

@@ -30,7 +30,7 @@ from inboxd.config import ConfigError
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.models.host_buffers import HostStaging
 from inboxd.models.memory import cuda_memory_fields
-from inboxd.models.runner import Runner
+from inboxd.models.runtimes.runner import Runner
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # Pillow's convert("L") in fixed point (ITU-R 601-2 luma: 0.299 R + 0.587 G + 0.114 B, scaled

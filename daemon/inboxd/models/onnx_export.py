@@ -1,4 +1,5 @@
-"""The exporter process: ``python -m inboxd.models.onnx_export`` rebuilds the configured network
+"""The exporter process: ``python -m inboxd.models.onnx_export`` rebuilds the configured
+network
 and writes its ONNX artifact into the cache.
 
 A process of its own, not a thread beside the model: torch.export's tracing modes are not
@@ -73,9 +74,9 @@ def main() -> int:
     os.nice(EXPORTER_NICE)
     import torch
 
-    from inboxd.models import onnx_runtime
     from inboxd.models.loading import network_for
     from inboxd.models.preflight import read_labels
+    from inboxd.models.runtimes import onnx as onnx_runtime
 
     torch.set_num_threads(1)
     asked: dict[str, Any] = json.loads(sys.stdin.read())

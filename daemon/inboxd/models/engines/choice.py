@@ -5,8 +5,8 @@ from __future__ import annotations
 from inboxd.config import Config, ModelConfig
 from inboxd.models.engines.interface import ModelEngine
 from inboxd.models.engines.local import LocalEngine
+from inboxd.models.fast_path import FastPath
 from inboxd.models.model import Model
-from inboxd.models.upgrade import FastPath
 
 
 def here(config: ModelConfig) -> ModelConfig:

@@ -32,8 +32,8 @@ from inboxd import logs
 from inboxd.item import ModelError, TransientError, WorkItem
 from inboxd.models.engines.cuda_overlap import Overlap
 from inboxd.models.engines.interface import DeviceFault, Outcome, is_device_error
+from inboxd.models.fast_path import FastPath
 from inboxd.models.model import Model
-from inboxd.models.upgrade import FastPath
 from inboxd.os_threads import name_this_thread
 
 # The CLI looks for a live thread of this name at exit: a hung model call must not keep the
@@ -45,8 +45,8 @@ class LocalEngine:
     def __init__(self, model: Model, overlap: bool | None = None,
                  fast: FastPath | None = None) -> None:
         """``overlap``: launch/collect split (default: on CUDA only; a test forces it).
-        ``fast``: a faster runner to bring in (``models/upgrade.py``), swapped in on the model
-        thread between two batches."""
+        ``fast``: a faster runner to bring in (``models/fast_path.py``), swapped in on the
+        model thread between two batches."""
         self.model = model
         self.fast = fast
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=THREAD_NAME_PREFIX,

@@ -1,14 +1,14 @@
 """ONNX Runtime as a runner: the torch network exported once, cached on disk, run on the CPU.
 
-The export (``torch.onnx.export(dynamo=True)``, a dynamic batch axis) takes seconds, so it runs
-in the background (``models/upgrade.py``) and its artifact is cached in ``model.cache_dir``,
-one file per configured model. The artifact carries its cache key inside it (ONNX metadata):
-a hash of the network's weights and structure, the input size, the torch / onnx / onnxscript /
-onnxruntime versions and the CPU (torch's capability and every /proc/cpuinfo flag). A file
-whose key is not the one expected now is rebuilt and replaced, never loaded; a file that is
-truncated, corrupt, not a regular file, or that points at external data is treated the same
-way, so nothing in the cache can crash the daemon or make it read another file. What does
-load is still checked against torch on a probe batch before it serves.
+The export (``torch.onnx.export(dynamo=True)``, a dynamic batch axis) takes seconds, so it runs in
+the background (``models/fast_path.py``) and its artifact is cached in ``model.cache_dir``,
+one file per configured model. The artifact carries its cache key inside it (ONNX metadata): a hash
+of the network's weights and structure, the input size, the torch / onnx / onnxscript / onnxruntime
+versions and the CPU (torch's capability and every /proc/cpuinfo flag). A file whose key is not the
+one expected now is rebuilt and replaced, never loaded; a file that is truncated, corrupt, not a
+regular file, or that points at external data is treated the same way, so nothing in the cache can
+crash the daemon or make it read another file. What does load is still checked against torch on a
+probe batch before it serves.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from torch import nn
 
 from inboxd.config import ModelConfig
 from inboxd.models.preflight import problem
-from inboxd.models.runner import Runner
-from inboxd.models.runtime_choice import cpu_flags
+from inboxd.models.runtimes.choice import cpu_flags
+from inboxd.models.runtimes.runner import Runner
 from inboxd.models.sources import TORCHVISION_INPUT, Source
 
 ARTIFACT_FORMAT = 1  # bump when what is exported changes for the same inputs

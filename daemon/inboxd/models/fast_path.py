@@ -2,8 +2,8 @@
 background thread finds a valid cached artifact or has one exported, and the model thread swaps
 it in between two batches (within a second or two of start-up when the cache is valid).
 
-Every artifact, cached or fresh, runs one probe batch beside the plain model first and is used
-only if it agrees (``models/agreement.py``). A build that fails, a file that cannot be used and
+Every artifact, cached or fresh, runs one probe batch beside the plain model first and is used only
+if it agrees (``models/runtimes/agreement.py``). A build that fails, a file that cannot be used and
 a runner that disagrees are each logged once (``INBOXD_EVENT=runtime``) with the reason, and the
 plain model keeps serving. One build per process: a thread that waits on one exporter process.
 """
@@ -20,11 +20,11 @@ import torch
 
 from inboxd import logs
 from inboxd.config import ModelConfig
-from inboxd.models import onnx_runtime
-from inboxd.models.agreement import measure
 from inboxd.models.model import Model
 from inboxd.models.onnx_export import export_in_child
-from inboxd.models.runtime_choice import cpu_flags, native_bf16
+from inboxd.models.runtimes import onnx as onnx_runtime
+from inboxd.models.runtimes.agreement import measure
+from inboxd.models.runtimes.choice import cpu_flags, native_bf16
 
 Exporter = Callable[[ModelConfig, Path, str], None]
 # The CLI's exit check looks for threads with the model thread's prefix: an export still

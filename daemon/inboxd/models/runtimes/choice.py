@@ -7,7 +7,7 @@ where the YAML asks for torch and the CPU runs bf16 natively (AVX512_BF16 or AMX
 is slower than fp32. On a GPU the autocast dtype follows the compute capability. An explicit
 YAML value always wins. Every
 reduced precision chosen here is still checked against fp32 on a probe batch before it serves
-(``models/agreement.py``).
+(``models/runtimes/agreement.py``).
 """
 
 from __future__ import annotations
