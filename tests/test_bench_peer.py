@@ -20,6 +20,8 @@ from bench.offline import load, prepare
 from bench.peer import ensure_model
 from tests.photos import photo_paths
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test`, not `make test-fast`
+
 REPO = Path(__file__).resolve().parent.parent
 # name → (photo, format): the greyscale camera exercises the peer's colour conversion.
 FILES = {"chelsea.jpg": ("chelsea", "JPEG"), "camera.png": ("camera", "PNG"),

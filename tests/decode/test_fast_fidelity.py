@@ -17,6 +17,8 @@ from inboxd.decode.pillow import RESIZINGS
 
 from bench import corpus, fidelity
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test`, not `make test-fast`
+
 
 @pytest.mark.timeout(1800)
 def test_every_default_decode_path_keeps_the_contract() -> None:

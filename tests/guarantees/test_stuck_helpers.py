@@ -27,6 +27,8 @@ import pytest
 from tests.conftest import DaemonProcess, drop, make_image, read_json, wait_until, write_config
 from tests.service.test_runner import NotifySocket
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test`, not `make test-fast`
+
 
 def helper_pids(parent: int, module: str) -> list[int]:
     """The daemon's helper processes running ``python -m <module>``."""

@@ -29,7 +29,7 @@ from inboxd.decode.pillow import decode_image
 from inboxd.decode.replies import result_from
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.files.reading import read_and_hash
-from inboxd.item import PermanentError, RefusedError, TransientError
+from inboxd.item import ModelError, RefusedError, TransientError
 from inboxd.models.engines.ray_replica import decode_reply
 from inboxd.pipeline.intake import describe_link
 from inboxd.pipeline.wiring import Pipeline
@@ -279,7 +279,7 @@ def test_reason_classes_of_the_real_errors(tmp_path: Path) -> None:
                     RefusedError(describe_link(str(tmp_path / "link.jpg"), tmp_path))],
         "io": [TransientError("cannot read the file: Input/output error"),
                OSError(28, "No space left on device")],
-        "model": [PermanentError("the model failed on this input: RuntimeError('shape')"),
+        "model": [ModelError("the model failed on this input: RuntimeError('shape')"),
                   decode_reply({"outcomes": [("permanent", "the model failed")]}, 1)[0]],
         "other": [RuntimeError("something else")],
     }
