@@ -29,6 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -54,8 +55,13 @@ def vips_crop(data: bytes, resize: int, crop: int) -> np.ndarray:
     else:
         new_w, new_h = int(resize * width / height), resize
     thumb = pyvips.Image.thumbnail_buffer(data, new_w, height=new_h, size="force")
+    return _centre_crop_rgb(thumb, new_w, new_h, crop)
+
+
+def _centre_crop_rgb(image: Any, new_w: int, new_h: int, crop: int) -> np.ndarray:
+    """The centred ``crop``² of a resized libvips image, as RGB uint8 (alpha over white)."""
     left, top = round((new_w - crop) / 2.0), round((new_h - crop) / 2.0)
-    image = thumb.crop(left, top, crop, crop)
+    image = image.crop(left, top, crop, crop)
     if image.hasalpha():
         image = image.flatten(background=[255, 255, 255])
     if image.interpretation not in ("srgb", "b-w"):
@@ -85,17 +91,7 @@ def vips_margin_crop(data: bytes, resize: int, crop: int, margin: float = 4) -> 
     else:
         new_w, new_h = int(resize * width / height), resize
     image = image.resize(new_w / width, vscale=new_h / height, kernel="cubic")
-    left, top = round((new_w - crop) / 2.0), round((new_h - crop) / 2.0)
-    image = image.crop(left, top, crop, crop)
-    if image.hasalpha():
-        image = image.flatten(background=[255, 255, 255])
-    if image.interpretation not in ("srgb", "b-w"):
-        image = image.colourspace("srgb")
-    if image.bands == 1:
-        image = image.bandjoin([image, image])
-    image = image.cast("uchar")
-    return np.ndarray(buffer=image.write_to_memory(), dtype=np.uint8,
-                      shape=(image.height, image.width, image.bands))
+    return _centre_crop_rgb(image, new_w, new_h, crop)
 
 
 def photos() -> dict[str, list[Path]]:
