@@ -14,6 +14,7 @@ probe batch before it serves.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import re
@@ -43,12 +44,11 @@ STALE_TEMP_S = 3600
 
 
 def versions() -> dict[str, str]:
-    import onnx
-    import onnxruntime
-    import onnxscript
-
-    return {"torch": torch.__version__, "onnx": onnx.__version__,
-            "onnxscript": onnxscript.__version__, "onnxruntime": onnxruntime.__version__}
+    """The versions the cache key holds, read from the installed packages' metadata: importing
+    onnxscript only to ask would load the whole exporter into the daemon, for good."""
+    return {"torch": torch.__version__,
+            **{name: importlib.metadata.version(name)
+               for name in ("onnx", "onnxscript", "onnxruntime")}}
 
 
 def cpu_identity(root: Path = Path("/")) -> dict[str, str]:
