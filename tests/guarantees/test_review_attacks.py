@@ -1,0 +1,34 @@
+"""The review pass of issue 33: the attacks a helper tried against the fixes of its seven classes,
+the ones that still worked, each as a test that failed before its fix (hostile config text,
+hostile failed reports, ...)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import write_config
+
+
+def inboxd(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "inboxd", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("text", [
+    "x: " + "[" * 100_000 + "]" * 100_000 + "\n",  # nested past the parser's recursion limit
+    'inbox: {paths: ["/srv/inbox\\x00/etc"]}\n',  # a NUL no path can hold (a YAML escape)
+    'instance: "gpu0"\nmetrics: {textfile: "m\\0.prom"}\n',
+], ids=["nested-100k-deep", "nul-in-inbox-path", "nul-in-textfile"])
+def test_hostile_config_text_exits_78_not_a_traceback(tmp_path: Path, text: str) -> None:
+    """Before: a RecursionError or 'ValueError: embedded null byte' traceback and exit 1 from
+    check-config, and the same exceptions out of the loader for run, once and a reload."""
+    config = write_config(tmp_path)
+    config.write_text(text)
+    result = inboxd("check-config", "-c", str(config), cwd=tmp_path)
+    assert result.returncode == 78, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert str(config) in result.stderr
