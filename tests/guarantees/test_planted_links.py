@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from inboxd import cli
 from inboxd.config import ConfigError, load_config
-from inboxd.files import retry
+from inboxd.files import retry_failed as retry
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.reading import read_and_hash
 from inboxd.files.safe_paths import LinkedFolder
