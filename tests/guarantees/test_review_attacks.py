@@ -4,13 +4,14 @@ hostile failed reports, ...)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import write_config
+from tests.conftest import make_image, write_config
 
 
 def inboxd(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -32,3 +33,24 @@ def test_hostile_config_text_exits_78_not_a_traceback(tmp_path: Path, text: str)
     assert result.returncode == 78, result.stderr[-2000:]
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
     assert str(config) in result.stderr
+
+
+def test_submit_refuses_a_fifo_or_a_device_named_like_a_photo(tmp_path: Path) -> None:
+    """Somebody submits every photo of a folder others can write: one of them planted
+    ``planted.jpg`` as a FIFO (before: submit waited for a writer for ever) and ``zero.jpg`` as
+    a link to /dev/zero (before: submit copied zeros until the inbox's disk was full)."""
+    config = write_config(tmp_path)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.mkfifo(shared / "planted.jpg")
+    (shared / "zero.jpg").symlink_to("/dev/zero")
+    make_image(shared / "good.png")
+    result = subprocess.run(
+        [sys.executable, "-m", "inboxd", "submit", "-c", str(config),
+         str(shared / "planted.jpg"), str(shared / "zero.jpg"), str(shared / "good.png")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.count("not a regular file") == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert sorted(p.name for p in (tmp_path / "inbox").iterdir()) == ["good.png"]
+    assert (tmp_path / "inbox" / "good.png").read_bytes() == (shared / "good.png").read_bytes()
