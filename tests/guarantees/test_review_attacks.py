@@ -4,6 +4,7 @@ hostile failed reports, ...)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -54,3 +55,27 @@ def test_submit_refuses_a_fifo_or_a_device_named_like_a_photo(tmp_path: Path) ->
     assert "Traceback" not in result.stderr
     assert sorted(p.name for p in (tmp_path / "inbox").iterdir()) == ["good.png"]
     assert (tmp_path / "inbox" / "good.png").read_bytes() == (shared / "good.png").read_bytes()
+
+
+@pytest.mark.parametrize("rel", ["sub/..", ".", ".processing/default/x.png", "a\0b.png", ["x"]],
+                         ids=["dotdot-leaf", "dot", "into-processing", "nul", "not-a-string"])
+def test_retry_refuses_a_report_whose_path_no_inbox_file_has(tmp_path: Path, rel: object) -> None:
+    """A report in failed/ edited (or written by a bug) to say the file came from ``sub/..``:
+    before, retry returned it to ``inbox/sub/..t<token>``, a hidden name the daemon never takes
+    (lost to it for good), ``.`` likewise, ``.processing/default/x.png`` into the daemon's own
+    claims, ``a\\0b.png`` to ``a``; a list became the name ``['x']``."""
+    config = write_config(tmp_path, inbox={"settle_ms": 0})
+    (tmp_path / "inbox" / "bad.png").write_bytes(b"not an image")
+    inboxd("once", "-c", str(config), cwd=tmp_path)  # exits 1: a file failed
+    report_path = tmp_path / "failed" / "bad.png.error.json"
+    report = json.loads(report_path.read_text())
+    report["rel"] = rel
+    report_path.write_text(json.dumps(report))
+    result = inboxd("retry", "-c", str(config), str(tmp_path / "failed" / "bad.png"),
+                    cwd=tmp_path)
+    assert result.returncode != 0, result.stdout
+    assert "no file the daemon takes has" in result.stderr, result.stderr
+    assert (tmp_path / "failed" / "bad.png").read_bytes() == b"not an image"
+    assert json.loads(report_path.read_text())["rel"] == rel  # the report stays with it
+    left = [p for p in (tmp_path / "inbox").rglob("*") if p.is_file() and p.suffix != ".lock"]
+    assert left == [], left
