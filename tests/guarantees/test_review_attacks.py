@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import make_image, write_config
+from tests.conftest import DaemonProcess, make_image, write_config
 
 
 def inboxd(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -79,3 +81,31 @@ def test_retry_refuses_a_report_whose_path_no_inbox_file_has(tmp_path: Path, rel
     assert json.loads(report_path.read_text())["rel"] == rel  # the report stays with it
     left = [p for p in (tmp_path / "inbox").rglob("*") if p.is_file() and p.suffix != ".lock"]
     assert left == [], left
+
+
+@pytest.mark.timeout(180)
+def test_a_stop_with_idle_metrics_connections_open_logs_no_traceback(tmp_path: Path) -> None:
+    """Any local process can hold connections to metrics.listen open; at a SIGTERM each one's
+    handler was cancelled, and Python 3.11's stream callback (task.exception() on a cancelled
+    task) printed 'Exception in callback ... CancelledError' with a traceback for every one,
+    into the journal."""
+    port_probe = socket.socket()
+    port_probe.bind(("127.0.0.1", 0))
+    port = port_probe.getsockname()[1]
+    port_probe.close()
+    config = write_config(tmp_path, metrics={"listen": f"127.0.0.1:{port}"})
+    daemon = DaemonProcess(config)
+    idle: list[socket.socket] = []
+    try:
+        daemon.wait_for("ready")
+        for _ in range(40):  # more than the cap: some evicted, 16 still waiting at the stop
+            connection = socket.create_connection(("127.0.0.1", port), timeout=5)
+            connection.send(b"GET /met")
+            idle.append(connection)
+        time.sleep(0.5)
+        assert daemon.stop(timeout_s=60) == 0
+        assert "Traceback" not in daemon.output(), daemon.output()[-3000:]
+    finally:
+        daemon.kill()
+        for connection in idle:
+            connection.close()

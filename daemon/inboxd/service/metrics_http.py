@@ -125,6 +125,11 @@ class MetricsServer:
         except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
                 ConnectionError, OSError):
             pass  # an idle, slow, oversized or vanished client: its connection just ends
+        except asyncio.CancelledError:
+            # The server closing (a stop) with clients still connected. Ended here, not
+            # raised: Python 3.11's stream callback asks a cancelled task for its exception
+            # and logs a traceback for every connection a local process held open.
+            writer.transport.abort()
         finally:
             self._open.discard(writer)
             self._waiting.pop(writer, None)
