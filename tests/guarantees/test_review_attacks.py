@@ -4,13 +4,16 @@ hostile failed reports, ...)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -109,3 +112,38 @@ def test_a_stop_with_idle_metrics_connections_open_logs_no_traceback(tmp_path: P
         daemon.kill()
         for connection in idle:
             connection.close()
+
+
+def test_the_metrics_socket_chmod_never_widens_what_a_swapped_in_link_names(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``unix:`` in a folder others can write: between the bind and the chmod the socket is
+    swapped for a link to a 0600 file the daemon's user owns. Before, the chmod followed the
+    link and made that file 0660 (readable by the group). The swap is injected right after the
+    real bind, where a racing neighbour would win."""
+    from inboxd.service import metrics_http
+
+    secret = tmp_path / "secret.jpg"
+    secret.write_bytes(b"private")
+    secret.chmod(0o600)
+    path = tmp_path / "metrics.sock"
+    real_start = asyncio.start_unix_server
+
+    async def start_then_swap(*args: Any, **kwargs: Any) -> asyncio.base_events.Server:
+        server = await real_start(*args, **kwargs)
+        path.unlink()
+        path.symlink_to(secret)
+        return server
+
+    monkeypatch.setattr(metrics_http.asyncio, "start_unix_server", start_then_swap)
+
+    async def start() -> None:
+        server = metrics_http.MetricsServer(lambda: b"")
+        try:
+            with pytest.raises(OSError, match="replaced"):
+                await server.start(f"unix:{path}")
+        finally:
+            server.close()
+
+    asyncio.run(start())
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert secret.read_bytes() == b"private"
