@@ -147,3 +147,35 @@ def test_the_metrics_socket_chmod_never_widens_what_a_swapped_in_link_names(
     asyncio.run(start())
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600
     assert secret.read_bytes() == b"private"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a folder of another uid needs root to make")
+@pytest.mark.parametrize("planted", ["link", "foreign-folder"])
+def test_crash_counts_are_never_read_from_a_processing_folder_not_ours(
+        tmp_path: Path, planted: str) -> None:
+    """A group member renames ``.processing`` away and plants their own (a link to a folder of
+    theirs, or a folder they own) holding ``default.crashes.json`` that gives a victim's good
+    photo two crashes. Before, the ledgers were listed and read by name through it: the next
+    crash or start-up counted the forged crashes, failed the photo as a crasher and copied the
+    forged count into the daemon's own ledger."""
+    from inboxd.config import load_config
+    from inboxd.files.lifecycle import Lifecycle
+
+    lifecycle = Lifecycle(load_config(write_config(tmp_path)))
+    lifecycle.lock_instance()
+    inbox = tmp_path / "inbox"
+    try:
+        forged = {"victim.png": [2, "stage crashed", "0" * 64]}
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        (theirs / "default.crashes.json").write_text(json.dumps(forged))
+        os.rename(inbox / ".processing", tmp_path / "ours")
+        if planted == "link":
+            (inbox / ".processing").symlink_to(theirs)
+        else:
+            os.rename(theirs, inbox / ".processing")
+            os.chown(inbox / ".processing", 42_421, 42_420)
+            os.chmod(inbox / ".processing", 0o2770)
+        assert lifecycle.crash_counts(inbox) == []
+    finally:
+        lifecycle.unlock_instance()

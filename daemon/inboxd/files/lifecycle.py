@@ -304,7 +304,7 @@ class Lifecycle:
 
     def crash_counts(self, inbox: Path) -> list[instances.Ledger]:
         """Every instance's ledger here, for ``crashes_of``: a count follows its file."""
-        return instances.all_ledgers(processing_dir(self.config, inbox).parent)
+        return instances.all_ledgers(inbox)
 
     def record_crash(self, reason: str) -> None:
         """A stage crashed: count one crash against every file claimed now, and forget the
