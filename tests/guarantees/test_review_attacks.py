@@ -179,3 +179,18 @@ def test_crash_counts_are_never_read_from_a_processing_folder_not_ours(
         assert lifecycle.crash_counts(inbox) == []
     finally:
         lifecycle.unlock_instance()
+
+
+def test_a_failed_file_with_a_long_name_can_be_retried(tmp_path: Path) -> None:
+    """A 250-byte name fits, its report's name (+ ".error.json") does not and is shortened
+    to name~hash.error.json. Before, retry took the report's name for the file's and said
+    'only its report is left': such a file could never be retried."""
+    config = write_config(tmp_path, inbox={"settle_ms": 0})
+    name = "y" * 246 + ".png"
+    (tmp_path / "inbox" / name).write_bytes(b"not an image")
+    inboxd("once", "-c", str(config), cwd=tmp_path)  # exits 1: a file failed
+    assert (tmp_path / "failed" / name).exists()
+    result = inboxd("retry", "-c", str(config), "--all", cwd=tmp_path)
+    assert "returned 1 failed file(s)" in result.stdout, result.stderr
+    assert (tmp_path / "inbox" / name).read_bytes() == b"not an image"
+    assert [p.name for p in (tmp_path / "failed").iterdir() if not p.name.startswith(".")] == []

@@ -77,6 +77,11 @@ def failed_files(config: Config) -> Iterator[Failed]:
                 continue  # not a report of ours
             # The name it was filed under: its key, or a variant when that name was taken.
             filed = report_path.relative_to(root).as_posix()[: -len(REPORT_SUFFIX)]
+            with contextlib.suppress(ValueError):  # ValueError: an unsafe key, not ours
+                if output_path(root, source, REPORT_SUFFIX) == report_path:
+                    # Filed under its own key: a long name's report was shortened to fit
+                    # NAME_MAX (name~hash.error.json) where the file's own name was not.
+                    filed = output_path(root, source).relative_to(root).as_posix()
             inbox, rel = _origin(config, source, report)
             yield Failed(filed, root / filed, report_path, report, inbox, rel)
 
