@@ -8,7 +8,6 @@ import errno
 import os
 import re
 import secrets
-import shutil
 import stat
 import sys
 import threading
@@ -180,8 +179,14 @@ def submit_file(source: Path, inbox: Path) -> Path:
     from inboxd.files.renames import first_free, rename_noreplace, time_token
     from inboxd.files.safe_paths import open_inside
 
-    with open(source, "rb") as src, open_inside(inbox, []) as folder:
+    # Without blocking, and only a regular file: a FIFO named like a photo (planted in a folder
+    # somebody submits from) hung submit for ever, and a link to /dev/zero filled the disk.
+    src_fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(src_fd, "rb") as src, open_inside(inbox, []) as folder:
         info = os.fstat(src.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (a FIFO, a device or a folder); "
+                          "submit the photo itself")
         tmp: str | None = None
         try:
             fd = os.open(".", os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600, dir_fd=folder)
@@ -193,7 +198,12 @@ def submit_file(source: Path, inbox: Path) -> Path:
                          | os.O_CLOEXEC, 0o600, dir_fd=folder)
         try:
             with os.fdopen(fd, "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
+                # The size it had when opened: a file somebody keeps appending to is not a
+                # finished photo, and must not fill the inbox's disk.
+                left = info.st_size
+                while left > 0 and (chunk := src.read(min(left, 1 << 20))):
+                    dst.write(chunk)
+                    left -= len(chunk)
                 dst.flush()
                 os.fchmod(dst.fileno(), stat.S_IMODE(info.st_mode))
                 os.utime(dst.fileno(), ns=(info.st_atime_ns, info.st_mtime_ns))

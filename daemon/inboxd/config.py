@@ -530,10 +530,20 @@ def parse_config(text: str, source: str, overrides: dict[str, Any] | None = None
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}: " if mark is not None else ""
         raise ConfigError(source, [f"{where}invalid YAML: {exc}"]) from exc
+    except RecursionError as exc:  # the parser recurses once per level: "[[[[…" ends it
+        raise ConfigError(source, ["invalid YAML: nested deeper than the parser can follow, "
+                                   "which no configuration is"]) from exc
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(source, ["line 1: the top level must be a mapping of keys"])
+    if (nul_at := _nul_in(data, ())) is not None:
+        # A YAML escape ("\0") puts a NUL where no path or name can hold one: every later
+        # os call would raise ValueError, not a problem the user can read.
+        line = _yaml_line(node, nul_at)
+        where = f"line {line}: " if line else ""
+        raise ConfigError(source, [f"{where}{'.'.join(map(str, nul_at)) or '(top level)'}: "
+                                   "a NUL character (\\0) is in the value; remove it"])
     data.update(overrides or {})
     try:
         config = Config.model_validate(data)
@@ -547,6 +557,27 @@ def parse_config(text: str, source: str, overrides: dict[str, Any] | None = None
             problems.append(f"{where}{key_path}: {error['msg']}")
         raise ConfigError(source, problems) from exc
     return config.resolved(Path.cwd())
+
+
+def _nul_in(value: Any, loc: tuple[str | int, ...],
+            seen: set[int] | None = None) -> tuple[str | int, ...] | None:
+    """Where in the parsed YAML a string (key or value) holds a NUL character, if anywhere.
+    Each list or mapping is looked at once: YAML aliases share them, and following every
+    alias of a "billion laughs" file would take for ever."""
+    if isinstance(value, str):
+        return loc if "\0" in value else None
+    seen = set() if seen is None else seen
+    if not isinstance(value, dict | list) or id(value) in seen:
+        return None
+    seen.add(id(value))
+    items: list[tuple[Any, Any]] = (list(value.items()) if isinstance(value, dict)
+                                    else list(enumerate(value)))
+    for key, item in items:
+        if isinstance(key, str) and "\0" in key:
+            return (*loc, key)
+        if (found := _nul_in(item, (*loc, key), seen)) is not None:
+            return found
+    return None
 
 
 def _yaml_line(node: yaml.Node | None, loc: tuple[str | int, ...]) -> int | None:

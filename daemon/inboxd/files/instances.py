@@ -12,7 +12,9 @@ import stat
 import time
 from pathlib import Path
 
+from inboxd.files.layout import PROCESSING_DIRNAME
 from inboxd.files.reading import hash_stream, open_input
+from inboxd.files.safe_paths import open_inside
 from inboxd.item import PermanentError, TransientError
 
 LOCK_SUFFIX = ".lock"
@@ -45,14 +47,15 @@ def flock_within(fd: int, wait_s: float) -> bool:
 Ledger = dict[str, tuple[int, str, str]]
 
 
-def read_ledger(path: Path) -> Ledger:
+def read_ledger(path: Path | str, dir_fd: int | None = None) -> Ledger:
     """One instance's ledger (an entry from before the sha256 was kept has an unknown one).
 
     Every instance reads every ledger beside it, so one planted there is read carefully: a
     link is not followed (it could name anything), a FIFO not waited on (start-up would block
     for ever), and no more than ``MAX_LEDGER_BYTES`` read (a link to /dev/zero never ends)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dir_fd)
         with os.fdopen(fd, "rb") as handle:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return {}
@@ -63,19 +66,24 @@ def read_ledger(path: Path) -> Ledger:
         return {}
 
 
-def all_ledgers(folder: Path) -> list[Ledger]:
-    """Every instance's ledger in ``folder`` (a ``.processing/``).
+def all_ledgers(inbox: Path) -> list[Ledger]:
+    """Every instance's ledger in ``inbox``'s ``.processing/``.
 
     A file a takeover returned to the inbox can next be claimed by any instance: its count
     must follow it there, or a file that kills whichever instance takes it would go round a
     shared inbox for ever. Each ledger is written only by its own instance, or by whoever
-    holds that instance's lock, always by an atomic replace: reading them needs no lock."""
+    holds that instance's lock, always by an atomic replace: reading them needs no lock.
+    ``.processing`` is opened checked to be ours: the group can swap it for a folder of its
+    own, whose forged counts would fail another member's good photo as a crasher (and be
+    copied into our own ledger at the next crash). Not ours: no counts (a file is never
+    failed for counts nobody trustworthy wrote)."""
     try:
-        names = sorted(n for n in os.listdir(folder)
-                       if n.endswith(LEDGER_SUFFIX) and not n.startswith("."))
-    except OSError:
+        with open_inside(inbox, [PROCESSING_DIRNAME], own=True) as folder:
+            names = sorted(n for n in os.listdir(folder)
+                           if n.endswith(LEDGER_SUFFIX) and not n.startswith("."))
+            return [read_ledger(name, folder) for name in names]
+    except OSError:  # LinkedFolder and ForeignFolder among them
         return []
-    return [read_ledger(folder / name) for name in names]
 
 
 def crashes_of(ledgers: list[Ledger], rel: str, sha256: str) -> tuple[int, str]:

@@ -104,6 +104,13 @@ class Lifecycle:
                 raise ConfigError(str(inbox), [
                     f"{inbox / PROCESSING_DIRNAME}: {exc.strerror}. inboxd keeps the files it "
                     "works on there and never uses one it does not own"]) from None
+            except OSError as exc:  # read-only, full: start-up says so (inbox_unusable)
+                self.unlock_instance()
+                # Made from descriptors, the error names only the part ('.processing'): name
+                # the inbox too, so the message says which of the inboxes to fix.
+                part = exc.filename if isinstance(exc.filename, str) else ""
+                where = inbox / PROCESSING_DIRNAME / ("" if part == PROCESSING_DIRNAME else part)
+                raise OSError(exc.errno, exc.strerror, str(where)) from exc
             if not flock_within(fd, LOCK_WAIT_S):
                 holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
                 os.close(fd)
@@ -304,7 +311,7 @@ class Lifecycle:
 
     def crash_counts(self, inbox: Path) -> list[instances.Ledger]:
         """Every instance's ledger here, for ``crashes_of``: a count follows its file."""
-        return instances.all_ledgers(processing_dir(self.config, inbox).parent)
+        return instances.all_ledgers(inbox)
 
     def record_crash(self, reason: str) -> None:
         """A stage crashed: count one crash against every file claimed now, and forget the

@@ -77,6 +77,11 @@ def failed_files(config: Config) -> Iterator[Failed]:
                 continue  # not a report of ours
             # The name it was filed under: its key, or a variant when that name was taken.
             filed = report_path.relative_to(root).as_posix()[: -len(REPORT_SUFFIX)]
+            with contextlib.suppress(ValueError):  # ValueError: an unsafe key, not ours
+                if output_path(root, source, REPORT_SUFFIX) == report_path:
+                    # Filed under its own key: a long name's report was shortened to fit
+                    # NAME_MAX (name~hash.error.json) where the file's own name was not.
+                    filed = output_path(root, source).relative_to(root).as_posix()
             inbox, rel = _origin(config, source, report)
             yield Failed(filed, root / filed, report_path, report, inbox, rel)
 
@@ -90,7 +95,9 @@ def _origin(config: Config, key: str, report: dict[str, Any]) -> tuple[Path | No
     rel = key.split("/", 1)[1] if several and "/" in key else key
     if isinstance(recorded, str):
         matching = [p for p in inboxes if str(p) == recorded]
-        return (matching[0] if matching else None), str(report.get("rel", rel))
+        recorded_rel = report.get("rel", rel)
+        return (matching[0] if matching else None), (
+            recorded_rel if isinstance(recorded_rel, str) else "")
     if not several:
         return inboxes[0], key
     by_name = {p.name: p for p in inboxes}
@@ -119,6 +126,10 @@ def select(config: Config, paths: list[Path], everything: bool,
         if failed.instance and failed.instance != config.instance:
             problems.append(f"{failed.key}: failed in instance {failed.instance!r}, not "
                             f"{config.instance!r}: retry it with --instance {failed.instance}")
+        elif not plain_rel(failed.rel):
+            problems.append(f"{failed.key}: its report gives {failed.rel!r} as its path in the "
+                            f"inbox, which no file the daemon takes has; left in "
+                            f"{config.failed_dir}")
         elif failed.inbox is None or not os.path.lexists(failed.input_path):
             what = ("its inbox is not in this configuration" if failed.inbox is None
                     else "only its report is left")
@@ -126,6 +137,15 @@ def select(config: Config, paths: list[Path], everything: bool,
         else:
             ours.append(failed)
     return ours, problems
+
+
+def plain_rel(rel: str) -> bool:
+    """A path the daemon could have taken a file from: visible, plain names. A report is only
+    a file in failed/, so what it says is checked: ``sub/..`` or ``.`` would return the file
+    under a hidden name the daemon never takes, ``.processing/...`` into its own claims, a NUL
+    to a name cut short."""
+    return all(part and not part.startswith(".") and "\0" not in part
+               for part in rel.split("/"))
 
 
 def _key_of(config: Config, path: Path) -> str:

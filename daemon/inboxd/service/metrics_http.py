@@ -68,7 +68,7 @@ class MetricsServer:
             self._server = await asyncio.start_unix_server(
                 self._serve, path, limit=MAX_REQUEST_BYTES, backlog=LISTEN_BACKLOG)
             self._unix_path = path
-            os.chmod(path, UNIX_SOCKET_MODE)
+            _chmod_socket(path, UNIX_SOCKET_MODE)
             return
         address = split_host_port(listen)
         assert address is not None  # checked when the config was read
@@ -125,6 +125,11 @@ class MetricsServer:
         except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
                 ConnectionError, OSError):
             pass  # an idle, slow, oversized or vanished client: its connection just ends
+        except asyncio.CancelledError:
+            # The server closing (a stop) with clients still connected. Ended here, not
+            # raised: Python 3.11's stream callback asks a cancelled task for its exception
+            # and logs a traceback for every connection a local process held open.
+            writer.transport.abort()
         finally:
             self._open.discard(writer)
             self._waiting.pop(writer, None)
@@ -156,6 +161,20 @@ class MetricsServer:
             with contextlib.suppress(OSError):
                 os.unlink(self._unix_path)
             self._unix_path = None
+
+
+def _chmod_socket(path: str, mode: int) -> None:
+    """chmod the socket just bound at ``path``, never what a link there names: in a folder
+    others can write, the socket can be swapped for a link between the bind and the chmod,
+    and a plain chmod would widen the file it points to (a 0600 photo in done/)."""
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            raise OSError(errno.EEXIST, "the socket was replaced by something else just after "
+                          "it was made; put it in a folder only the daemon can write", path)
+        os.chmod(f"/proc/self/fd/{fd}", mode)  # an O_PATH descriptor: this inode, no link
+    finally:
+        os.close(fd)
 
 
 def _remove_stale_socket(path: str) -> None:
