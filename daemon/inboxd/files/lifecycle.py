@@ -106,11 +106,11 @@ class Lifecycle:
                     "works on there and never uses one it does not own"]) from None
             except OSError as exc:  # read-only, full: start-up says so (inbox_unusable)
                 self.unlock_instance()
-                # Made from descriptors, the error names only the part ('.processing'): name
-                # the inbox too, so the message says which of the inboxes to fix.
-                part = exc.filename if isinstance(exc.filename, str) else ""
-                where = inbox / PROCESSING_DIRNAME / ("" if part == PROCESSING_DIRNAME else part)
-                raise OSError(exc.errno, exc.strerror, str(where)) from exc
+                # The lock is opened relative to .processing's descriptor: name the whole path
+                # (open_inside already does for the folders), so the message says which inbox.
+                if isinstance(exc.filename, str) and not os.path.isabs(exc.filename):
+                    exc.filename = str(inbox / PROCESSING_DIRNAME / exc.filename)
+                raise
             if not flock_within(fd, LOCK_WAIT_S):
                 holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
                 os.close(fd)
