@@ -88,12 +88,15 @@ FIXED_COMMANDS = {Path("decode/worker_process.py"): ["sys.executable", "'-m'",
                                                     "'inboxd.decode.worker_child'"],
                   Path("files/commit_process.py"): ["sys.executable", "'-m'",
                                                     "'inboxd.files.commit_child'"],
-                  Path("models/engines/ray_bridge.py"): ["sys.executable", "*BRIDGE_COMMAND"]}
+                  Path("models/engines/ray_bridge.py"): ["sys.executable", "*BRIDGE_COMMAND"],
+                  Path("models/onnx_export.py"): ["sys.executable", "'-m'",
+                                                  "'inboxd.models.onnx_export'"]}
 
 
 def _is_fixed_popen(call: ast.Call, where: Path) -> bool:
     start = FIXED_COMMANDS.get(where)
-    if start is None or _called_name(call) != "subprocess.Popen" or not call.args:
+    if start is None or _called_name(call) not in ("subprocess.Popen", "subprocess.run") \
+            or not call.args:
         return False
     argv = call.args[0]
     fixed = isinstance(argv, ast.List) and [
@@ -103,7 +106,7 @@ def _is_fixed_popen(call: ast.Call, where: Path) -> bool:
 
 def test_no_shell_or_unpickling_anywhere_in_the_daemon() -> None:
     """File names are attacker-controlled: the daemon never runs a shell or a subprocess (but
-    its own decode workers, commit process and Ray bridge, by fixed command lines), and weights
+    its own decode workers, commit process, Ray bridge and ONNX exporter, by fixed command lines), and weights
     are loaded with ``torch.load(weights_only=True)`` only, never unpickled."""
     offenders = []
     sources = sorted(PACKAGE.rglob("*.py"))
