@@ -333,6 +333,7 @@ def exit_now_if_stuck(status: int) -> None:
     stuck = [t for t in threading.enumerate()  # the local engine's model thread
              if t.name.startswith("inboxd-model") and t.is_alive()]
     if stuck:
+        logs.flush_suppressed()  # an atexit hook, which os._exit skips
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
