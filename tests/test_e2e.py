@@ -183,6 +183,7 @@ def test_flood_with_tiny_capacities_keeps_every_bound(tmp_path: Path, daemon_fac
     assert int(stats["BATCH_HIGH_WATER"]) <= 8
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # the export, at a low priority on a busy machine, takes minutes
 def test_the_fast_runtime_is_swapped_in_while_serving_and_reused_after_a_restart(
         tmp_path: Path, daemon_factory) -> None:

@@ -106,8 +106,8 @@ def _is_fixed_popen(call: ast.Call, where: Path) -> bool:
 
 def test_no_shell_or_unpickling_anywhere_in_the_daemon() -> None:
     """File names are attacker-controlled: the daemon never runs a shell or a subprocess (but
-    its own decode workers, commit process, Ray bridge and ONNX exporter, by fixed command lines), and weights
-    are loaded with ``torch.load(weights_only=True)`` only, never unpickled."""
+    its own decode workers, commit process, Ray bridge and ONNX exporter, by fixed command lines),
+    and weights are loaded with ``torch.load(weights_only=True)`` only, never unpickled."""
     offenders = []
     sources = sorted(PACKAGE.rglob("*.py"))
     assert len(sources) > 30, f"the scan must see the whole package, found {len(sources)} modules"

@@ -208,6 +208,7 @@ def done_names(tmp_path: Path) -> set[str]:
     return {p.name for p in (tmp_path / "done").glob("*.png")}
 
 
+@pytest.mark.slow
 @needs_root
 def test_an_idle_connection_flood_on_metrics_listen_stops_nothing(tmp_path: Path) -> None:
     """300 idle connections to ``metrics.listen``, the daemon allowed 48 descriptors more than
@@ -284,6 +285,7 @@ def stats_field(daemon: DaemonProcess, field: str, after: int) -> int:
     return int(line_fields(wait_until(found, 20, "a stats record"))[field])
 
 
+@pytest.mark.slow
 @needs_root  # the lease that tells a file is held open needs its owner or CAP_LEASE
 def test_a_photo_held_open_for_writing_is_not_claimed_again_and_again(tmp_path: Path) -> None:
     """A finished photo whose writer keeps its handle open, writing nothing: given back each
