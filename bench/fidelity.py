@@ -17,6 +17,7 @@ with their decode time per 12-MP JPEG (``bench/photos.py``'s, one thread, candid
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -79,6 +80,25 @@ def eager_fp32_predict() -> Predict:
     from inboxd.models.loading import load_model
 
     model = load_model(ModelConfig(device="cpu", precision="fp32"))
+
+    def predict(crops: Sequence[Crop]) -> torch.Tensor:
+        out = [torch.softmax(model.outputs(list(crops[i:i + BATCH])), dim=1)
+               for i in range(0, len(crops), BATCH)]
+        return torch.cat(out)
+
+    return predict
+
+
+def onnxruntime_predict() -> Predict:
+    """The built-in model as the daemon serves it by default on the CPU: exported to ONNX (as
+    ``models/onnx_export.py`` does, here in this process) and run by ONNX Runtime, fp32."""
+    from inboxd.models.loading import load_model
+    from inboxd.models.runtimes import onnx as onnx_runtime
+
+    model = load_model(ModelConfig(device="cpu", precision="fp32"))
+    data = onnx_runtime.export_bytes(model.network.cpu().eval(), model.spec.crop, None,
+                                     "bench.fidelity")
+    model.use(onnx_runtime.from_bytes(data, 2))
 
     def predict(crops: Sequence[Crop]) -> torch.Tensor:
         out = [torch.softmax(model.outputs(list(crops[i:i + BATCH])), dim=1)
@@ -181,6 +201,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true",
                         help="also the draft margin × reducing_gap candidates, with decode ms")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--emit", action="store_true",
+                        help="end with the table as one JSON line (for make bench)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     spec = model_spec()
@@ -190,9 +212,18 @@ def main() -> None:
     jpegs = sum(1 for v in variants if is_jpeg(v))
     print(f"corpus: {len(variants)} variants ({jpegs} JPEG) in {folder}; reference: "
           "resize exact + eager fp32")
+    fast_runtime = onnxruntime_predict()
+    defaults = [*default_decode_paths(spec, predict),
+                FidelityPath("runtime onnxruntime fp32 (decode exact)", mode_decode(spec, "exact"),
+                             fast_runtime),
+                FidelityPath("every default at once: decode fast + onnxruntime fp32",
+                             mode_decode(spec, "fast"), fast_runtime)]
+    rows = [data.measure(path).row() for path in defaults]
     print(HEADER)
-    for path in default_decode_paths(spec, predict):
-        print(data.measure(path).row())
+    print("\n".join(rows))
+    if args.emit:
+        print(json.dumps({"variants": len(variants), "jpegs": jpegs, "header": HEADER,
+                          "rows": rows}))
     if not args.sweep:
         return
     candidates = sweep_paths(spec, predict)

@@ -203,6 +203,11 @@ def table(r: dict[str, Any]) -> str:
     if "overhead" in r:
         lines.append("")
         lines.extend(overhead_lines(r["overhead"]))
+    if "fidelity" in r:
+        f = r["fidelity"]
+        lines += ["", f"fidelity contract ({f['variants']} real-photo variants, {f['jpegs']} JPEG; "
+                  "reference: resize exact + eager fp32; top-1 >= 99% and median <= 0.01):",
+                  f["header"], *f["rows"]]
     if "peer" in r:
         from bench import peer_vs_inboxd
 

@@ -148,6 +148,9 @@ class Bench:
         shutil.rmtree(WORK_DIR / "inboxd-big", ignore_errors=True)  # 20,000 links
         r["overhead"] = self.stage("pipeline overhead", lambda: run_json(
             "bench.overhead", "--count", str(p.overhead_count), "--memory", p.overhead_memory))
+        # Every default fast path (decode, runtime) against resize: exact + eager fp32.
+        r["fidelity"] = self.stage("fidelity contract", lambda: run_json(
+            "bench.fidelity", "--emit"))
         # The libvips + ONNX Runtime script a user would write instead, in turns with inboxd.
         if p.peer_scale:
             r["peer"] = self.stage("inboxd vs peer", lambda: run_json(
