@@ -29,6 +29,7 @@ import torch
 from inboxd.config import ModelConfig
 from inboxd.decode import pillow
 from inboxd.decode.spec import PreprocessSpec
+from inboxd.models.model import Model
 
 from bench import corpus
 from bench.corpus import Variant
@@ -79,8 +80,10 @@ def eager_fp32_predict() -> Predict:
     """The built-in model as the daemon loads it, in eager fp32 on the CPU: the reference."""
     from inboxd.models.loading import load_model
 
-    model = load_model(ModelConfig(device="cpu", precision="fp32"))
+    return softmax_predict(load_model(ModelConfig(device="cpu", precision="fp32")))
 
+
+def softmax_predict(model: Model) -> Predict:
     def predict(crops: Sequence[Crop]) -> torch.Tensor:
         out = [torch.softmax(model.outputs(list(crops[i:i + BATCH])), dim=1)
                for i in range(0, len(crops), BATCH)]
@@ -99,13 +102,7 @@ def onnxruntime_predict() -> Predict:
     data = onnx_runtime.export_bytes(model.network.cpu().eval(), model.spec.crop, None,
                                      "bench.fidelity")
     model.use(onnx_runtime.from_bytes(data, 2))
-
-    def predict(crops: Sequence[Crop]) -> torch.Tensor:
-        out = [torch.softmax(model.outputs(list(crops[i:i + BATCH])), dim=1)
-               for i in range(0, len(crops), BATCH)]
-        return torch.cat(out)
-
-    return predict
+    return softmax_predict(model)
 
 
 def model_spec() -> PreprocessSpec:
