@@ -17,7 +17,7 @@ test: setup-test lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The layers and the absence of import cycles are import-linter contracts in pyproject.toml.
-# The inner loop, at most 3 minutes here on a quiet machine: the unit tests and the quicker
+# The inner loop (about 4 minutes on 2 cores; the aim is 3): the unit tests and the quicker
 # end-to-end ones (real daemons included); the costlier ones are marked (pyproject's markers)
 # and left to `make test`, which CI runs.
 FAST_MARKERS := not (soak or slow or ray or nspawn or devicecheck)
