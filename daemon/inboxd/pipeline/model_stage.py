@@ -79,16 +79,20 @@ class ModelStage:
     def busy_since_s(self) -> float | None:
         return min(self._busy.values(), default=None)
 
+    def call_limit_s(self, patience_s: float) -> float:
+        """How long one call may be out before it is a stall: ``patience_s``, or the engine's
+        own limit on a call (``call_limit_s``, for an engine that times its calls out itself)
+        when that is longer."""
+        return max(patience_s, getattr(self.engine, "call_limit_s", 0.0))
+
     def overdue_s(self, patience_s: float) -> float | None:
-        """Seconds the oldest call has been out, once that is past ``patience_s`` and past the
-        engine's own limit on a call (``call_limit_s``, for an engine that times its calls out
-        itself); None while nothing is overdue. The watchdog stops pinging while it is not."""
+        """Seconds the oldest call has been out, once that is past ``call_limit_s``; None while
+        nothing is overdue."""
         since = self.busy_since_s
         if since is None:
             return None
         busy_s = self.clock() - since
-        limit_s: float = max(patience_s, getattr(self.engine, "call_limit_s", 0.0))
-        return busy_s if busy_s >= limit_s else None
+        return busy_s if busy_s >= self.call_limit_s(patience_s) else None
 
     def resize(self, in_flight: int) -> None:
         """SIGHUP: a new bound; calls already out finish, the next wait for a free slot."""

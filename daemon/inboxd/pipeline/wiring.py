@@ -310,11 +310,10 @@ class Pipeline:
         clock = self.stall_clock
         now = clock.look(progress, waiting)
         found: list[Stall] = []
-        call_limit_s: float = getattr(self.engine, "call_limit_s", 0.0)
         busy_since_s = self.worker.busy_since_s
         if busy_since_s is not None:
             found.append(Stall("model", now - clock.since(busy_since_s),
-                               max(patience_s, call_limit_s), " (on one batch)"))
+                               self.worker.call_limit_s(patience_s), " (on one batch)"))
         commit_waits_s: float | None = getattr(self.commits, "stalled_s", lambda: None)()
         if commit_waits_s is not None:
             stopped = getattr(self.commits, "stopped", lambda: False)()
@@ -328,7 +327,7 @@ class Pipeline:
         if waiting and not any(stall.shown for stall in found):
             # The longest a stage may legitimately take without any counter moving: a decode
             # (its counted time, then as long again stopped) or a model call, then one interval.
-            limit_s = patience_s + 2 * max(timeout_s, call_limit_s, patience_s)
+            limit_s = patience_s + 2 * max(timeout_s, self.worker.call_limit_s(patience_s))
             found.append(Stall("pipeline", now - clock.since(clock.moved_s), limit_s,
                                f" ({active} file(s) in flight, nothing moved)",
                                shown_after_s=patience_s))
