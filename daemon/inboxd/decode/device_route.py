@@ -15,22 +15,31 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from inboxd import logs
+from inboxd.decode.device_crop import DecodeFailed, fits
 from inboxd.decode.jpeg_header import NotEligible, inspect
 from inboxd.decode.replies import DecodeResult
 from inboxd.decode.spec import PreprocessSpec
-from inboxd.decode.tensor import DecodeFailed, TensorDecoder, fits, supported
 from inboxd.files.reading import open_input
 from inboxd.files.settling import held_open_for_writing, identity
 from inboxd.item import PermanentError, TransientError
+
+if TYPE_CHECKING:
+    from inboxd.decode.tensor import TensorDecoder
 
 JPEG_SUFFIXES = frozenset({".jpg", ".jpeg", ".jpe", ".jfif"})
 # Read whole into the daemon's memory, once per preprocess thread: larger JPEGs (no camera
 # makes one) take the CPU path, where a worker streams them under its own memory limit.
 MAX_DEVICE_FILE_BYTES = 64 << 20
+
+
+class Device(Protocol):
+    """Where the model runs: a ``torch.device``, or the CPU said without torch."""
+
+    @property
+    def type(self) -> str: ...
 
 
 class DeviceRoute:
@@ -92,12 +101,15 @@ class DeviceRoute:
         self.decoder.close()
 
 
-def build(mode: str, device: torch.device, spec: PreprocessSpec, max_pixels: int,
+def build(mode: str, device: Device, spec: PreprocessSpec, max_pixels: int,
           max_file_bytes: int, threads: int) -> DeviceRoute | None:
     """The route for ``preprocess.gpu_decode`` (``mode``) with the model on ``device``, or None:
     only a GPU decodes in the daemon (on the CPU the sandboxed workers are as fast)."""
     if mode == "off" or device.type != "cuda":
         return None
+    # Only here: torchvision's decoder (and torch) load where a GPU decodes, nowhere else.
+    from inboxd.decode.tensor import TensorDecoder, supported
+
     why = supported(spec)
     if why is not None:
         logs.emit(logging.WARNING, "gpu_decode", f"JPEGs are decoded on the CPU: {why}",
@@ -107,5 +119,8 @@ def build(mode: str, device: torch.device, spec: PreprocessSpec, max_pixels: int
     logs.emit(logging.INFO, "gpu_decode", f"baseline JPEGs are decoded on {device} (nvJPEG, "
               "in the daemon, after a header check); preprocess.gpu_decode: off keeps every "
               "file in the sandboxed decode workers", device=str(device))
+    import torch
+
+    assert isinstance(device, torch.device)
     decoder = TensorDecoder(spec, device, max_batch=max(1, threads))
     return DeviceRoute(decoder, spec, max_pixels, max_file_bytes)

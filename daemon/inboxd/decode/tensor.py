@@ -44,6 +44,10 @@ import torch
 from torchvision.transforms.v2 import functional as F
 
 from inboxd import logs
+from inboxd.decode.device_crop import FULL_RESIZE_MAX_RATIO as FULL_RESIZE_MAX_RATIO
+from inboxd.decode.device_crop import DecodeFailed as DecodeFailed
+from inboxd.decode.device_crop import fits as fits
+from inboxd.decode.device_crop import resized_size
 from inboxd.decode.jpeg_header import JpegHeader
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.item import DecodedImage
@@ -52,18 +56,11 @@ from inboxd.os_threads import name_this_thread
 MODES = {"bicubic": F.InterpolationMode.BICUBIC, "bilinear": F.InterpolationMode.BILINEAR,
          # PIL's NEAREST samples pixel centres: torch's "nearest-exact", not "nearest".
          "nearest": F.InterpolationMode.NEAREST_EXACT}
-# As decode/pillow.py: past this many times the resize target's square the CPU path resizes only
-# the crop window (bounded memory); here such a strip simply takes the CPU path.
-FULL_RESIZE_MAX_RATIO = 16
 
 
 # Full-size RGB pixels one decode call may hold on the device (~200 MB: sixteen 12-MP photos);
 # the crops that stay are counted by the preprocess cache's MB bound.
 MAX_BATCH_PIXELS = 64_000_000
-
-
-class DecodeFailed(Exception):
-    """The device decoder refused this file: it takes the CPU path, which decides its outcome."""
 
 
 def supported(spec: PreprocessSpec) -> str | None:
@@ -75,19 +72,6 @@ def supported(spec: PreprocessSpec) -> str | None:
     except ImportError as exc:
         return f"this torchvision has no decode_jpeg ({exc})"
     return None
-
-
-def resized_size(width: int, height: int, spec: PreprocessSpec) -> tuple[int, int]:
-    """torchvision's Resize(int) arithmetic, exactly as ``decode/pillow.py`` does it."""
-    if width <= height:
-        return spec.resize, int(spec.resize * height / width)
-    return int(spec.resize * width / height), spec.resize
-
-
-def fits(header: JpegHeader, spec: PreprocessSpec) -> bool:
-    """False for extreme aspect ratios, which the CPU path handles in bounded memory."""
-    new_w, new_h = resized_size(*header.oriented_size, spec)
-    return new_w * new_h <= FULL_RESIZE_MAX_RATIO * spec.resize**2
 
 
 def orient(image: torch.Tensor, orientation: int) -> torch.Tensor:

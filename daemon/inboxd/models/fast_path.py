@@ -24,7 +24,6 @@ from inboxd.models.model import Model
 from inboxd.models.onnx_export import export_in_child
 from inboxd.models.runtimes import onnx as onnx_runtime
 from inboxd.models.runtimes.agreement import measure
-from inboxd.models.runtimes.choice import cpu_flags, native_bf16
 
 Exporter = Callable[[ModelConfig, Path, str], None]
 # The CLI's exit check looks for threads with the model thread's prefix: an export still
@@ -130,18 +129,3 @@ class FastPath:
         if self._thread is not None:
             self._thread.join(timeout_s)
 
-
-def runtime_fields(model: Model, fast: FastPath | None) -> dict[str, Any]:
-    """For the started record: what serves now, what was chosen and why, and on the CPU the
-    capability the choice rests on."""
-    fields: dict[str, Any] = {"RUNTIME": model.runtime, "PRECISION": model.precision}
-    choice = model.choice
-    if choice is not None:
-        fields.update({"RUNTIME_CHOSEN": choice.runtime, "PRECISION_CHOSEN": choice.precision,
-                       "RUNTIME_REASON": choice.reason})
-    if model.device.type == "cpu":
-        fields.update({"CPU_CAPABILITY": torch.backends.cpu.get_cpu_capability(),
-                       "BF16_NATIVE": ",".join(native_bf16(cpu_flags())) or "no"})
-    if fast is not None:
-        fields.update({"RUNTIME_STATE": fast.state, **fast.fields})
-    return fields

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from inboxd.config import Config
 from inboxd.decode.spec import PreprocessSpec
-from inboxd.models.model import Model
+from inboxd.models.predictions import ServingModel
 
 
 def describe_input(spec: PreprocessSpec, color: str) -> str:
@@ -36,7 +36,7 @@ def builtin_lines() -> list[str]:
     ]
 
 
-def configured_lines(config: Config, model: Model, where: str) -> list[str]:
+def configured_lines(config: Config, model: ServingModel, where: str) -> list[str]:
     info = model.info
     assert info is not None
     if model.output == "classify":
@@ -62,12 +62,14 @@ def configured_lines(config: Config, model: Model, where: str) -> list[str]:
     ]
 
 
-def ray_lines(config: Config, model: Model) -> list[str]:
+def ray_lines(config: Config, model: ServingModel) -> list[str]:
     """``engine: ray``: connect, deploy (or find the application running) and say what runs."""
     import asyncio
 
     from inboxd.models.engines.ray_serve import RayEngine
+    from inboxd.models.model import Model
 
+    assert isinstance(model, Model)  # engine: ray loads the torch model (engines/choice.py)
     ray = config.model.ray
 
     async def deploy() -> dict[str, object]:

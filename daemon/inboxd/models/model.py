@@ -15,11 +15,9 @@ runner that serves, reduce, predictions, warm-up) reads best in one place.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -30,15 +28,23 @@ from inboxd.config import ConfigError
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.models.host_buffers import HostStaging
 from inboxd.models.memory import cuda_memory_fields
+from inboxd.models.predictions import (
+    LUMA_WEIGHTS,
+    Classification,
+    Color,
+    Embedding,
+    ModelInfo,
+    Output,
+    Prediction,
+    not_finite,
+)
 from inboxd.models.runtimes.runner import Runner
 
-PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-# Pillow's convert("L") in fixed point (ITU-R 601-2 luma: 0.299 R + 0.587 G + 0.114 B, scaled
-# by 2**16 and rounded), so a ``color: gray`` model sees exactly the pixels Pillow would give.
-_LUMA_WEIGHTS = (19595, 38470, 7471)
+__all__ = ["Classification", "Color", "Embedding", "Model", "ModelInfo", "Output", "Pixels",
+           "Prediction", "imagenet_labels", "not_finite", "on_host"]
 
-Output = Literal["classify", "embed"]
-Color = Literal["rgb", "bgr", "gray"]
+PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
 # One image for the model: H×W×3 uint8 RGB, a host array or a tensor already on the device.
 Pixels = npt.NDArray[np.uint8] | torch.Tensor
 
@@ -52,49 +58,6 @@ def imagenet_labels() -> list[str]:
     from torchvision.models._meta import _IMAGENET_CATEGORIES
 
     return list(_IMAGENET_CATEGORIES)
-
-
-@dataclass
-class Classification:
-    top_k: list[dict[str, Any]]
-
-
-@dataclass
-class Embedding:
-    vector: npt.NDArray[np.float32]  # 1-D, as the network produced it (not normalised)
-
-    @property
-    def dim(self) -> int:
-        return int(self.vector.shape[0])
-
-    @property
-    def norm(self) -> float:
-        return float(np.linalg.norm(self.vector.astype(np.float64)))
-
-
-Prediction = Classification | Embedding
-
-
-def not_finite(prediction: Prediction) -> str | None:
-    """What in ``prediction`` is NaN or infinite (fp16 overflow, a network that diverges on one
-    input), or None. JSON has no such numbers: ``json.dumps`` would write a ``NaN`` that strict
-    readers reject, in a result that claims to be a classification."""
-    if isinstance(prediction, Embedding):
-        bad = int(np.count_nonzero(~np.isfinite(prediction.vector)))
-        return f"{bad} of the {prediction.dim} embedding values" if bad else None
-    bad = sum(not math.isfinite(float(entry.get("score", 0.0))) for entry in prediction.top_k)
-    return f"{bad} of the top-{len(prediction.top_k)} scores" if bad else None
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What was loaded, for ``inboxd models`` and the start-up log."""
-
-    kind: str  # builtin | torchvision | export
-    source: str  # where the network and its weights came from, in words
-    parameters: int
-    outputs: int  # classes (classify) or the embedding dimension (embed)
-    max_batch: int | None = None  # a .pt2 program's bound on its dynamic batch dimension
 
 
 class Model:
@@ -137,7 +100,7 @@ class Model:
             "torch", precision, torch.compile(self.network) if compile else self.network)
         self._mean = torch.tensor(spec.mean, device=device).view(1, 3, 1, 1) * 255
         self._std = torch.tensor(spec.std, device=device).view(1, 3, 1, 1) * 255
-        self._luma = torch.tensor(_LUMA_WEIGHTS, dtype=torch.int32, device=device).view(1, 3, 1, 1)
+        self._luma = torch.tensor(LUMA_WEIGHTS, dtype=torch.int32, device=device).view(1, 3, 1, 1)
         # The largest batch the network accepts (a .pt2 program's dynamic-dimension bound).
         self.max_batch: int | None = info.max_batch if info is not None else None
         # A test seam: the fault tests make a chosen batch raise (CUDA OOM, a model error).

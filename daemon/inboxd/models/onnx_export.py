@@ -11,14 +11,22 @@ its crash, hang or runaway memory is its own: the daemon logs the reason and kee
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from inboxd.config import ModelConfig
+from inboxd.decode.spec import PreprocessSpec
+from inboxd.models.predictions import ModelInfo
+from inboxd.models.runtimes.onnx_artifact import SERVING_KEY_METADATA, SERVING_METADATA
+from inboxd.models.runtimes.serving_key import serving_key
+
+if TYPE_CHECKING:
+    from inboxd.models.sources import Source
 
 EXPORT_TIMEOUT_S = 900.0
 # Below the daemon's own threads, so the first results are not delayed by the export, but not
@@ -69,6 +77,46 @@ def die_with_parent() -> None:
         sys.exit(1)
 
 
+def serving_metadata(config: ModelConfig, source: Source, spec: PreprocessSpec, data: bytes
+                     ) -> tuple[str, str] | None:
+    """What lets a daemon serve this artifact without torch (``models/onnx_model.py``): the
+    torch-free key, the input, the labels, and the verdict of the probe batch run here against
+    the torch network, the check a daemon with torch runs before its swap. None where the model
+    has no torch-free key or the artifact does not agree (torch then keeps serving, as ever)."""
+    import torch
+
+    from inboxd.models.model import Model, imagenet_labels
+    from inboxd.models.runtimes import onnx as onnx_runtime
+    from inboxd.models.runtimes.agreement import measure
+
+    key = serving_key(config)
+    if key is None:
+        return None
+    labels = imagenet_labels() if config.output == "classify" else None
+    with torch.inference_mode():
+        outputs = (len(labels) if labels else
+                   int(source.network(torch.zeros(1, 3, spec.crop, spec.crop)).shape[1]))
+    info = ModelInfo(config.kind, source.description,
+                     sum(p.numel() for p in source.network.parameters()), outputs,
+                     source.max_batch)
+    model = Model(source.name, source.network, spec, labels, torch.device("cpu"), "fp32",
+                  config.top_k, output=config.output, color=config.input.color, info=info)
+    fast = onnx_runtime.from_bytes(data, torch.get_num_threads())
+    agreement = measure(lambda images: model.run(images, model.runner),
+                        lambda images: model.run(images, fast),
+                        spec.crop, config.output == "embed")
+    if not agreement.ok:
+        print(f"onnxruntime does not agree with torch: {agreement.describe()}; the artifact "
+              "serves only after the daemon's own check", file=sys.stderr)
+        return None
+    return key, json.dumps({
+        "name": source.name, "labels": labels, "output": config.output,
+        "spec": {"resize": spec.resize, "crop": spec.crop, "interpolation": spec.interpolation,
+                 "mean": list(spec.mean), "std": list(spec.std)},
+        "info": dataclasses.asdict(info), "probe": agreement.describe(),
+        "probe_fields": agreement.fields()})
+
+
 def main() -> int:
     die_with_parent()
     os.nice(EXPORTER_NICE)
@@ -89,6 +137,10 @@ def main() -> int:
               file=sys.stderr)
         return EXIT_OTHER_NETWORK
     data = onnx_runtime.export_bytes(source.network, spec.crop, source.max_batch, key)
+    serving = serving_metadata(config, source, spec, data)
+    if serving is not None:
+        data = onnx_runtime.with_metadata(data, {SERVING_KEY_METADATA: serving[0],
+                                                 SERVING_METADATA: serving[1]})
     onnx_runtime.write_atomically(Path(asked["path"]), data)
     return 0
 

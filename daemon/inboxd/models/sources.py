@@ -24,6 +24,7 @@ from torch import nn
 
 from inboxd.config import ModelConfig
 from inboxd.decode.spec import PreprocessSpec
+from inboxd.models.builtin_weights import BUILTIN_NAME, builtin_description
 from inboxd.models.preflight import problem
 
 # torchvision's weights conventions for its classifiers (``ImageClassification`` transforms).
@@ -56,8 +57,7 @@ def builtin() -> Source:
     spec = PreprocessSpec(resize=lite.RESIZE_SHORTER_SIDE, crop=lite.CROP_SIZE,
                           interpolation=lite.RESIZE_INTERPOLATION, mean=lite.MEAN, std=lite.STD)
     network = lite.fold_batchnorm(lite.load_efficientnet_lite0(path))
-    return Source("efficientnet_lite0", network, spec,
-                  f"built-in EfficientNet-Lite0, ImageNet weights {path}", lite.NUM_CLASSES)
+    return Source(BUILTIN_NAME, network, spec, builtin_description(path), lite.NUM_CLASSES)
 
 
 # -- torchvision + a state_dict -------------------------------------------------------------

@@ -26,7 +26,7 @@ from inboxd.files.commits import CommitEntry, Commits, Committed
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.item import ModelError, PermanentError, TransientError, WorkItem
 from inboxd.models.engines.interface import Outcome
-from inboxd.models.model import Embedding, Model, Prediction, not_finite
+from inboxd.models.predictions import Embedding, Prediction, ServingModel, not_finite
 from inboxd.pipeline.outcomes import Outcomes, RunIO, utc_now
 
 HANDOFF_BATCHES = 1
@@ -67,7 +67,7 @@ class ResultWriter:
     def __init__(
         self,
         config: Config,
-        model: Model,
+        model: ServingModel,
         lifecycle: Lifecycle,
         commits: Commits,
         outcomes: Outcomes,

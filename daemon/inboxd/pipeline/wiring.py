@@ -35,7 +35,7 @@ from inboxd.files.names import NameFilter
 from inboxd.item import WorkItem
 from inboxd.models.engines.interface import DeviceFault, ModelEngine
 from inboxd.models.engines.local import LocalEngine
-from inboxd.models.model import Model
+from inboxd.models.predictions import ServingModel
 from inboxd.os_threads import name_this_thread
 from inboxd.pipeline.batcher import Batcher
 from inboxd.pipeline.event_buffer import EventBuffer
@@ -62,7 +62,7 @@ class Pipeline:
     def __init__(
         self,
         config: Config,
-        model: Model,
+        model: ServingModel,
         watch: WatchFn = real_awatch,
         clock: Callable[[], float] = time.monotonic,
         lifecycle: Lifecycle | None = None,

@@ -27,7 +27,7 @@ from inboxd.heap import freeze_startup_heap
 from inboxd.models import faults
 from inboxd.models.device import device_fields, with_device_defaults
 from inboxd.models.engines.choice import load_here, make_engine
-from inboxd.models.fast_path import runtime_fields
+from inboxd.models.runtime_record import runtime_fields
 from inboxd.pipeline.stalls import DEFAULT_PATIENCE_S
 from inboxd.pipeline.wiring import Pipeline
 from inboxd.service.notify import Notifier, abort_with_stacks

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from inboxd.config import Config, ModelConfig
 from inboxd.models.engines.interface import ModelEngine
 from inboxd.models.engines.local import LocalEngine
-from inboxd.models.fast_path import FastPath
-from inboxd.models.model import Model
+from inboxd.models.onnx_model import load_cached
+from inboxd.models.predictions import ServingModel
+
+if TYPE_CHECKING:
+    from inboxd.models.fast_path import FastPath
 
 
 def here(config: ModelConfig) -> ModelConfig:
@@ -19,23 +24,34 @@ def here(config: ModelConfig) -> ModelConfig:
                                      "runtime": "torch"})
 
 
-def load_here(config: ModelConfig) -> Model:
+def load_here(config: ModelConfig) -> ServingModel:
+    """The built-in model from its cached ONNX artifact where it can serve so (torch is then
+    never imported: ``models/onnx_model.py``), else the torch model."""
+    cached, _ = load_cached(here(config))
+    if cached is not None:
+        return cached
     from inboxd.models.loading import load_model
 
     return load_model(here(config))
 
 
-def make_engine(config: Config, model: Model) -> ModelEngine:
+def make_engine(config: Config, model: ServingModel) -> ModelEngine:
     if config.model.engine == "ray":
         from inboxd.models.engines.ray_serve import RayEngine
+        from inboxd.models.model import Model
 
+        assert isinstance(model, Model)
         return RayEngine(model, config.model, config.batch.max_size)
     return LocalEngine(model, fast=fast_path(config.model, model))
 
 
-def fast_path(config: ModelConfig, model: Model) -> FastPath | None:
+def fast_path(config: ModelConfig, model: ServingModel) -> FastPath | None:
     """The ONNX Runtime runner to bring in, where the choice was onnxruntime and torch serves."""
     choice = model.choice
     if choice is None or choice.runtime != "onnxruntime" or model.runtime != "torch":
         return None
+    from inboxd.models.fast_path import FastPath
+    from inboxd.models.model import Model
+
+    assert isinstance(model, Model)
     return FastPath(model, config)

@@ -8,12 +8,11 @@ an error is attached to the item it belongs to.
 
 from __future__ import annotations
 
+import sys
 from typing import Protocol
 
-import torch
-
 from inboxd.item import WorkItem
-from inboxd.models.model import Prediction
+from inboxd.models.predictions import Prediction
 
 Outcome = tuple[WorkItem, Prediction | Exception]
 
@@ -30,10 +29,20 @@ class DeviceFault(Exception):
 
 
 def is_device_error(exc: BaseException) -> bool:
+    # torch's exception types are asked for only where torch is loaded: an error cannot be
+    # one of them otherwise, and importing torch to find out would load it into every daemon.
+    torch = sys.modules.get("torch")
     accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8
     if accelerator_error is not None and isinstance(exc, accelerator_error):
         return True
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in DEVICE_ERROR_MARKERS)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """A CUDA out-of-memory (``torch.cuda.OutOfMemoryError``): the batch is halved."""
+    torch = sys.modules.get("torch")
+    out_of_memory = getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None)
+    return out_of_memory is not None and isinstance(exc, out_of_memory)
 
 
 class EngineUnavailable(Exception):

@@ -25,16 +25,17 @@ import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-
-import torch
+from typing import TYPE_CHECKING
 
 from inboxd import logs
 from inboxd.item import ModelError, TransientError, WorkItem
-from inboxd.models.engines.cuda_overlap import Overlap
-from inboxd.models.engines.interface import DeviceFault, Outcome, is_device_error
-from inboxd.models.fast_path import FastPath
-from inboxd.models.model import Model
+from inboxd.models.engines.interface import DeviceFault, Outcome, is_device_error, is_out_of_memory
+from inboxd.models.predictions import ServingModel
 from inboxd.os_threads import name_this_thread
+
+if TYPE_CHECKING:
+    from inboxd.models.engines.cuda_overlap import Overlap
+    from inboxd.models.fast_path import FastPath
 
 # The CLI looks for a live thread of this name at exit: a hung model call must not keep the
 # interpreter waiting for it.
@@ -42,7 +43,7 @@ THREAD_NAME_PREFIX = "inboxd-model"
 
 
 class LocalEngine:
-    def __init__(self, model: Model, overlap: bool | None = None,
+    def __init__(self, model: ServingModel, overlap: bool | None = None,
                  fast: FastPath | None = None) -> None:
         """``overlap``: launch/collect split (default: on CUDA only; a test forces it).
         ``fast``: a faster runner to bring in (``models/fast_path.py``), swapped in on the
@@ -54,7 +55,14 @@ class LocalEngine:
         if fast is not None:
             fast.on_exported = self._swap_soon
         self.warmed_sizes: set[int] = set()
-        self.overlap = Overlap(model) if (model.on_gpu if overlap is None else overlap) else None
+        self.overlap: Overlap | None = None
+        if model.on_gpu if overlap is None else overlap:
+            # Only here: torch is loaded wherever a model runs on CUDA, and nowhere else.
+            from inboxd.models.engines.cuda_overlap import Overlap
+            from inboxd.models.model import Model
+
+            assert isinstance(model, Model)
+            self.overlap = Overlap(model)
         # Results wait here, so the model thread can launch the next batch meanwhile; a model
         # stage may send a second call while one is out only when that helps (CUDA).
         self.collector = (ThreadPoolExecutor(1, thread_name_prefix=f"{THREAD_NAME_PREFIX}-results",
@@ -117,18 +125,18 @@ class LocalEngine:
             self.collector.shutdown(wait=False, cancel_futures=True)
 
 
-def infer_splitting(model: Model, items: list[WorkItem]) -> list[Outcome]:
+def infer_splitting(model: ServingModel, items: list[WorkItem]) -> list[Outcome]:
     """Run ``items`` through the model, halving the batch on failure until each input either
     has a result or an error of its own. Raises ``DeviceFault`` when the device is at fault."""
     started = time.perf_counter()
     try:
         predictions = model.predict([item.image.model_input for item in items
                                      if item.image is not None])
-    except torch.cuda.OutOfMemoryError as exc:
-        kind, why = "oom", str(exc)
-    except Exception as exc:  # sorted out below: the device's fault, or one input's
-        kind = "device" if is_device_error(exc) else "model"
-        why = f"{type(exc).__name__}: {exc}" if kind == "device" else repr(exc)
+    except Exception as exc:  # sorted out below: out of memory, the device's fault, or an input's
+        kind = ("oom" if is_out_of_memory(exc) else
+                "device" if is_device_error(exc) else "model")
+        why = repr(exc) if kind == "model" else (
+            str(exc) if kind == "oom" else f"{type(exc).__name__}: {exc}")
     else:
         elapsed_ms = (time.perf_counter() - started) * 1000
         for item in items:
@@ -152,7 +160,7 @@ def infer_splitting(model: Model, items: list[WorkItem]) -> list[Outcome]:
     return [(items[0], ModelError(f"the model failed on this input: {why}"))]
 
 
-def _halves(model: Model, items: list[WorkItem], why: str) -> list[Outcome]:
+def _halves(model: ServingModel, items: list[WorkItem], why: str) -> list[Outcome]:
     middle = len(items) // 2
     logs.emit(logging.WARNING, "batch_split", f"{why} at batch size {len(items)}: retrying as "
               f"{middle} + {len(items) - middle}", batch_size=len(items), reason=why)

@@ -42,6 +42,16 @@ def cpu_flags(root: Path = Path("/")) -> frozenset[str]:
     return frozenset()
 
 
+def cpu_capability(flags: frozenset[str]) -> str:
+    """torch's name for the widest vector ISA its CPU kernels use here
+    (``torch.backends.cpu.get_cpu_capability()``), read from the flags, without torch."""
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        return "AVX512"
+    if {"avx2", "fma"} <= flags:
+        return "AVX2"
+    return "DEFAULT"
+
+
 def native_bf16(flags: frozenset[str]) -> list[str]:
     """The flags that show bf16 runs natively, [] when it would be emulated."""
     return [flag for flag in NATIVE_BF16_FLAGS if flag in flags]

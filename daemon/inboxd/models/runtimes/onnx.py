@@ -15,12 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import json
-import os
-import re
-import stat
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,16 +25,32 @@ from torch import nn
 from inboxd.config import ModelConfig
 from inboxd.models.preflight import problem
 from inboxd.models.runtimes.choice import cpu_flags
+from inboxd.models.runtimes.onnx_artifact import (
+    ARTIFACT_FORMAT,
+    INPUT_NAME,
+    KEY_METADATA,
+    MAX_ARTIFACT_BYTES,
+    OUTPUT_NAME,
+    STALE_TEMP_S,
+    ArtifactRefused,
+    artifact_path,
+    check_self_contained,
+    key_of,
+    read_artifact,
+    session,
+    session_options,
+    write_atomically,
+)
 from inboxd.models.runtimes.runner import Runner
 from inboxd.models.sources import TORCHVISION_INPUT, Source
 
-ARTIFACT_FORMAT = 1  # bump when what is exported changes for the same inputs
-KEY_METADATA = "inboxd.cache_key"
-INPUT_NAME, OUTPUT_NAME = "input", "output"
-MAX_ARTIFACT_BYTES = 2 << 30  # protobuf's own limit: an export never writes more
-# A temp file of an export that was killed is removed by a later build once this old (another
-# instance sharing the cache may be writing a young one right now).
-STALE_TEMP_S = 3600
+# The artifact's torch-free half lives in onnx_artifact; its names are this module's too.
+__all__ = ["ARTIFACT_FORMAT", "INPUT_NAME", "KEY_METADATA", "MAX_ARTIFACT_BYTES", "OUTPUT_NAME",
+           "STALE_TEMP_S", "ArtifactRefused", "OnnxNetwork", "artifact_path", "cache_key",
+           "check_self_contained", "cpu_identity", "expected_key", "export_bytes", "from_bytes",
+           "key_of", "onnx_program", "read_artifact", "runner", "session", "session_options",
+           "verified", "versions", "weights_digest", "with_metadata", "write_atomically"]
+
 
 
 def versions() -> dict[str, str]:
@@ -80,18 +90,6 @@ def cache_key(network: nn.Module, crop: int, max_batch: int | None, *,
             **(cpu if cpu is not None else cpu_identity())}
 
 
-def key_of(fields: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
-
-
-def artifact_path(cache_dir: Path, model_name: str, source: str) -> Path:
-    """One file per configured model (name and where it came from), so an upgrade replaces
-    the artifact instead of adding one next to it."""
-    slug = re.sub(r"[^A-Za-z0-9_.-]", "_", model_name)[:64]
-    where = hashlib.sha256(source.encode()).hexdigest()[:12]
-    return cache_dir / "onnx" / f"{slug}-{where}.onnx"
-
-
 def export_bytes(network: nn.Module, crop: int, max_batch: int | None, key: str) -> bytes:
     """The network as a serialised ONNX model with a dynamic batch axis and ``key`` inside."""
     example = torch.zeros(2, 3, crop, crop)
@@ -108,88 +106,16 @@ def export_bytes(network: nn.Module, crop: int, max_batch: int | None, key: str)
     return data
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    """Temp file, fsync, rename, fsync the folder: a reader sees the old file or all of the new
-    one, whatever instant the process is killed at."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    _remove_stale_temps(path.parent)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(folder)
-    finally:
-        os.close(folder)
-
-
-def _remove_stale_temps(folder: Path) -> None:
-    now = time.time()
-    for entry in folder.glob(".*.tmp"):
-        try:
-            if now - entry.lstat().st_mtime > STALE_TEMP_S:
-                entry.unlink()
-        except OSError:
-            continue
-
-
-class ArtifactRefused(Exception):
-    """The cached file cannot be used (missing, corrupt, another key): build it again."""
-
-
-def read_artifact(path: Path) -> bytes:
-    """The file's bytes, refusing a link, a non-regular file or an impossible size."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError as exc:
-        raise ArtifactRefused("not built yet") from exc
-    except OSError as exc:
-        raise ArtifactRefused(f"cannot open it: {exc.strerror or exc}") from exc
-    with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode) or not 0 < info.st_size <= MAX_ARTIFACT_BYTES:
-            raise ArtifactRefused("not a regular file of a plausible size")
-        return handle.read(MAX_ARTIFACT_BYTES + 1)
-
-
-def check_self_contained(data: bytes, key: str) -> None:
-    """``data`` parses as ONNX, carries ``key`` and keeps every tensor inside the file (external
-    data would make ONNX Runtime open another path)."""
+def with_metadata(data: bytes, metadata: dict[str, str]) -> bytes:
+    """``data`` (a serialised ONNX model) with ``metadata`` added."""
     import onnx
 
-    try:
-        proto = onnx.load_from_string(data)
-    except Exception as exc:  # any parse failure: a corrupt or foreign file
-        raise ArtifactRefused(f"not a readable ONNX model ({type(exc).__name__})") from exc
-    found = {entry.key: entry.value for entry in proto.metadata_props}.get(KEY_METADATA)
-    if found != key:
-        raise ArtifactRefused("built for other weights, versions, input size or CPU"
-                              if found else "it carries no inboxd cache key")
-    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer):
-        raise ArtifactRefused("it refers to external data files")
-
-
-def session_options(threads: int) -> Any:
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    # Idle pool threads sleep instead of spinning: the decode workers share these cores, and
-    # a spinning pool takes their time between batches.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    options.log_severity_level = 3  # errors only: its warnings are about graph rewrites
-    return options
+    proto = onnx.load_from_string(data)
+    for name, value in metadata.items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = name, value
+    out: bytes = proto.SerializeToString()
+    return out
 
 
 class OnnxNetwork(nn.Module):
@@ -206,13 +132,6 @@ class OnnxNetwork(nn.Module):
         array = np.ascontiguousarray(batch.detach().cpu().numpy(), dtype=np.float32)
         out = self.session.run([self.output_name], {self.input_name: array})[0]
         return torch.from_numpy(np.asarray(out))
-
-
-def session(data: bytes | str, threads: int) -> Any:
-    import onnxruntime as ort
-
-    return ort.InferenceSession(data, session_options(threads),
-                                providers=["CPUExecutionProvider"])
 
 
 def runner(network: OnnxNetwork) -> Runner:

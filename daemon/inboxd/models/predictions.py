@@ -1,0 +1,128 @@
+"""What a model gives back, and the face every served model shows the pipeline, without torch.
+
+The pipeline (model stage, result writer, wiring, the service) talks to a ``ServingModel``: the
+torch ``Model`` (``models/model.py``) or the ONNX Runtime model loaded from a cached artifact
+(``models/onnx_model.py``). Keeping this module free of torch is what lets a daemon that serves
+ONNX Runtime start, and run, without loading torch at all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from inboxd.decode.spec import PreprocessSpec
+
+# Pillow's convert("L") in fixed point (ITU-R 601-2 luma: 0.299 R + 0.587 G + 0.114 B, scaled
+# by 2**16 and rounded), so a ``color: gray`` model sees exactly the pixels Pillow would give.
+LUMA_WEIGHTS = (19595, 38470, 7471)
+
+Output = Literal["classify", "embed"]
+Color = Literal["rgb", "bgr", "gray"]
+
+
+@dataclass
+class Classification:
+    top_k: list[dict[str, Any]]
+
+
+@dataclass
+class Embedding:
+    vector: npt.NDArray[np.float32]  # 1-D, as the network produced it (not normalised)
+
+    @property
+    def dim(self) -> int:
+        return int(self.vector.shape[0])
+
+    @property
+    def norm(self) -> float:
+        return float(np.linalg.norm(self.vector.astype(np.float64)))
+
+
+Prediction = Classification | Embedding
+
+
+def not_finite(prediction: Prediction) -> str | None:
+    """What in ``prediction`` is NaN or infinite (fp16 overflow, a network that diverges on one
+    input), or None. JSON has no such numbers: ``json.dumps`` would write a ``NaN`` that strict
+    readers reject, in a result that claims to be a classification."""
+    if isinstance(prediction, Embedding):
+        bad = int(np.count_nonzero(~np.isfinite(prediction.vector)))
+        return f"{bad} of the {prediction.dim} embedding values" if bad else None
+    bad = sum(not math.isfinite(float(entry.get("score", 0.0))) for entry in prediction.top_k)
+    return f"{bad} of the top-{len(prediction.top_k)} scores" if bad else None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What was loaded, for ``inboxd models`` and the start-up log."""
+
+    kind: str  # builtin | torchvision | export
+    source: str  # where the network and its weights came from, in words
+    parameters: int
+    outputs: int  # classes (classify) or the embedding dimension (embed)
+    max_batch: int | None = None  # a .pt2 program's bound on its dynamic batch dimension
+
+
+class Device(Protocol):
+    """Where a model runs: a ``torch.device``, or ``HOST_CPU`` where torch is not loaded."""
+
+    @property
+    def type(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class HostCpu:
+    """The CPU, said without torch (a ``torch.device("cpu")`` would need it imported)."""
+
+    type: str = "cpu"
+
+    def __str__(self) -> str:
+        return "cpu"
+
+
+HOST_CPU = HostCpu()
+
+
+class ServingModel(Protocol):
+    """What the pipeline and the service use of a loaded model, whatever runs it."""
+
+    name: str
+    spec: PreprocessSpec
+    labels: list[str] | None
+    output: Output
+    color: Color
+    top_k: int
+    info: ModelInfo | None
+    max_batch: int | None
+    choice: Any  # runtimes.choice.Choice, or None for a model built by hand
+    before_forward: Callable[[int], None] | None
+
+    @property
+    def device(self) -> Device: ...
+
+    @property
+    def on_gpu(self) -> bool: ...
+
+    @property
+    def runtime(self) -> str: ...
+
+    @property
+    def precision(self) -> str: ...
+
+    def predict(self, images: Sequence[Any]) -> Sequence[Prediction]: ...
+
+    def check_batch_size(self, max_size: int) -> None: ...
+
+    def warm_up_sizes(self, max_size: int) -> list[int]: ...
+
+    def warm_up(self, sizes: Sequence[int]) -> float: ...
+
+    def health_problem(self) -> str | None: ...
+
+    def memory_fields(self) -> dict[str, int]: ...
