@@ -1,0 +1,101 @@
+"""A daemon that serves ONNX Runtime from a valid cached artifact never loads torch.
+
+torch is several hundred MB of resident libraries; a daemon that does not run it must not carry
+it. The guarantee is checked where it can break: the import graph of the serving path (a module
+that imports torch at its top, added by any change, fails the first test) and the real daemon
+process after it served a photo (its modules and its mapped libraries).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from inboxd.config import ModelConfig
+from inboxd.models.onnx_model import OnnxModel, load_cached
+
+from tests.conftest import REPO, drop, line_fields, read_json, wait_until, write_config
+
+# Every module a daemon serving the built-in model on the CPU imports at start-up.
+SERVING_PATH = ("inboxd.cli", "inboxd.service.runner", "inboxd.service.once",
+                "inboxd.pipeline.wiring", "inboxd.models.engines.choice",
+                "inboxd.models.onnx_model", "inboxd.models.runtime_record",
+                "inboxd.decode.worker_child")
+
+
+def test_the_serving_path_imports_no_torch() -> None:
+    """A module-level ``import torch`` anywhere on the way (a new model kind, a type hint)
+    would load it into every daemon: torch must be imported only where it runs."""
+    check = (f"import sys\nimport {', '.join(SERVING_PATH)}\n"
+             "loaded = sorted(m for m in sys.modules if m.split('.')[0] in "
+             "('torch', 'torchvision'))\nprint(loaded[:5])\nsys.exit(1 if loaded else 0)\n")
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                          cwd=REPO, timeout=120, check=False)
+    assert done.returncode == 0, f"torch imported by the serving path: {done.stdout}{done.stderr}"
+
+
+def test_without_an_artifact_torch_serves_and_says_why(tmp_path: Path) -> None:
+    model, why = load_cached(ModelConfig(device="cpu", cache_dir=tmp_path))
+    assert model is None and "not built yet" in why
+    model, why = load_cached(ModelConfig(device="cpu", runtime="torch", cache_dir=tmp_path))
+    assert model is None and "torch" in why
+
+
+@pytest.mark.daemon
+def test_a_daemon_serving_a_cached_artifact_has_no_torch(tmp_path: Path, daemon_factory) -> None:
+    cache = tmp_path / "cache"
+    config = write_config(tmp_path, model={"cache_dir": str(cache), "device": "cpu"})
+    first = daemon_factory(config)
+    started = line_fields(first.wait_for("started", 180)[0])
+    assert started["RUNTIME_STATE"] == "building", started  # no artifact yet: torch serves
+    first.wait_for("runtime", 600)  # exported, checked, swapped in
+    assert first.stop() == 0
+
+    daemon = daemon_factory(config)
+    started = line_fields(daemon.wait_for("started", 180)[0])
+    assert started["RUNTIME"] == "onnxruntime", started
+    assert started["RUNTIME_ARTIFACT"] == "cached, served without torch", started
+    assert started["TORCH_VERSION"] == "not loaded", started
+    daemon.wait_for("ready")
+    from tests.photos import photo_paths
+
+    drop(photo_paths()["chelsea"], tmp_path / "inbox", "cat.png")
+    result_path = tmp_path / "results" / "cat.png.json"
+    wait_until(result_path.exists, 60, "the result JSON")
+    result = read_json(result_path)
+    assert result["runtime"] == "onnxruntime"
+    assert 281 <= result["top_k"][0]["index"] <= 285, result["top_k"][0]
+    maps = Path(f"/proc/{daemon.proc.pid}/maps").read_text()
+    assert "libtorch" not in maps, [line for line in maps.splitlines() if "torch" in line][:3]
+    assert daemon.stop() == 0
+
+
+def test_the_cached_model_gives_the_torch_model_s_answers(tmp_path: Path) -> None:
+    """The numpy batch path (normalise, softmax, top-k) against the torch model on one
+    artifact: same labels in the same order, scores within float rounding."""
+    from inboxd.models.fast_path import FastPath
+    from inboxd.models.loading import load_model
+
+    from tests.photos import photo_paths
+
+    config = ModelConfig(device="cpu", cache_dir=tmp_path)
+    reference = load_model(config.model_copy(update={"runtime": "torch"}))
+    fast = FastPath(load_model(config), config)
+    fast.start()
+    fast.join(900)
+    cached, why = load_cached(config)
+    assert isinstance(cached, OnnxModel), why
+    from PIL import Image
+
+    crops = [np.asarray(Image.open(path).convert("RGB").resize((224, 224)))
+             for path in list(photo_paths().values())[:4]]
+    for color in ("rgb", "bgr", "gray"):
+        cached.color = color  # type: ignore[assignment]
+        reference.color = color  # type: ignore[assignment]
+        for mine, theirs in zip(cached.predict(crops), reference.predict(crops), strict=True):
+            assert [e["index"] for e in mine.top_k] == [e["index"] for e in theirs.top_k]
+            for a, b in zip(mine.top_k, theirs.top_k, strict=True):
+                assert abs(a["score"] - b["score"]) <= 1e-4
