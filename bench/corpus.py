@@ -65,6 +65,9 @@ class Variant:
     width: int  # the stored pixels (before EXIF orientation)
     height: int
     nbytes: int
+    # upscaled: a wheel photo under 1 MP scaled up (no detail above the source's resolution);
+    # real: a camera photo at its native pixels (bench/real_photos.py).
+    origin: str = "upscaled"
 
     @property
     def megapixels(self) -> float:

@@ -55,25 +55,36 @@ class FidelityPath:
 class Agreement:
     name: str
     n: int
-    top1_agreement: float  # 0..1
+    top1_agreement: float  # 0..1, over every variant (raw)
+    decisive: int  # variants whose reference top-1 leads its runner-up by DECISIVE_MARGIN
+    decisive_agreement: float  # 0..1, over those: what the contract counts
     median_delta: float
     p95_delta: float
     max_delta: float
     changed: int  # variants whose scores moved at all (the rest got the reference's pixels)
+    flips: tuple[str, ...] = ()  # "file: reference top-1 → this path's (margin)"
 
     def holds(self) -> bool:
-        return (self.top1_agreement >= MIN_TOP1_AGREEMENT
+        return (self.decisive_agreement >= MIN_TOP1_AGREEMENT
                 and self.median_delta <= MAX_MEDIAN_TOP1_DELTA)
 
-    def row(self) -> str:
+    def row(self, source: str = "") -> str:
         verdict = "holds" if self.holds() else "MISSES"
-        return (f"| {self.name} | {self.n} | {self.changed} | {100 * self.top1_agreement:.1f} | "
+        where = f"{source} | " if source else ""
+        return (f"| {where}{self.name} | {self.n} | {self.changed} | "
+                f"{100 * self.decisive_agreement:.1f} of {self.decisive} | "
+                f"{100 * self.top1_agreement:.1f} | {len(self.flips)} | "
                 f"{self.median_delta:.4f} | {self.p95_delta:.4f} | {self.max_delta:.4f} | "
                 f"{verdict} |")
 
 
-HEADER = ("| path | n | changed | top-1 agreement % | median abs(Δ top-1) | p95 | max | "
-          "contract |\n|---|---|---|---|---|---|---|---|")
+HEADER = ("| source | path | n | changed | decisive top-1 agreement % | raw top-1 agreement % | "
+          "flips | median abs(Δ top-1) | p95 | max | contract |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
+# A reference top-1 that leads its runner-up by less than this is a near-tie, not a decision:
+# a flip between two classes the exact path itself cannot tell apart is no change of answer.
+DECISIVE_MARGIN = 0.02
+ORIGINS = ("upscaled", "real")
 
 
 def eager_fp32_predict() -> Predict:
@@ -147,30 +158,74 @@ def sweep_paths(spec: PreprocessSpec, predict: Predict) -> list[FidelityPath]:
             for margin in (1, 2, 4) for gap in (None, 2.0, 3.0)]
 
 
-def compare(name: str, reference: torch.Tensor, scores: torch.Tensor) -> Agreement:
-    ref_top1 = reference.argmax(dim=1)
-    agree = float((scores.argmax(dim=1) == ref_top1).float().mean())
+def compare(name: str, reference: torch.Tensor, scores: torch.Tensor,
+            files: Sequence[str] = ()) -> Agreement:
+    ref_top2 = reference.topk(2, dim=1)
+    ref_top1 = ref_top2.indices[:, 0]
+    margin = ref_top2.values[:, 0] - ref_top2.values[:, 1]
+    top1 = scores.argmax(dim=1)
+    same = top1 == ref_top1
+    decisive = margin >= DECISIVE_MARGIN
     rows = torch.arange(len(ref_top1))
     delta = (scores[rows, ref_top1] - reference[rows, ref_top1]).abs().numpy()
     changed = int((scores != reference).any(dim=1).sum())
-    return Agreement(name, len(delta), agree, float(np.median(delta)),
-                     float(np.percentile(delta, 95)), float(delta.max()), changed)
+    names = list(files) or [str(i) for i in range(len(ref_top1))]
+    flips = tuple(f"{names[i]}: {int(ref_top1[i])} → {int(top1[i])} (lead "
+                  f"{float(margin[i]):.3f})" for i in range(len(ref_top1)) if not same[i])
+    decisive_n = int(decisive.sum())
+    decisive_agree = float(same[decisive].float().mean()) if decisive_n else 1.0
+    return Agreement(name, len(delta), float(same.float().mean()), decisive_n, decisive_agree,
+                     float(np.median(delta)), float(np.percentile(delta, 95)),
+                     float(delta.max()), changed, flips)
 
 
 class Corpus:
-    """The corpus's bytes and the reference scores, computed once for every row."""
+    """The corpora's bytes and the reference scores, computed once for every row."""
 
-    def __init__(self, folder: Path, variants: Sequence[Variant], spec: PreprocessSpec,
+    def __init__(self, parts: Sequence[tuple[Path, Sequence[Variant]]], spec: PreprocessSpec,
                  predict: Predict) -> None:
-        self.variants = list(variants)
-        self.datas = [(folder / v.file).read_bytes() for v in self.variants]
+        self.variants = [v for _, variants in parts for v in variants]
+        self.datas = [(folder / v.file).read_bytes() for folder, variants in parts
+                      for v in variants]
         reference = mode_decode(spec, "exact")
         self.reference = predict([reference(d) for d in self.datas])
 
-    def measure(self, path: FidelityPath) -> Agreement:
-        chosen = [i for i, v in enumerate(self.variants) if path.applies(v)]
+    def measure(self, path: FidelityPath, origin: str | None = None) -> Agreement:
+        """``path`` on the variants it applies to, of one ``origin`` (or every one)."""
+        chosen = [i for i, v in enumerate(self.variants)
+                  if path.applies(v) and origin in (None, v.origin)]
         scores = path.predict([path.decode(self.datas[i]) for i in chosen])
-        return compare(path.name, self.reference[chosen], scores)
+        return compare(path.name, self.reference[chosen], scores,
+                       [self.variants[i].file for i in chosen])
+
+    def origins(self) -> list[str]:
+        return [o for o in ORIGINS if any(v.origin == o for v in self.variants)]
+
+
+def all_parts(real_limit: int | None = None) -> list[tuple[Path, Sequence[Variant]]]:
+    """The upscaled corpus and, where apt can fetch them, the real photos (``real_limit``:
+    the first variants per photo only, for a quicker run)."""
+    from bench import real_photos
+
+    parts: list[tuple[Path, Sequence[Variant]]] = [corpus.build()]
+    why = real_photos.unavailable()
+    if why is not None:
+        print(f"(no real photos: {why})")
+        return parts
+    folder, variants = real_photos.build()
+    if real_limit is not None:
+        variants = [v for v in variants if int(v.file.rsplit("-", 1)[1][:2]) < real_limit]
+    return [*parts, (folder, variants)]
+
+
+def table(data: Corpus, paths: Sequence[FidelityPath]) -> list[tuple[str, Agreement]]:
+    """Each path on each source, then on the whole corpus."""
+    out: list[tuple[str, Agreement]] = []
+    for path in paths:
+        for origin in data.origins():
+            out.append((origin, data.measure(path, origin)))
+        out.append(("all", data.measure(path)))
+    return out
 
 
 def ms_per_photo(decodes: dict[str, Decode], datas: Sequence[bytes],
@@ -204,23 +259,29 @@ def main() -> None:
     torch.set_num_threads(2)
     spec = model_spec()
     predict = eager_fp32_predict()
-    folder, variants = corpus.build()
-    data = Corpus(folder, variants, spec, predict)
+    data = Corpus(all_parts(), spec, predict)
+    variants = data.variants
     jpegs = sum(1 for v in variants if is_jpeg(v))
-    print(f"corpus: {len(variants)} variants ({jpegs} JPEG) in {folder}; reference: "
-          "resize exact + eager fp32")
+    print(f"corpus: {len(variants)} variants ({jpegs} JPEG; "
+          + ", ".join(f"{o} {sum(v.origin == o for v in variants)}" for o in data.origins())
+          + "); reference: resize exact + eager fp32")
     fast_runtime = onnxruntime_predict()
     defaults = [*default_decode_paths(spec, predict),
                 FidelityPath("runtime onnxruntime fp32 (decode exact)", mode_decode(spec, "exact"),
                              fast_runtime),
                 FidelityPath("every default at once: decode fast + onnxruntime fp32",
                              mode_decode(spec, "fast"), fast_runtime)]
-    rows = [data.measure(path).row() for path in defaults]
+    measured = table(data, defaults)
+    rows = [agreement.row(origin) for origin, agreement in measured]
     print(HEADER)
     print("\n".join(rows))
+    flips = sorted({flip for origin, agreement in measured
+                    if origin != "all" for flip in agreement.flips})
+    print("\nflips (reference top-1 → the path's, and the reference's lead over its runner-up):")
+    print("\n".join(f"- {flip}" for flip in flips) or "- none")
     if args.emit:
         print(json.dumps({"variants": len(variants), "jpegs": jpegs, "header": HEADER,
-                          "rows": rows}))
+                          "rows": rows, "flips": flips}))
     if not args.sweep:
         return
     candidates = sweep_paths(spec, predict)
@@ -238,8 +299,8 @@ def main() -> None:
             FidelityPath("libvips shrink-on-load to ≥4× + resize (cubic), JPEG",
                          lambda data: vips_margin_crop(data, spec.resize, spec.crop), predict,
                          is_jpeg)]
-    for path in candidates:
-        print(data.measure(path).row())
+    for origin, agreement in table(data, candidates):
+        print(agreement.row(origin))
     torch.set_num_threads(1)
     decodes = {"exact": mode_decode(spec, "exact"), "fast (default)": mode_decode(spec, "fast"),
                **{p.name: p.decode for p in candidates}}

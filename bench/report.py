@@ -205,9 +205,11 @@ def table(r: dict[str, Any]) -> str:
         lines.extend(overhead_lines(r["overhead"]))
     if "fidelity" in r:
         f = r["fidelity"]
-        lines += ["", f"fidelity contract ({f['variants']} real-photo variants, {f['jpegs']} JPEG; "
-                  "reference: resize exact + eager fp32; top-1 >= 99% and median <= 0.01):",
-                  f["header"], *f["rows"]]
+        lines += ["", f"fidelity contract ({f['variants']} variants, {f['jpegs']} JPEG, by source: "
+                  "upscaled wheel photos, real camera photos at native resolution; reference: "
+                  "resize exact + eager fp32; decisive top-1 >= 99% and median <= 0.01):",
+                  f["header"], *f["rows"], "flips:",
+                  *([f"- {flip}" for flip in f.get("flips", [])] or ["- none"])]
     if "peer" in r:
         from bench import peer_vs_inboxd
 

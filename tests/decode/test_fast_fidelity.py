@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 from inboxd.decode.pillow import RESIZINGS
 
-from bench import corpus, fidelity
+from bench import corpus, fidelity, real_photos
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test`, not `make test-fast`
 
@@ -25,7 +25,7 @@ def test_every_default_decode_path_keeps_the_contract() -> None:
     folder, variants = corpus.build()
     assert len(variants) >= 300
     spec, predict = fidelity.model_spec(), fidelity.eager_fp32_predict()
-    measured = fidelity.Corpus(folder, variants, spec, predict)
+    measured = fidelity.Corpus([(folder, variants)], spec, predict)
     results = [measured.measure(path) for path in fidelity.default_decode_paths(spec, predict)]
     assert all(r.n > 0 for r in results)
     assert sum(r.n for r in results[:-1]) == len(measured.variants)  # every format has a path
@@ -33,6 +33,32 @@ def test_every_default_decode_path_keeps_the_contract() -> None:
         assert result.holds(), result.row()
     # Not trivially: the fast path gives other pixels than the exact one for a good share.
     assert results[-1].changed >= len(measured.variants) // 4, results[-1].row()
+
+
+# Variants per real photo in the test: a subset keeps its time modest (bench.fidelity runs all).
+REAL_VARIANTS_PER_PHOTO = 3
+
+
+@pytest.mark.timeout(1800)
+def test_every_default_decode_path_keeps_the_contract_on_real_photos() -> None:
+    """Camera photos at native resolution keep the detail an upscaled one lacks, and with it
+    what a reduced-scale decode loses: the contract counted on them (decisive top-1 agreement:
+    a near-tie of the reference is no decision to keep)."""
+    why = real_photos.unavailable()
+    if why is not None:
+        pytest.skip(why)
+    folder, variants = real_photos.build()
+    chosen = [v for v in variants
+              if int(v.file.rsplit("-", 1)[1][:2]) < REAL_VARIANTS_PER_PHOTO]
+    assert len(chosen) == REAL_VARIANTS_PER_PHOTO * len(real_photos.PHOTOS)
+    assert all(v.origin == "real" for v in chosen)
+    spec, predict = fidelity.model_spec(), fidelity.eager_fp32_predict()
+    measured = fidelity.Corpus([(folder, chosen)], spec, predict)
+    for path in fidelity.default_decode_paths(spec, predict)[:1]:  # every real photo is a JPEG
+        result = measured.measure(path, "real")
+        assert result.n == len(chosen)
+        assert result.decisive >= len(chosen) // 2, result.row()
+        assert result.holds(), f"{result.row()} flips: {result.flips}"
 
 
 def test_the_fast_decode_is_not_the_exact_one() -> None:
