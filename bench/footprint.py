@@ -89,7 +89,7 @@ def one_turn(tree: Path, cache: Path, photo: Path, root: Path) -> dict[str, Any]
         main = rss_mb(proc.pid)
         total = main + sum(rss_mb(child) for child in children(proc.pid))
         log_text = (root / "daemon.log").read_text()
-        torch_loaded = "TORCH_VERSION=not" not in log_text
+        torch_loaded = "TORCH_VERSION='not loaded'" not in log_text
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)

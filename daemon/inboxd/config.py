@@ -114,7 +114,10 @@ class PreprocessConfig(Section):
     # model's resize target, then a two-step resize; within the fidelity contract of
     # bench/fidelity.py (top-1 agreement >= 99%, median score change <= 0.01) and several
     # times faster on large photos. exact: torchvision's Resize + CenterCrop pixels.
-    resize: Literal["fast", "exact"] = "fast"
+    # fastest: JPEGs decoded by libjpeg right down to the resize target (shrink-on-load, what
+    # libvips thumbnail does): outside the contract, the top-1 class changes on a few percent
+    # of real photos (README, Performance).
+    resize: Literal["fast", "exact", "fastest"] = "fast"
 
 
 Interpolation = Literal["bilinear", "bicubic", "nearest", "lanczos"]

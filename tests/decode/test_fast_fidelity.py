@@ -66,3 +66,26 @@ def test_the_fast_decode_is_not_the_exact_one() -> None:
     fast, exact = RESIZINGS["fast"], RESIZINGS["exact"]
     assert fast.draft_margin < exact.draft_margin
     assert fast.reducing_gap is not None
+
+
+def test_fastest_is_opt_in_and_drafts_right_down_to_the_target() -> None:
+    """``preprocess.resize: fastest`` (outside the contract) is never the default, and it is
+    what it says: libjpeg's DCT scaling to the target, other pixels than ``fast``."""
+    import io
+    from dataclasses import replace
+
+    import numpy as np
+    from inboxd.config import PreprocessConfig
+    from inboxd.decode.pillow import decode_image
+    from PIL import Image
+
+    assert PreprocessConfig().resize == "fast"
+    assert RESIZINGS["fastest"].draft_margin < RESIZINGS["fast"].draft_margin
+    pixels = np.random.default_rng(5).integers(0, 256, (1536, 2048, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "JPEG", quality=90)
+    spec = fidelity.model_spec()
+    crops = {mode: decode_image(out.getvalue(), replace(spec, resize_mode=mode),
+                                89_478_485).pixels for mode in ("fast", "fastest")}
+    assert crops["fast"].shape == crops["fastest"].shape == (spec.crop, spec.crop, 3)
+    assert not np.array_equal(crops["fast"], crops["fastest"])

@@ -6,17 +6,19 @@ from dataclasses import dataclass
 from typing import Literal
 
 # fast: JPEGs decoded by libjpeg at a reduced scale (DCT scaling) and resized through Pillow's
-# reducing_gap, within the fidelity contract (bench/fidelity.py); exact: torchvision's pixels.
-ResizeMode = Literal["fast", "exact"]
+# reducing_gap, within the fidelity contract (bench/fidelity.py); exact: torchvision's pixels;
+# fastest (opt-in, outside the contract): DCT scaling right down to the target, as libvips'
+# shrink-on-load does.
+ResizeMode = Literal["fast", "exact", "fastest"]
+RESIZE_MODES: tuple[ResizeMode, ...] = ("fast", "exact", "fastest")
 
 
 def resize_mode(value: object) -> ResizeMode:
     """``value`` as a ResizeMode (a worker reads it from the daemon's request pipe)."""
-    if value == "fast":
-        return "fast"
-    if value == "exact":
-        return "exact"
-    raise ValueError(f"resize mode {value!r} is neither 'fast' nor 'exact'")
+    for mode in RESIZE_MODES:
+        if value == mode:
+            return mode
+    raise ValueError(f"resize mode {value!r} is none of {', '.join(RESIZE_MODES)}")
 
 
 @dataclass(frozen=True, slots=True)
