@@ -73,9 +73,15 @@ def fetch() -> Path:
         return unpacked
     debs = ROOT / "debs"
     debs.mkdir(parents=True, exist_ok=True)
-    if not list(debs.glob("*.deb")) or len(list(debs.glob("*.deb"))) < len(PACKAGES):
-        subprocess.run(["apt-get", "download", *PACKAGES], cwd=debs, check=True,
-                       capture_output=True)
+    if len(list(debs.glob("*.deb"))) < len(PACKAGES):
+        download = ["apt-get", "download", *PACKAGES]
+        if subprocess.run(download, cwd=debs, capture_output=True, check=False).returncode:
+            # A fresh container has no package lists yet: root can fetch them.
+            if os.geteuid() != 0:
+                raise RuntimeError(f"`{' '.join(download)}` failed: run `sudo apt-get update` "
+                                   "and try again")
+            subprocess.run(["apt-get", "update", "-qq"], check=True, capture_output=True)
+            subprocess.run(download, cwd=debs, check=True, capture_output=True)
     partial = ROOT / f"x.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     for deb in sorted(debs.glob("*.deb")):
