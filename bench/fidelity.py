@@ -192,11 +192,26 @@ class Corpus:
 
     def measure(self, path: FidelityPath, origin: str | None = None) -> Agreement:
         """``path`` on the variants it applies to, of one ``origin`` (or every one)."""
+        return dict(self.by_origin(path, [origin]))[origin]
+
+    def by_origin(self, path: FidelityPath, origins: Sequence[str | None]
+                  ) -> list[tuple[str | None, Agreement]]:
+        """``path`` decoded and run once, compared per origin (None: all of them); an origin
+        the path applies to none of is left out."""
         chosen = [i for i, v in enumerate(self.variants)
-                  if path.applies(v) and origin in (None, v.origin)]
+                  if path.applies(v) and any(o in (None, v.origin) for o in origins)]
+        if not chosen:
+            return []
         scores = path.predict([path.decode(self.datas[i]) for i in chosen])
-        return compare(path.name, self.reference[chosen], scores,
-                       [self.variants[i].file for i in chosen])
+        out = []
+        for origin in origins:
+            rows = [n for n, i in enumerate(chosen) if origin in (None, self.variants[i].origin)]
+            if not rows:
+                continue
+            picked = [chosen[n] for n in rows]
+            out.append((origin, compare(path.name, self.reference[picked], scores[rows],
+                                        [self.variants[i].file for i in picked])))
+        return out
 
     def origins(self) -> list[str]:
         return [o for o in ORIGINS if any(v.origin == o for v in self.variants)]
@@ -220,12 +235,9 @@ def all_parts(real_limit: int | None = None) -> list[tuple[Path, Sequence[Varian
 
 def table(data: Corpus, paths: Sequence[FidelityPath]) -> list[tuple[str, Agreement]]:
     """Each path on each source, then on the whole corpus."""
-    out: list[tuple[str, Agreement]] = []
-    for path in paths:
-        for origin in data.origins():
-            out.append((origin, data.measure(path, origin)))
-        out.append(("all", data.measure(path)))
-    return out
+    origins: list[str | None] = [*data.origins(), None]
+    return [(origin or "all", agreement) for path in paths
+            for origin, agreement in data.by_origin(path, origins)]
 
 
 def ms_per_photo(decodes: dict[str, Decode], datas: Sequence[bytes],
