@@ -157,7 +157,7 @@ class RayEngine:
         if bridge is not self.bridge:
             return
         self.bridge = None
-        code = bridge.process.poll()
+        code = bridge.process.exit_code()
         status = "" if code is None else f", exit status {code}"
         self.unavailable_why = (f"the connection to the Ray cluster at {self.ray.address} was "
                                 f"lost (the Ray bridge process closed its connection{status})")
