@@ -37,6 +37,7 @@ from inboxd.config import Config
 from inboxd.files.commit_child import MAX_HEADER_BYTES
 from inboxd.files.commits import (
     CommitEntry,
+    Commits,
     Committed,
     committed_from,
     config_json,
@@ -56,7 +57,7 @@ class CommitRaised(RuntimeError):
     """The commit of a batch raised in the commit process (the traceback is the message)."""
 
 
-class CommitProcess:
+class CommitProcess(Commits):
     def __init__(self, config: Config, lifecycle: Lifecycle) -> None:
         self.config = config
         self.lifecycle = lifecycle  # its instance locks go with the process
