@@ -20,19 +20,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from inboxd import logs
+from inboxd import logs, testing
 from inboxd.config import ModelConfig
 from inboxd.item import TransientError, WorkItem
 from inboxd.models.engines.interface import EngineUnavailable, ModelEngine, Outcome
 from inboxd.models.engines.ray_bridge import BridgeGone, BridgeProcess
-from inboxd.models.engines.ray_replica import DELAY_ENV, BadReply, decode_reply, model_files
+from inboxd.models.engines.ray_replica import BadReply, decode_reply, model_files
 from inboxd.models.model import Model
 from inboxd.stats import Window
 
@@ -67,8 +66,9 @@ class RayEngine(ModelEngine):
             "call_timeout_s": self.ray.call_timeout_s,
             "model_config": config.model_dump(mode="json"), "files": model_files(config),
             "max_batch_size": max_batch_size,
-            # The test-only slow-replica hook, sent with every call (any replica can be slowed).
-            "replica_delay_s": float(os.environ.get(DELAY_ENV, "0") or 0),
+            # The test-only slow-replica hook: seconds every batch sleeps on the replica (a slow
+            # GPU), sent with every call (any replica can be slowed).
+            "replica_delay_s": float(testing.hook(testing.RAY_REPLICA_DELAY_S) or 0),
         }
         self.bridge: BridgeProcess | None = None
         self.info: dict[str, Any] = {}
