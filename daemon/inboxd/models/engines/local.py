@@ -29,7 +29,13 @@ from typing import TYPE_CHECKING
 
 from inboxd import logs
 from inboxd.item import ModelError, TransientError, WorkItem
-from inboxd.models.engines.interface import DeviceFault, Outcome, is_device_error, is_out_of_memory
+from inboxd.models.engines.interface import (
+    DeviceFault,
+    ModelEngine,
+    Outcome,
+    is_device_error,
+    is_out_of_memory,
+)
 from inboxd.models.predictions import ServingModel
 from inboxd.os_threads import name_this_thread
 
@@ -42,7 +48,7 @@ if TYPE_CHECKING:
 THREAD_NAME_PREFIX = "inboxd-model"
 
 
-class LocalEngine:
+class LocalEngine(ModelEngine):
     def __init__(self, model: ServingModel, overlap: bool | None = None,
                  fast: FastPath | None = None) -> None:
         """``overlap``: launch/collect split (default: on CUDA only; a test forces it).
