@@ -96,10 +96,10 @@ class OnnxModel:
         elif self.color == "gray":
             luma = ((batch.astype(np.int32) * self._luma).sum(1, keepdims=True) + 0x8000) >> 16
             batch = np.broadcast_to(luma, (luma.shape[0], 3, *luma.shape[2:]))
-        out = batch.astype(np.float32)
+        out = batch.astype(np.float32, order="C")  # one copy: converted and laid out NCHW
         out -= self._mean
         out /= self._std
-        return np.ascontiguousarray(out)
+        return out
 
     def outputs(self, images: Sequence[npt.NDArray[np.uint8]]) -> npt.NDArray[np.float32]:
         if self.before_forward is not None:
