@@ -36,6 +36,7 @@ from inboxd.files.durable import (
 from inboxd.files.instances import LEDGER_SUFFIX, LOCK_WAIT_S, flock_within
 from inboxd.files.layout import PROCESSING_DIRNAME, TMP_DIRNAME, processing_dir
 from inboxd.files.names import fit_name, relative_inside
+from inboxd.files.portable_names import filing_key
 from inboxd.files.renames import (
     name_variants,
     no_free_name,
@@ -376,6 +377,9 @@ class Lifecycle:
         sha = report.get("sha256")
         token = sha_token(sha) if isinstance(sha, str) else time_token()
         mode = output_mode(None if claimed is None else self.source_mode(claimed))
+        filing = filing_key(key, self._failed_tmp.path)
+        if filing != key:  # failed/'s filesystem cannot hold the name: its portable form
+            report, key = {**report, "filed_as": filing}, filing
         tmp = write_tmp(self._failed_tmp.path, json_bytes(report), ERROR_SUFFIX, mode)
         try:
             try:

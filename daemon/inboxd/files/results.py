@@ -23,6 +23,7 @@ taken, and the result goes to the next name.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -44,6 +45,7 @@ from inboxd.files.durable import (
     write_tmps,
 )
 from inboxd.files.names import fit_name, output_path, output_str
+from inboxd.files.portable_names import filing_key
 from inboxd.files.renames import (
     MAX_NAME_VARIANTS,
     NoFreeName,
@@ -52,7 +54,12 @@ from inboxd.files.renames import (
     place,
     rename_into,
 )
-from inboxd.files.safe_paths import LinkedFolder, open_inside, split_rel
+from inboxd.files.safe_paths import (
+    NAME_ERRNOS,
+    LinkedFolder,
+    open_inside,
+    split_rel,
+)
 
 JSON_SUFFIX = ".json"
 VECTOR_SUFFIX = ".npy"
@@ -122,12 +129,18 @@ class ResultFiles:
             # result of a.jpg, for the key a.jpg.json/b.jpg): no result there, nor under any
             # variant of the name. Read as "says none", the lookup would try variants for ever.
             return None
-        except (OSError, ValueError, AttributeError):
+        except OSError as exc:
+            # A name this filesystem cannot hold (exFAT: not UTF-8): no result is filed under
+            # it, nor under any variant of it (read as "says none", find would try them all).
+            return None if exc.errno in NAME_ERRNOS else ""
+        except (ValueError, AttributeError):
             return ""
         return sha if isinstance(sha, str) else ""
 
     def find(self, key: str, sha256: str) -> str | None:
-        """The name under which these bytes' result already exists, if it does."""
+        """The name under which these bytes' result already exists, if it does (under the
+        portable form of ``key`` where this filesystem cannot hold ``key``)."""
+        key = filing_key(key, self._tmp)
         for name in key_variants(key, sha_token(sha256)):
             recorded = self.recorded_sha256(name)
             if recorded is None:
@@ -188,6 +201,9 @@ class ResultFiles:
         vector_folders: set[str] = set()
         folders: set[str] = set()  # fsynced at the end: every result returned is durable
         for index, entry in enumerate(entries):
+            filing = filing_key(entry.key, self._tmp)
+            if filing != entry.key:  # a name this filesystem cannot hold: its portable form
+                entry = dataclasses.replace(entry, key=filing)
             known = None if self.replace_kept else self.find(entry.key, entry.sha256)
             outcome.append(None if known is None else (known, True))
             if known is not None:
