@@ -193,6 +193,18 @@ class ResultFiles:
         """Durably file every entry's result. Returns, per entry, the name it is filed under
         and whether that result was already there (the same bytes, filed earlier) — or why it
         can never be filed (that file's own problem: its batch is filed all the same)."""
+        # Vectors this call placed, by name: taken back if their JSON is not placed (a full
+        # disk part-way), or the batch's retry would find the names taken and use variants.
+        ours: dict[str, str] = {}
+        try:
+            return self._file_all(entries, ours)
+        except OSError:
+            for vector in ours.values():
+                unlink_quietly(vector)
+            raise
+
+    def _file_all(self, entries: Sequence[ResultEntry],
+                  ours: dict[str, str]) -> list[tuple[str, bool] | OSError]:
         outcome: list[tuple[str, bool] | OSError | None] = []
         todo: list[tuple[int, ResultEntry, str]] = []
         # The names this call gave out: none goes to two entries, though no JSON is there yet.
@@ -221,7 +233,7 @@ class ResultFiles:
                     outcome[-1] = refused
                     continue
                 if entry.vector is not None:
-                    name = self._write_vector(entry, name, taken)
+                    name = self._write_vector(entry, name, taken, ours)
                     vector_folders.add(os.path.dirname(self.vector_file(name)))
                 given[(entry.key, entry.sha256)] = name
                 taken.add(name)
@@ -237,8 +249,9 @@ class ResultFiles:
         placed = 0
         try:
             for (index, entry, name), tmp in zip(todo, temps, strict=True):
-                filed = self._place_json(tmp, entry, name, taken)
+                filed = self._place_json(tmp, entry, name, taken, ours)
                 outcome[index] = (filed, False)
+                ours.pop(filed, None)  # its JSON names it now: no longer ours to take back
                 folders.add(self.json_folder(filed))
                 placed += 1
         except OSError:
@@ -269,7 +282,8 @@ class ResultFiles:
             if os.path.lexists(current):
                 place(current, output_str(self._results, key + "." + token, suffix), token)
 
-    def _write_vector(self, entry: ResultEntry, name: str, taken: Set[str]) -> str:
+    def _write_vector(self, entry: ResultEntry, name: str, taken: Set[str],
+                      ours: dict[str, str]) -> str:
         """Place ``entry``'s vector as ``name``'s, or — that vector already there — the next
         free name's; returns the name it got (not yet durable: its folder wants an fsync).
         Never replaces: a vector there may be another writer's, whose JSON is still to come.
@@ -285,6 +299,7 @@ class ResultFiles:
             for _ in range(MAX_NAME_VARIANTS):
                 try:
                     rename_into(tmp, self.vector_file(name))
+                    ours[name] = self.vector_file(name)
                     return name
                 except FileExistsError:
                     if self.recorded_sha256(name) == entry.sha256:
@@ -298,7 +313,8 @@ class ResultFiles:
             unlink_quietly(tmp)
             raise
 
-    def _place_json(self, tmp: str, entry: ResultEntry, name: str, taken: set[str]) -> str:
+    def _place_json(self, tmp: str, entry: ResultEntry, name: str, taken: set[str],
+                    ours: dict[str, str]) -> str:
         """Rename ``tmp`` to ``name``'s JSON; if another writer took that name meanwhile, the
         next free one (rewriting the JSON, and the vector, for it)."""
         for _ in range(MAX_NAME_VARIANTS):
@@ -313,7 +329,7 @@ class ResultFiles:
             unlink_quietly(tmp)
             name = self._next_free(entry.key, entry.sha256, taken)
             if entry.vector is not None:
-                name = self._write_vector(entry, name, taken)
+                name = self._write_vector(entry, name, taken, ours)
                 fsync_dir(os.path.dirname(self.vector_file(name)))  # durable before its JSON
             taken.add(name)
             tmp = write_tmp(self._tmp, json_bytes(entry.document(name)), JSON_SUFFIX,
