@@ -26,6 +26,7 @@ from inboxd.config import Config
 from inboxd.files.commits import CommitEntry, Commits, Committed
 from inboxd.files.durable import output_full
 from inboxd.files.lifecycle import Lifecycle
+from inboxd.files.names import relative_inside
 from inboxd.item import ModelError, PermanentError, TransientError, WorkItem
 from inboxd.models.engines.interface import Outcome
 from inboxd.models.model import Embedding, Model, Prediction, not_finite
@@ -178,7 +179,17 @@ class ResultWriter:
                 raise
             if committed.error is None or not output_full(committed.error):
                 return committed
-            await self.outcomes.outputs.hold(self.config.results_dir, committed.error)
+            await self.outcomes.outputs.hold(self._full_folder(committed.error),
+                                             committed.error)
+
+    def _full_folder(self, error: OSError) -> str:
+        """The folder a commit's full-disk error is about: results/ (its temp folder is in
+        it), or the folder of another file the commit writes (the index)."""
+        results = os.fspath(self.config.results_dir)
+        where = error.filename if isinstance(error.filename, str) else None
+        if where is None or relative_inside(where, results) is not None or where == results:
+            return results
+        return os.path.dirname(where) or results
 
     def count_abandoned(self) -> None:
         """Once the io thread and the commit process have ended: the files of batches a stop
