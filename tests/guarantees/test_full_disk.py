@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import DaemonProcess, drop, last_stats, make_image, wait_until, write_config
+from tests.service.test_runner import NotifySocket
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="loop devices and mounts need root")
 pytestmark = [pytest.mark.daemon, pytest.mark.slow, needs_root]
@@ -104,16 +105,26 @@ def assert_quiet_while_full(daemon: DaemonProcess, freed_at: int) -> None:
 
 def test_a_full_results_disk_holds_every_photo_and_resumes_by_itself(
         tmp_path: Path, daemon_factory) -> None:
+    notify = NotifySocket(str(tmp_path / "notify.sock"))
     with small_ext4(tmp_path / "results") as results:
         config = write_config(tmp_path, retry=QUICK_PROBES)
-        daemon = daemon_factory(config)
+        daemon = daemon_factory(config, env={"NOTIFY_SOCKET": notify.address,
+                                             "WATCHDOG_USEC": "4000000"})  # a ping every 2 s
         daemon.wait_for("ready")
         filler = fill(results)
         names = flood(tmp_path / "inbox", 60)
         warning = daemon.wait_for("output_full", 60)[0]
         assert str(results) in warning and "No space left on device" in warning
         assert "free space there" in warning
-        freed_at = waited_a_while(daemon)
+        notify.drain()
+        notify.messages.clear()
+        freed_at = waited_a_while(daemon, 9.0)  # past the watchdog's 4 s and a stall's showing
+        # STATUS= names the folder; the wait is no stall: the watchdog is still pinged.
+        sent = notify.drain()
+        statuses = [m for m in sent if m.startswith("STATUS=")]
+        assert statuses and all(f"{results} cannot take more" in m for m in statuses)
+        assert not any("stalled" in m for m in statuses), statuses
+        assert "WATCHDOG=1" in sent, "the watchdog stopped while the disk was full"
         assert names_in(tmp_path / "failed") == set(), "a good photo failed for a full disk"
         stats = last_stats(daemon.records("stats"))
         assert int(stats["OUTPUT_FULL_WAITS"]) == 1 and int(stats["OUTPUT_PROBES"]) >= 2
