@@ -151,18 +151,23 @@ def test_the_shipped_one_filesystem_layout_full_for_a_while_fails_nothing(
         daemon = daemon_factory(config)
         daemon.wait_for("ready")
         names = flood(var / "inbox", 40)  # not taken before they settle: the disk fills first
+        # Bad ones too: their failure is decided, then held until failed/ can take it.
+        bad = {f"bad{n}.png" for n in range(3)}
+        for name in bad:
+            (var / "inbox" / name).write_bytes(b"not an image " + name.encode())
         filler = fill(var)
         daemon.wait_for("output_full", 60)
         freed_at = waited_a_while(daemon)
         assert names_in(var / "failed") == set()
         filler.unlink()
         wait_until(lambda: names_in(var / "done") == names, 120, "all 40 sources done")
+        wait_until(lambda: names_in(var / "failed") == bad | {f"{n}.error.json" for n in bad},
+                   60, "the 3 bad ones in failed/")
         assert names_in(var / "results", ".json") == names
         daemon.wait_for("output_resumed", 30)
         assert daemon.stop() == 0
         assert_quiet_while_full(daemon, freed_at)
-        assert names_in(var / "failed") == set()
-        assert int(last_stats(daemon.records("stats"))["FAILED"]) == 0
+        assert int(last_stats(daemon.records("stats"))["FAILED"]) == len(bad)
 
 
 def test_a_read_only_results_folder_holds_the_photos_until_it_is_writable(
