@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 from inboxd.config import load_config
+from inboxd.files.durable import TmpDir
+from inboxd.files.lifecycle import Lifecycle
 from inboxd.pipeline import full_outputs
 from inboxd.pipeline.full_outputs import FullOutputs
 
@@ -34,10 +36,10 @@ def test_many_holders_one_warning_backed_off_probes_one_resume(
         caplog: pytest.LogCaptureFixture) -> None:
     config = load_config(write_config(tmp_path, retry={"backoff_initial_ms": 1,
                                                        "output_probe_max_ms": 8}))
-    probed: list[str] = []
+    probed: list[TmpDir] = []
 
-    def probe(folder: str) -> None:
-        probed.append(folder)
+    def probe(tmp_dir: TmpDir) -> None:
+        probed.append(tmp_dir)
         if len(probed) <= 6:
             raise OSError(FULL.errno, FULL.strerror)
 
@@ -70,6 +72,7 @@ def test_many_holders_one_warning_backed_off_probes_one_resume(
     assert str(tmp_path / "results") in warning.getMessage()
     assert len(events(caplog, "output_resumed")) == 1
     assert (outputs.waits, outputs.probes) == (1, 7)
+    assert {tmp.path for tmp in probed} == {tmp_path / "results" / ".tmp" / "default"}
     assert delays == [0.001, 0.002, 0.004, 0.008, 0.008, 0.008, 0.008]  # capped
     assert outputs.waited_s() == 0
 
@@ -80,7 +83,7 @@ def test_a_probe_that_meets_another_error_ends_the_wait(
     to meet (and handle as it handles it)."""
     config = load_config(write_config(tmp_path, retry={"backoff_initial_ms": 1}))
 
-    def probe(folder: str) -> None:
+    def probe(tmp_dir: TmpDir) -> None:
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(full_outputs, "probe_room", probe)
@@ -91,3 +94,14 @@ def test_a_probe_that_meets_another_error_ends_the_wait(
         assert not outputs.full
 
     asyncio.run(scenario())
+
+
+def test_a_full_inbox_filesystem_is_probed_where_the_group_cannot_plant_a_link(
+        tmp_path: Path) -> None:
+    """A claim refused for room is probed in ``.processing/.tmp/<instance>``, walked as the
+    daemon's own folders: the group can swap ``.processing`` for one with links in it."""
+    lifecycle = Lifecycle(load_config(write_config(tmp_path)))
+    probe = lifecycle.tmp_dir_of(str(tmp_path / "inbox" / ".processing"))
+    assert (probe.root, probe.parts, probe.own) == (tmp_path / "inbox",
+                                                    (".processing", ".tmp", "default"), True)
+    assert lifecycle.tmp_dir_of(str(tmp_path / "results")).own is False

@@ -103,10 +103,22 @@ def output_full(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in OUTPUT_FULL_ERRNOS
 
 
-def probe_room(tmp_dir: str | Path) -> None:
+def probe_room(tmp_dir: TmpDir) -> None:
     """Raise what a write to ``tmp_dir``'s filesystem raises now: ``PROBE_BYTES`` written to a
-    temp file there, made durable (a full disk may refuse only the flush) and removed."""
-    unlink_quietly(write_tmp(tmp_dir, bytes(PROBE_BYTES), ".probe", 0o600))
+    temp file there, made durable (a full disk may refuse only the flush) and removed. The
+    folder is walked without following links (it may be the inbox's ``.processing/.tmp``)."""
+    with tmp_dir.open() as folder:
+        name = tmp_name("", ".probe")
+        fd = create_excl(name, folder, 0o600)
+        try:
+            view = memoryview(bytes(PROBE_BYTES))
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=folder)
 
 
 def unlink_quietly(path: str | Path) -> None:

@@ -80,6 +80,14 @@ class Lifecycle:
         can replace, so each part of it is checked to be ours."""
         return TmpDir(inbox, (PROCESSING_DIRNAME, TMP_DIRNAME, self.config.instance), own=True)
 
+    def tmp_dir_of(self, folder: str) -> TmpDir:
+        """Our temp folder in ``folder`` (an output, or an inbox's ``.processing``: then the
+        one whose every part is checked to be ours), where a full folder is probed."""
+        parent, name = os.path.split(os.fspath(folder))
+        if name == PROCESSING_DIRNAME:
+            return self.processing_tmp(Path(parent))
+        return tmp_dir_in(Path(folder), self.config.instance)
+
     def tmp_dirs(self) -> list[TmpDir]:
         """Our temp folders, on the filesystem of each destination (emptied at start-up)."""
         return [tmp_dir_in(self.results_dir, self.config.instance), self._failed_tmp,

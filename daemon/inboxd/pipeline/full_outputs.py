@@ -30,7 +30,7 @@ from pathlib import Path
 
 from inboxd import logs
 from inboxd.config import Config
-from inboxd.files.durable import output_full, probe_room, tmp_dir_in
+from inboxd.files.durable import TmpDir, output_full, probe_room, tmp_dir_in
 
 RunProbe = Callable[[Callable[[], None]], Awaitable[None]]
 
@@ -39,8 +39,12 @@ class FullOutputs:
     name = "full_outputs"
 
     def __init__(self, config: Config, run_io: RunProbe,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 tmp_dir_of: Callable[[str], TmpDir] | None = None) -> None:
         self.config = config
+        # Where a folder is probed: our temp folder in it (``Lifecycle.tmp_dir_of``).
+        self.tmp_dir_of = tmp_dir_of or (
+            lambda folder: tmp_dir_in(Path(folder), config.instance))
         self.run_io = run_io
         self.clock = clock
         self.folders: dict[str, str] = {}  # the full folders, each with why, first first
@@ -142,5 +146,4 @@ class FullOutputs:
                 return
 
     def _probe(self, folder: str) -> None:
-        probe_room(tmp_dir_in(Path(folder), self.config.instance).path)
-
+        probe_room(self.tmp_dir_of(folder))

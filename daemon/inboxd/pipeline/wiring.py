@@ -84,7 +84,7 @@ class Pipeline:
         self.queue = PipelineQueue(capacity.queue)
         self.cache = PreprocessCache(capacity.preprocess_cache, capacity.preprocess_cache_mb)
         self.retry_list = RetryList(capacity.retry_list, self._requeue, clock)
-        self.outputs = FullOutputs(config, self.run_io, clock)
+        self.outputs = FullOutputs(config, self.run_io, clock, self.lifecycle.tmp_dir_of)
         self.outcomes = Outcomes(config, self.lifecycle, self.stats, self.retry_list,
                                  self.run_io, clock, held=self.held, outputs=self.outputs)
         self.watcher = Watcher(
