@@ -36,8 +36,6 @@ RunProbe = Callable[[Callable[[], None]], Awaitable[None]]
 
 
 class FullOutputs:
-    name = "full_outputs"
-
     def __init__(self, config: Config, run_io: RunProbe,
                  clock: Callable[[], float] = time.monotonic,
                  tmp_dir_of: Callable[[str], TmpDir] | None = None) -> None:
@@ -138,6 +136,11 @@ class FullOutputs:
                 if output_full(exc):
                     logs.log.debug("output probe: %s", exc)
                     continue
+            # Anything else (a bug) must not leave every held stage waiting for ever: the
+            # held writes are tried again, and meet whatever it was themselves.
+            except Exception:
+                logs.log.exception("probing %s for room failed; trying the writes again",
+                                   ", ".join(folders))
             for folder in folders:
                 self.folders.pop(folder, None)
             if not self.folders:
