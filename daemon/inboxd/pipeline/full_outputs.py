@@ -14,7 +14,8 @@ write that then succeeds ends the wait, with one record saying how long it took.
 Held, not released to the inbox: a release would be a rename on that same full filesystem
 (often refused too), and the photo would be claimed, read, decoded and inferred again each time
 it came back; a held batch costs its small result documents in memory, bounded by the layers
-it waits in.
+it waits in (the figures: docs/decisions.md, "A full output holds the photos in flight, it does
+not give them back").
 """
 
 from __future__ import annotations
