@@ -157,6 +157,15 @@ def test_the_shipped_one_filesystem_layout_full_for_a_while_fails_nothing(
             (var / "inbox" / name).write_bytes(b"not an image " + name.encode())
         filler = fill(var)
         daemon.wait_for("output_full", 60)
+        waited_a_while(daemon, 2.0)
+        assert names_in(var / "failed") == set()
+        # Restarted while the disk is full (SIGKILL: an admin, the OOM killer): it starts,
+        # takes back what it had claimed, and waits, rather than exiting 75 until systemd's
+        # start limit gives up.
+        daemon.kill()
+        daemon = daemon_factory(config)
+        daemon.wait_for("ready")
+        daemon.wait_for("output_full", 60)
         freed_at = waited_a_while(daemon)
         assert names_in(var / "failed") == set()
         filler.unlink()
