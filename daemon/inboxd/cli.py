@@ -239,12 +239,17 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_recover(args: argparse.Namespace) -> int:
     from inboxd.files.lifecycle import Lifecycle
+    from inboxd.files.takeover import take_over_dead
 
     config = read_config(args)
     lifecycle = Lifecycle(config)
     with inbox_writable():
         lifecycle.lock_instance()
     returned, failed = lifecycle.recover()
+    # And what it had claimed in an area a member of the group renamed away before it died.
+    for taken in take_over_dead(lifecycle, only=config.instance).taken:
+        returned += len(taken.returned)
+        failed += taken.failed
     lifecycle.unlock_instance()
     print(f"returned {returned} file(s) claimed by instance {config.instance!r} to the inbox"
           + (f"; {failed} in flight at repeated crashes went to failed/" if failed else ""))

@@ -219,6 +219,7 @@ class Pipeline:
             self._spawn(self._intake_tasks, self.watcher.run_watch(), "watcher")
             self._spawn(self._intake_tasks, self.watcher.run_scans(), "scanner")
             self._spawn(self._intake_tasks, self.takeovers.run(), "takeover")
+            self._spawn(self._intake_tasks, self.takeovers.watch_claim_areas(), "claim-areas")
         self._spawn(self._intake_tasks, self.intake.run(), "intake")
 
     def stats_fields(self, reset: bool = True) -> dict[str, Any]:
