@@ -26,7 +26,14 @@ from pathlib import Path
 import watchfiles
 
 from inboxd import logs
-from inboxd.files.filesystems import PollMode, StatfsFn, WatchPlan, plan_watch, statfs_type
+from inboxd.files.filesystems import (
+    PollMode,
+    StatfsFn,
+    WatchPlan,
+    inotify_room,
+    plan_watch,
+    statfs_type,
+)
 from inboxd.files.names import NameFilter, folder_skipped
 from inboxd.pipeline.event_buffer import EventBuffer
 from inboxd.pipeline.walk import Walker
@@ -77,6 +84,8 @@ class Watcher:
         self.plans: list[WatchPlan] = [plan_watch(inbox, poll, statfs) for inbox in inboxes]
         self.poll_interval_ms = poll_interval_ms
         self._out_of_watches = False  # inotify's limit was hit: every inbox is polled since
+        self._said_out_of_watches = False
+        self.inotify_room = inotify_room
         self.walker = Walker(names, recursive, stats)
         self._new_folders: list[tuple[str, Path]] = []  # (folder, inbox) to walk at once
 
@@ -142,6 +151,8 @@ class Watcher:
         if not self.backlog_on_disk:  # nor did the watcher defer anything meanwhile
             self._resume_watching()
         self._check_inbox_identity()
+        if self._out_of_watches:
+            self._watch_again_if_room()
         return seen
 
     async def _notice_under(self, folder: str | Path, inbox: Path) -> tuple[int, bool]:
@@ -213,12 +224,7 @@ class Watcher:
             except* Exception as failures:  # watchfiles raises plain RuntimeError/OSError
                 exc = failures.exceptions[0]
                 if _out_of_watches(exc) and not self._out_of_watches:
-                    self._out_of_watches = True
-                    logs.emit(logging.WARNING, "watch_error",
-                              f"inotify watch limit reached ({exc}); polling every inbox "
-                              f"every {self.poll_interval_ms} ms instead. To use inotify, "
-                              "raise it: `sysctl -w fs.inotify.max_user_watches=524288`, and "
-                              "the same in /etc/sysctl.d/", error=str(exc))
+                    self._watches_ran_out(exc)
                 else:
                     logs.emit(logging.WARNING, "watch_error",
                               f"watcher failed ({exc}); rescanning and restarting it",
@@ -238,7 +244,42 @@ class Watcher:
             self._take(changes)
             while self._new_folders:  # walked now, not at the next rescan
                 folder, inbox = self._new_folders.pop()
+                if not polling and not self._out_of_watches:
+                    self._check_watch_room(folder)
                 await self._notice_under(folder, inbox)
+
+    def _check_watch_room(self, folder: str) -> None:
+        """inotify watches each folder made after start-up, and a watch that fails there
+        fails silently (the notify crate drops the error): files in that folder would wait
+        for the rescan timer. One probe watch of our own says whether the budget is spent."""
+        problem = self.inotify_room([folder])
+        if problem is not None:
+            self._watches_ran_out(problem)
+            self._watch_stop.set()  # started again at once, polling
+
+    def _watches_ran_out(self, exc: BaseException) -> None:
+        """Poll every inbox from now on, until a probe finds room for inotify again (after a
+        scan, ``_watch_again_if_room``); said once per run, with the fix."""
+        self._out_of_watches = True
+        if self._said_out_of_watches:
+            return
+        self._said_out_of_watches = True
+        logs.emit(logging.WARNING, "watch_error",
+                  f"inotify watch limit reached ({exc}); polling every inbox every "
+                  f"{self.poll_interval_ms} ms instead until it has room again. To use "
+                  "inotify, raise it: `sysctl -w fs.inotify.max_user_watches=524288`, and the "
+                  "same in /etc/sysctl.d/", error=str(exc))
+
+    def _watch_again_if_room(self) -> None:
+        """Polling for want of watches: if inotify could now watch every folder it would
+        (every folder of the inotify inboxes), start the watcher again on inotify."""
+        inotify = [plan.path for plan in self.plans if not plan.polling]
+        if not inotify or self.inotify_room(_folders_of(inotify, self.recursive)) is not None:
+            return
+        self._out_of_watches = False
+        logs.emit(logging.INFO, "watching", "inotify has room for every folder again: "
+                  "watching the inboxes with it instead of polling")
+        self._watch_stop.set()
 
     def _take(self, changes: ChangeSet) -> None:
         for change, raw in changes:
@@ -293,6 +334,14 @@ class Watcher:
 def _out_of_watches(exc: BaseException) -> bool:
     """inotify_add_watch's ENOSPC, as the notify crate words it, or as a plain OSError."""
     return "watch limit" in str(exc) or getattr(exc, "errno", None) == errno.ENOSPC
+
+
+def _folders_of(inboxes: list[Path], recursive: bool) -> list[str]:
+    """Every folder inotify watches for these inboxes: all of them, hidden ones too (the
+    notify crate watches the whole tree)."""
+    if not recursive:
+        return [str(inbox) for inbox in inboxes]
+    return [folder for inbox in inboxes for folder, _, _ in os.walk(inbox)]
 
 
 def _identity(folder: Path) -> tuple[int, int]:

@@ -1,0 +1,67 @@
+"""Watches that fail after start-up (issue 36, class 6): inotify's watch limit reached for
+folders made while the daemon runs. The notify crate under watchfiles drops that failure
+without a word, and photos in those folders waited for the rescan timer. The limit is set
+inside a user namespace of the daemon's own (``/proc/sys/user/max_inotify_watches`` is per
+user namespace; the machine's own limit is never touched)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DaemonProcess, make_image, write_config
+from tests.waiting import wait_until
+
+RESCAN_S = 60  # far beyond the deadline below: only the watcher (or polling) can be in time
+WATCHES = 12  # the inbox and the daemon's own folders at start-up, and a few more
+
+
+def user_namespace_with_watches(watches: int) -> list[str]:
+    """A command prefix: run in a new user namespace whose inotify watch limit is ``watches``."""
+    return ["unshare", "--user", "--map-root-user", "sh", "-c",
+            f'echo {watches} > /proc/sys/user/max_inotify_watches && exec "$@"', "sh"]
+
+
+def namespaces_work() -> bool:
+    try:
+        return subprocess.run([*user_namespace_with_watches(8), "true"], timeout=30,
+                              capture_output=True).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.daemon
+@pytest.mark.slow
+@pytest.mark.skipif(not namespaces_work(), reason="needs unshare --user with its own limits")
+def test_folders_past_the_watch_limit_are_polled_and_said_once(
+        tmp_path: Path, daemon_factory: Callable[..., DaemonProcess]) -> None:
+    config = write_config(tmp_path, inbox={"settle_ms": 0, "rescan_interval_s": RESCAN_S})
+    daemon = daemon_factory(config, prefix=user_namespace_with_watches(WATCHES))
+    daemon.wait_for("ready")
+    inbox, done = tmp_path / "inbox", tmp_path / "done"
+    assert not daemon.records("watch_error"), "the limit was reached at start-up already"
+    for n in range(20):  # 20 new folders: most of them past the limit
+        (inbox / f"camera{n}").mkdir()
+    # The folders' events are handled in order: once a photo dropped after them is done, the
+    # watcher has seen (and tried to watch) every folder.
+    make_image(tmp_path / "src" / "marker.png", color=(1, 2, 3))
+    os.rename(tmp_path / "src" / "marker.png", inbox / "marker.png")
+    wait_until(lambda: (done / "marker.png").exists(), 30, "the marker done")
+    started = time.monotonic()
+    for n in range(20):  # 4 photos into each: in an unwatched folder they raise no event
+        for m in range(4):
+            make_image(tmp_path / "src" / f"{n}-{m}.png", color=(n * 10, m * 50, 7))
+            os.rename(tmp_path / "src" / f"{n}-{m}.png", inbox / f"camera{n}" / f"{m}.png")
+    wait_until(lambda: len(list(done.rglob("*.png"))) == 81, 20, "80 photos done")
+    took_s = time.monotonic() - started
+    print(f"80 photos in folders made after start-up done in {took_s:.1f} s")
+    assert took_s < RESCAN_S / 3
+    warnings = daemon.records("watch_error")
+    assert len(warnings) == 1, warnings
+    assert "fs.inotify.max_user_watches" in warnings[0]
+    assert daemon.stop() == 0
