@@ -11,8 +11,9 @@ for a while and continue it, reload a config file that cannot be used and then t
 and what a member of the inbox's group can do (issue
 33): a folder named like a done file or a result (its files can never be filed there: they
 end in failed/), links planted in the inbox's hidden folders (``.processing``, its ``.tmp``,
-the temp names ``inboxd submit`` used to use) and ``inboxd submit`` beside them, and
-``.processing`` swapped for a folder of the neighbour's own for a moment.
+the temp names ``inboxd submit`` used to use) and ``inboxd submit`` beside them,
+``.processing`` swapped for a folder of the neighbour's own for a moment, and (issue 36)
+``.processing`` renamed away for good and replaced by one of the neighbour's.
 
 The reference model only tracks bytes (by sha256): every input must end exactly once in done/
 (with ``results/<its name>.json`` describing those bytes, or — for a byte-identical re-drop — an
@@ -294,26 +295,52 @@ class World:
 
     def swap_processing(self) -> None:
         """The group can rename ``.processing`` away and make one of its own (with links
-        inside): for a moment, until an admin puts it back. Claims and moves meanwhile wait
-        (retried), and nothing goes through the neighbour's folder."""
+        inside): here swapped in one step (RENAME_EXCHANGE) and back a moment later. Nothing
+        goes through the neighbour's folder; the daemon may put its area back meanwhile
+        (issue 36: the neighbour's folder renamed aside, a fresh one made), and then the swap
+        back moves the daemon's folders about, which it puts right again."""
         processing = self.inbox / ".processing"
-        planted = self.inbox / ".processing-planted"
+        self.counter += 1
+        planted = self.inbox / f".processing-planted{self.counter}"
         planted.mkdir()
         (planted / "default").symlink_to(self.elsewhere)
         (planted / ".tmp").mkdir()
         (planted / ".tmp" / "default").symlink_to(self.outputs / "done")
         os.chown(planted, NEIGHBOUR_UID, NEIGHBOUR_UID)
-        # Swapped in one step (RENAME_EXCHANGE), and back: a rename away and a mkdir would
-        # leave a moment without .processing, in which the daemon makes its own afresh and
-        # the original, with the files in flight, cannot be put back (not handled: said in
-        # the closing note of issue 33).
         exchange(processing, planted)
         time.sleep(self.rng.choice([0.05, 0.3, 1.0]))
-        exchange(processing, planted)
+        with contextlib.suppress(FileNotFoundError):  # the daemon renamed it aside meanwhile
+            exchange(processing, planted)
+        if os.lstat(planted).st_uid != NEIGHBOUR_UID:
+            return  # a former area of the daemon's now, its to take back
         for link in (planted / "default", planted / ".tmp" / "default"):
             link.unlink()
         (planted / ".tmp").rmdir()
         planted.rmdir()
+
+    def replace_processing(self) -> None:
+        """Renamed away for good (not swapped back) and replaced by a folder of the
+        neighbour's own, with links inside, while files are in flight (issue 36): the daemon
+        puts its area back, takes every claimed file back from the renamed folder by
+        descriptor and goes on; a kill before it noticed leaves them for the restart's
+        takeover. Whatever is left in the renamed folder counts as waiting (``waiting``)."""
+        processing = self.inbox / ".processing"
+        self.counter += 1
+        planted = self.inbox / f".processing-planted{self.counter}"
+        planted.mkdir()
+        (planted / "default").symlink_to(self.elsewhere)
+        (planted / ".tmp").mkdir()
+        (planted / ".tmp" / "default").symlink_to(self.outputs / "done")
+        os.chown(planted, NEIGHBOUR_UID, NEIGHBOUR_UID)
+        with contextlib.suppress(FileNotFoundError):  # not there: the daemon makes it again
+            os.rename(processing, self.inbox / f".processing-moved{self.counter}")
+        try:
+            os.rename(planted, processing)
+        except OSError:  # the daemon made its own again first (not empty): nothing to replace
+            for link in (planted / "default", planted / ".tmp" / "default"):
+                link.unlink()
+            (planted / ".tmp").rmdir()
+            planted.rmdir()
 
     # -- what the system does --------------------------------------------------------------
 
@@ -379,7 +406,8 @@ class World:
         actions += self.stuck_helper_actions()
         actions += [(self.folder_like_an_outcome, 2), (self.plant_links, 2), (self.submit, 2)]
         if ROOT:
-            actions += [(self.fill_or_free_disk, 2), (self.swap_processing, 1)]
+            actions += [(self.fill_or_free_disk, 2), (self.swap_processing, 1),
+                        (self.replace_processing, 1)]
         if self.rng.random() < 1 / KILL_EVERY_STEPS:
             self.kill_and_restart()
             return "kill"
