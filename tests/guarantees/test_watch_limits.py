@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -64,4 +65,47 @@ def test_folders_past_the_watch_limit_are_polled_and_said_once(
     warnings = daemon.records("watch_error")
     assert len(warnings) == 1, warnings
     assert "fs.inotify.max_user_watches" in warnings[0]
+    assert daemon.stop() == 0
+
+
+@pytest.mark.daemon
+@pytest.mark.slow
+def test_a_name_that_is_not_utf8_renamed_back_and_forth_leaves_the_watcher_up(
+        tmp_path: Path, daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """watchfiles' notify crate could not make such a path a str and its watcher failed for
+    good: the daemon started a new one at each rename (20 restarts in 21 s)."""
+    config = write_config(tmp_path, inbox={"settle_ms": 0, "rescan_interval_s": RESCAN_S})
+    daemon = daemon_factory(config)
+    daemon.wait_for("ready")
+    inbox, done = tmp_path / "inbox", tmp_path / "done"
+    warm = make_image(tmp_path / "src" / "warm.png", color=(5, 5, 5))  # the first is slower
+    os.rename(warm, inbox / "warm.png")
+    wait_until(lambda: (done / "warm.png").exists(), 60, "the first photo done")
+    odd, other = (os.fsencode(inbox) + b"/\xff\xfe-odd-" + end for end in (b"a.bin", b"b.bin"))
+    with open(odd, "wb"):
+        pass
+    stop = threading.Event()
+
+    def storm() -> None:
+        while not stop.is_set():
+            os.rename(odd, other)
+            os.rename(other, odd)
+            stop.wait(0.01)
+
+    renaming = threading.Thread(target=storm)
+    renaming.start()
+    latencies_s = []
+    try:
+        for n in range(10):
+            source = make_image(tmp_path / "src" / f"p{n}.png", color=(n * 20, 9, 9))
+            dropped = time.monotonic()
+            os.rename(source, inbox / source.name)
+            wait_until(lambda n=n: (done / f"p{n}.png").exists(), 20, f"p{n}.png done")
+            latencies_s.append(time.monotonic() - dropped)
+    finally:
+        stop.set()
+        renaming.join()
+    print("latencies during the rename storm (s):", [round(x, 2) for x in latencies_s])
+    assert daemon.records("watch_error") == []
+    assert max(latencies_s) < RESCAN_S / 10
     assert daemon.stop() == 0

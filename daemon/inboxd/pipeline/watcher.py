@@ -1,16 +1,19 @@
-"""Stage 1: notice files. watchfiles ``awatch`` on every inbox, a scan at start-up, and rescans.
+"""Stage 1: notice files. inotify on every inbox (``files/inotify.py``; watchfiles' poller
+where inotify cannot see the writes), a scan at start-up, and rescans.
 
 Watch first, then scan what is already there (a file dropped in between is seen by one or
 both; the event buffer de-duplicates). Rescans run every ``inbox.rescan_interval_s``, after any
-watcher error (watchfiles silently drops inotify queue overflows), and as soon as the event
-buffer has room again after it had to defer paths, so a flood drains at full speed without
-waiting for the timer. While such a backlog waits on disk the scans find every file, so the
-watcher is stopped (watchfiles gathers changes without a bound until it is next asked: memory
-that grew with the flood) and started again, with a rescan of its start gap, once a scan has
-taken everything. A folder moved or copied in is walked when its own event arrives
-(inotify reports the folder, not what it holds). Inboxes on network filesystems are polled
-(``files/filesystems.py``, per ``inbox.poll``), and so is everything once inotify runs out of
-watches (said once, with the sysctl). Names not taken are said once (``pipeline/walk.py``).
+watcher error (an inotify queue overflow among them), and as soon as the event buffer has room
+again after it had to defer paths, so a flood drains at full speed without waiting for the
+timer. While such a backlog waits on disk the scans find every file, so the watcher is stopped
+(changes gather until it is next asked: memory that would grow with the flood) and started
+again, with a rescan of its start gap, once a scan has taken everything. A folder moved or
+copied in is walked when its own event arrives (inotify reports the folder, not what it
+holds). Inboxes on network filesystems are polled (``files/filesystems.py``, per
+``inbox.poll``), and so is everything once inotify runs out of watches, at start-up or for a
+folder made later (said once, with the sysctl), until a probe finds room for every folder
+again. Names not taken are said once (``pipeline/walk.py``); a name that is not UTF-8 is a
+name like any other, to the watcher too.
 """
 
 from __future__ import annotations
@@ -244,18 +247,7 @@ class Watcher:
             self._take(changes)
             while self._new_folders:  # walked now, not at the next rescan
                 folder, inbox = self._new_folders.pop()
-                if not polling and not self._out_of_watches:
-                    self._check_watch_room(folder)
                 await self._notice_under(folder, inbox)
-
-    def _check_watch_room(self, folder: str) -> None:
-        """inotify watches each folder made after start-up, and a watch that fails there
-        fails silently (the notify crate drops the error): files in that folder would wait
-        for the rescan timer. One probe watch of our own says whether the budget is spent."""
-        problem = self.inotify_room([folder])
-        if problem is not None:
-            self._watches_ran_out(problem)
-            self._watch_stop.set()  # started again at once, polling
 
     def _watches_ran_out(self, exc: BaseException) -> None:
         """Poll every inbox from now on, until a probe finds room for inotify again (after a
@@ -337,11 +329,15 @@ def _out_of_watches(exc: BaseException) -> bool:
 
 
 def _folders_of(inboxes: list[Path], recursive: bool) -> list[str]:
-    """Every folder inotify watches for these inboxes: all of them, hidden ones too (the
-    notify crate watches the whole tree)."""
+    """Every folder the watcher watches in these inboxes (``files/inotify.py``)."""
     if not recursive:
         return [str(inbox) for inbox in inboxes]
-    return [folder for inbox in inboxes for folder, _, _ in os.walk(inbox)]
+    folders = []
+    for inbox in inboxes:
+        for folder, dirs, _ in os.walk(inbox):
+            dirs[:] = [d for d in dirs if not folder_skipped(d)]
+            folders.append(folder)
+    return folders
 
 
 def _identity(folder: Path) -> tuple[int, int]:
