@@ -174,30 +174,34 @@ class Lifecycle:
         ``AREA_CHECK_S``."""
         put = 0
         for inbox in list(self._areas):
-            if self._put_back(inbox) is not None:
-                put += 1
+            with self._areas_lock:
+                before = self._areas.get(inbox)
+                put += self._put_back(inbox) is not before
         return put
 
+    @contextlib.contextmanager
+    def _claim_area(self, inbox: Path) -> Iterator[claim_area.HeldArea | None]:
+        """The area held for ``inbox``, put back first if its name moved, and not put back
+        (its descriptors not closed) while the caller uses it; None when none is held (not
+        locked: a command that walks by name)."""
+        with self._areas_lock:
+            yield self._put_back(inbox)
+
     def _put_back(self, inbox: Path) -> claim_area.HeldArea | None:
-        """The area held for ``inbox``, put back first if its name moved; None when none is
-        held (not locked: a command that walks by name) or it cannot be put back now."""
+        """With ``_areas_lock`` held: ``_claim_area``'s area (the held one if it cannot be put
+        back now: claims still go into it, and the next check tries again)."""
         held = self._areas.get(inbox)
         if held is None or not claim_area.name_moved(inbox, held):
             return held
-        with self._areas_lock:
-            held = self._areas.get(inbox)
-            if held is None or not claim_area.name_moved(inbox, held):
-                return held
-            try:
-                fresh, report = claim_area.put_back(inbox, self.config.instance, held)
-            except (OSError, claim_area.LockHeld) as exc:
-                # Claims still go into the folder held; the next check tries again.
-                logs.emit(logging.ERROR, "claim_area_moved", f"{inbox / PROCESSING_DIRNAME} "
-                          f"is not inboxd's claim area any more and cannot be made again now: "
-                          f"{exc!r}; claims go on into the folder inboxd holds, and it tries "
-                          "again", inbox=str(inbox), error=repr(exc))
-                return held
-            self._areas[inbox] = fresh
+        try:
+            fresh, report = claim_area.put_back(inbox, self.config.instance, held)
+        except (OSError, claim_area.LockHeld) as exc:
+            logs.emit(logging.ERROR, "claim_area_moved", f"{inbox / PROCESSING_DIRNAME} is "
+                      "not inboxd's claim area any more and cannot be made again now: "
+                      f"{exc!r}; claims go on into the folder inboxd holds, and it tries again",
+                      inbox=str(inbox), error=repr(exc))
+            return held
+        self._areas[inbox] = fresh
         if report is not None:
             _say_put_back(report)
         return fresh
@@ -243,8 +247,7 @@ class Lifecycle:
         inbox would otherwise let the rename take a file from outside it (``OSError`` ELOOP).
         """
         parts = rel.split("/")
-        area = self._put_back(inbox)
-        with open_inside(inbox, parts[:-1]) as source_dir:
+        with self._claim_area(inbox) as area, open_inside(inbox, parts[:-1]) as source_dir:
             try:
                 if area is None:  # not locked (a test, a command): walked from the inbox
                     placed = place_inside(parts[-1], source_dir, inbox,
