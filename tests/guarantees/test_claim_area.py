@@ -212,3 +212,33 @@ def test_a_claim_after_a_swap_lands_in_a_fresh_area_and_paths_in_flight_lead_hom
         assert lifecycle.release(first, inbox / "first.png") is not None
     finally:
         lifecycle.unlock_instance()
+
+
+def test_instances_sharing_an_inbox_each_take_their_own_files_back(root: Path) -> None:
+    """One instance puts the area back; the other joins the fresh one (the daemon's own, with
+    its own lock in it) instead of moving it aside in turn, and takes its own files back."""
+    config = load_config(write_config(root, inbox={"settle_ms": 0}))
+    inbox = root / "inbox"
+    shared_inbox(inbox)
+    a = Lifecycle(config.model_copy(update={"instance": "a"}))
+    b = Lifecycle(config.model_copy(update={"instance": "b"}))
+    a.lock_instance()
+    b.lock_instance()
+    try:
+        claimed = {}
+        for who, lifecycle in (("a", a), ("b", b)):
+            (inbox / f"{who}.png").write_bytes(who.encode())
+            claimed[who] = lifecycle.claim(inbox, f"{who}.png")
+        as_neighbour(swap_processing(inbox))
+        assert a.ensure_claim_areas() == 1
+        assert b.ensure_claim_areas() == 1
+        for who, path in claimed.items():
+            assert path is not None and Path(path).read_bytes() == who.encode()
+        aside = [p for p in inbox.iterdir() if p.name.startswith(".processing.foreign-")]
+        assert len(aside) == 1, "the fresh area of one instance was moved aside by the other"
+        assert sorted(p.name for p in (inbox / ".processing").iterdir()
+                      if p.name.endswith(".lock")) == ["a.lock", "b.lock"]
+        assert not list((inbox / ".processing-was").rglob("*.png"))
+    finally:
+        a.unlock_instance()
+        b.unlock_instance()
