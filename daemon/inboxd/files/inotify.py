@@ -37,8 +37,11 @@ IN_ONLYDIR = 0x01000000
 IN_DONT_FOLLOW = 0x02000000
 IN_EXCL_UNLINK = 0x04000000
 IN_ISDIR = 0x40000000
-WATCH_MASK = (IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE
+WATCH_MASK = (IN_ATTRIB | IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE
               | IN_DELETE | IN_ONLYDIR | IN_DONT_FOLLOW | IN_EXCL_UNLINK)
+# Not IN_MODIFY: one per write(2), hundreds for a large photo written in chunks, filling the
+# kernel's queue (16384 events) in a flood; the file's IN_CREATE puts it in the event buffer,
+# where it is looked at again until it has settled, and IN_CLOSE_WRITE follows a rewrite.
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; the name (len bytes, NUL padded) follows
 # One read takes whatever is queued up to this; a full kernel queue is drained in a few reads.
 READ_BYTES = 1 << 16
