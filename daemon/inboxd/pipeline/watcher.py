@@ -212,10 +212,17 @@ class Watcher:
 
     async def run_watch(self) -> None:
         """Feed watcher events into the buffer; restart the watcher after any error or pause."""
+        restarted = False
         while not self._stop.is_set():
             await self._watching.wait()
             if self._stop.is_set():
                 return
+            if restarted:
+                # A file that came after the rescan asked for at the stop, and before the new
+                # watcher (or poller: it reports changes to what it first saw) started, would
+                # wait for the timer: one more rescan once it runs.
+                asyncio.get_running_loop().call_later(STARTUP_RESCAN_S, self.request_rescan)
+            restarted = True
             self._watch_stop = asyncio.Event()
             try:
                 for inbox in self.inboxes:
