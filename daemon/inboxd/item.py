@@ -59,7 +59,7 @@ def permanent(reason_class: str, message: str) -> PermanentError:
 
 @dataclass(slots=True)
 class DecodedImage:
-    pixels: npt.NDArray[np.uint8]  # H×W×3, RGB, already resized and cropped
+    pixels: npt.NDArray[np.uint8]  # H×W×3, RGB, as the spec asked: a crop, or fitted (whole)
     width: int  # of the source image, after EXIF rotation
     height: int
     format: str | None

@@ -1,4 +1,5 @@
-"""Bytes → an RGB uint8 crop with Pillow: orientation, mode, resize and crop as torchvision does.
+"""Bytes → an RGB uint8 image with Pillow: orientation, mode, then resize and crop as torchvision
+does (``center_crop``), or a resize that fits the whole photo in a square (``fit``).
 
 ``spec.resize_mode`` (``preprocess.resize``) picks one of ``RESIZINGS``: ``exact`` gives
 torchvision's pixels; ``fast`` lets libjpeg decode a large JPEG at 1/2-1/8 scale and resizes
@@ -76,8 +77,10 @@ def _taken_names() -> str:
 
 
 def decode_image(data: bytes | BinaryIO, spec: PreprocessSpec, max_pixels: int) -> DecodedImage:
-    """Bytes (or a file open at its start) → RGB uint8 crop of ``spec.crop``², the way the model
-    was trained to see it (``spec.resize_mode`` says how exactly)."""
+    """Bytes (or a file open at its start) → RGB uint8 image, the way the model was trained to
+    see it: a crop of ``spec.crop``², or (``fit``) the whole photo within ``spec.crop``²
+    (``spec.resize_mode`` says how exactly). The image's width and height are the displayed
+    photo's (EXIF applied), so that geometry found in the pixels can be mapped back to it."""
     return decode_resized(data, spec, max_pixels, RESIZINGS[spec.resize_mode])
 
 
@@ -110,14 +113,16 @@ def decode_resized(data: bytes | BinaryIO, spec: PreprocessSpec, max_pixels: int
                 # the resize target, so that the antialiased resize after it still sees enough
                 # pixels: drafting right down to the target (DCT scaling in place of the
                 # antialiased resize) moves scores past the contract (bench/RESULTS.md).
-                scale = min(1.0, resizing.draft_margin * spec.resize / min(width, height))
+                scale = spec.draft_scale(width, height, resizing.draft_margin)
                 opened.draft("RGB", (max(1, round(width * scale)), max(1, round(height * scale))))
             opened.load()
             # In place: a copy of every unrotated image would double the peak for nothing.
             ImageOps.exif_transpose(opened, in_place=True)
             image = to_rgb(opened)
             oriented_w, oriented_h = _oriented_size(width, height, image)
-            pixels = resize_and_crop(image, spec, resizing.reducing_gap)
+            pixels = (resize_and_crop(image, spec, resizing.reducing_gap)
+                      if spec.kind == "center_crop"
+                      else resize_to_fit(image, spec, resizing.reducing_gap))
     except PermanentError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
@@ -214,3 +219,14 @@ def resize_and_crop(image: Image.Image, spec: PreprocessSpec,
     canvas = Image.new("RGB", (spec.crop, spec.crop))
     canvas.paste(window, (x0 - left, y0 - top))
     return np.asarray(canvas, dtype=np.uint8)
+
+
+def resize_to_fit(image: Image.Image, spec: PreprocessSpec,
+                  reducing_gap: float | None = None) -> np.ndarray:
+    """The whole image scaled to fit ``spec.crop``² (``decode.spec.fit_size``): no crop, no padding,
+    so its memory is bounded by the square whatever the aspect ratio."""
+    size = spec.output_size(*image.size)
+    if size == image.size:
+        return np.asarray(image, dtype=np.uint8)
+    resized = image.resize(size, INTERPOLATIONS[spec.interpolation], reducing_gap=reducing_gap)
+    return np.asarray(resized, dtype=np.uint8)

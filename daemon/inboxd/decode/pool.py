@@ -45,8 +45,7 @@ class DecodePool:
     def __init__(self, workers: int, settings: WorkerSettings) -> None:
         self.settings = settings
         self.env = worker_env()  # taken once: a replacement runs exactly as the first did
-        self.max_payload_bytes = settings.spec.crop ** 2 * 3
-        self.crop_shape = (settings.spec.crop, settings.spec.crop, 3)
+        self.max_payload_bytes = settings.spec.max_output_bytes
         self._spawner = ThreadPoolExecutor(1, thread_name_prefix="inboxd-decode-spawn",
                                            initializer=name_this_thread)
         # One slot per worker thread: a live worker, or None where starting one failed (the
@@ -270,8 +269,10 @@ class DecodePool:
         try:
             result = result_from(header, payload)
             # The model stacks crops into one batch: one of another shape would fail them all.
-            if result.image is not None and result.image.pixels.shape != self.crop_shape:
-                raise ValueError(f"a crop of shape {result.image.pixels.shape}")
+            if (result.image is not None
+                    and not self.settings.spec.accepts_shape(result.image.pixels.shape)):
+                raise ValueError(f"an image of shape {result.image.pixels.shape} "
+                                 f"({self.settings.spec.kind} {self.settings.spec.crop})")
         # A worker that lost its mind; OverflowError: JSON's Infinity where an int goes.
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             return _malformed(repr(exc))

@@ -32,7 +32,7 @@ import inboxd
 from inboxd import wire
 from inboxd.children import die_with_parent, protocol_fds
 from inboxd.decode.pillow import decode_image
-from inboxd.decode.spec import PreprocessSpec, resize_mode
+from inboxd.decode.spec import PreprocessSpec
 from inboxd.files.reading import classify, hash_stream, open_input
 from inboxd.files.settling import held_open_for_writing, identity, survive_lease_breaks
 from inboxd.item import PermanentError, TooLargeError, TransientError
@@ -100,10 +100,7 @@ def inject(faults: list[tuple[str, str]], path: str) -> None:
 
 class Worker:
     def __init__(self, init: dict[str, Any]) -> None:
-        spec = init["spec"]
-        self.spec = PreprocessSpec(spec["resize"], spec["crop"], spec["interpolation"],
-                                   tuple(spec["mean"]), tuple(spec["std"]),
-                                   resize_mode(spec["resize_mode"]))
+        self.spec = PreprocessSpec.from_dict(init["spec"])
         self.max_pixels: int = init["max_image_pixels"]
         self.max_file_bytes: int = init["max_file_bytes"]
         self.decode_memory_bytes: int = init["decode_memory_bytes"]
