@@ -19,7 +19,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -28,8 +28,10 @@ from torch import nn
 
 from inboxd.config import ConfigError
 from inboxd.decode.spec import PreprocessSpec
+from inboxd.item import DecodedImage
 from inboxd.models.host_buffers import HostStaging
 from inboxd.models.memory import cuda_memory_fields
+from inboxd.models.ocr.reader import OcrReading
 from inboxd.models.runtimes.runner import Runner
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -37,7 +39,7 @@ PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat
 # by 2**16 and rounded), so a ``color: gray`` model sees exactly the pixels Pillow would give.
 _LUMA_WEIGHTS = (19595, 38470, 7471)
 
-Output = Literal["classify", "embed"]
+Output = Literal["classify", "embed", "ocr"]
 Color = Literal["rgb", "bgr", "gray"]
 # One image for the model: H×W×3 uint8 RGB, a host array or a tensor already on the device.
 Pixels = npt.NDArray[np.uint8] | torch.Tensor
@@ -72,7 +74,7 @@ class Embedding:
         return float(np.linalg.norm(self.vector.astype(np.float64)))
 
 
-Prediction = Classification | Embedding
+Prediction = Classification | Embedding | OcrReading
 
 
 def not_finite(prediction: Prediction) -> str | None:
@@ -82,6 +84,9 @@ def not_finite(prediction: Prediction) -> str | None:
     if isinstance(prediction, Embedding):
         bad = int(np.count_nonzero(~np.isfinite(prediction.vector)))
         return f"{bad} of the {prediction.dim} embedding values" if bad else None
+    if isinstance(prediction, OcrReading):
+        bad = sum(not math.isfinite(line.score) for line in prediction.lines)
+        return f"{bad} of the {len(prediction.lines)} line scores" if bad else None
     bad = sum(not math.isfinite(float(entry.get("score", 0.0))) for entry in prediction.top_k)
     return f"{bad} of the top-{len(prediction.top_k)} scores" if bad else None
 
@@ -95,6 +100,57 @@ class ModelInfo:
     parameters: int
     outputs: int  # classes (classify) or the embedding dimension (embed)
     max_batch: int | None = None  # a .pt2 program's bound on its dynamic batch dimension
+
+
+class TaskModel(Protocol):
+    """What the model stage, its engines and the result writer ask of a model: ``Model`` (one
+    torch or ONNX network) and ``OcrModel`` (models/ocr: three networks and the steps between)."""
+
+    before_forward: Callable[[int], None] | None
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def output(self) -> Output: ...
+
+    @property
+    def spec(self) -> PreprocessSpec: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def info(self) -> ModelInfo | None: ...
+
+    @property
+    def max_batch(self) -> int | None: ...
+
+    @property
+    def choice(self) -> Any: ...
+
+    @property
+    def on_gpu(self) -> bool: ...
+
+    @property
+    def runtime(self) -> str: ...
+
+    @property
+    def precision(self) -> str: ...
+
+    def input_of(self, image: DecodedImage) -> Any: ...
+
+    def predict(self, images: Sequence[Any]) -> Sequence[Prediction]: ...
+
+    def check_batch_size(self, max_size: int) -> None: ...
+
+    def warm_up_sizes(self, max_size: int) -> list[int]: ...
+
+    def warm_up(self, sizes: Sequence[int]) -> float: ...
+
+    def health_problem(self) -> str | None: ...
+
+    def memory_fields(self) -> dict[str, int]: ...
 
 
 class Model:
@@ -174,6 +230,11 @@ class Model:
         if runner.precision == "fp32" or runner.runtime != "torch":
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=PRECISIONS[runner.precision])
+
+    def input_of(self, image: DecodedImage) -> Pixels:
+        """What ``predict`` takes for one decoded photo: its pixels (host or device)."""
+        pixels: Pixels = image.model_input
+        return pixels
 
     def to_device(self, images: Sequence[Pixels]) -> torch.Tensor:
         """N×H×W×3 uint8 on the device. Host arrays are stacked (pinned on a GPU, so the copy

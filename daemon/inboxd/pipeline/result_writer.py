@@ -26,7 +26,8 @@ from inboxd.files.commits import CommitEntry, Commits, Committed
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.item import ModelError, PermanentError, TransientError, WorkItem
 from inboxd.models.engines.interface import Outcome
-from inboxd.models.model import Embedding, Model, Prediction, not_finite
+from inboxd.models.model import Embedding, Prediction, TaskModel, not_finite
+from inboxd.models.ocr.reader import OcrReading
 from inboxd.pipeline.outcomes import Outcomes, RunIO, utc_now
 
 HANDOFF_BATCHES = 1
@@ -67,7 +68,7 @@ class ResultWriter:
     def __init__(
         self,
         config: Config,
-        model: Model,
+        model: TaskModel,
         lifecycle: Lifecycle,
         commits: Commits,
         outcomes: Outcomes,
@@ -210,6 +211,8 @@ class ResultWriter:
                 "norm": round(result.norm, 6),
                 "dtype": str(result.vector.dtype),
             }}
+        if isinstance(result, OcrReading):
+            return {"ocr": result.as_json()}
         return {"top_k": result.top_k}
 
 

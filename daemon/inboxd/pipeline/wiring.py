@@ -35,7 +35,8 @@ from inboxd.files.names import NameFilter
 from inboxd.item import WorkItem
 from inboxd.models.engines.interface import DeviceFault, ModelEngine
 from inboxd.models.engines.local import LocalEngine
-from inboxd.models.model import Model
+from inboxd.models.model import TaskModel
+from inboxd.models.ocr_model import OcrModel
 from inboxd.os_threads import name_this_thread
 from inboxd.pipeline.batcher import Batcher
 from inboxd.pipeline.event_buffer import EventBuffer
@@ -62,7 +63,7 @@ class Pipeline:
     def __init__(
         self,
         config: Config,
-        model: Model,
+        model: TaskModel,
         watch: WatchFn = real_awatch,
         clock: Callable[[], float] = time.monotonic,
         lifecycle: Lifecycle | None = None,
@@ -129,6 +130,9 @@ class Pipeline:
                                   in_flight=capacity.in_flight_batches)
         self.stats.register(self.buffer, self.queue, self.preprocessor, self.cache, self.batcher,
                             self.worker, self.writer, self.writer.committing, self.retry_list)
+        if isinstance(model, OcrModel):  # the OCR task's fan-out: crops for the recogniser
+            model.crops.resize(capacity.ocr_crops)
+            self.stats.register(model.crops)
         self._intake_tasks: list[asyncio.Task[None]] = []
         self._processing_tasks: list[asyncio.Task[None]] = []
         self.crashed: BaseException | None = None
@@ -343,6 +347,8 @@ class Pipeline:
         self.cache.resize(capacity.preprocess_cache, capacity.preprocess_cache_mb)
         self.retry_list.capacity = capacity.retry_list
         self.worker.resize(capacity.in_flight_batches)
+        if isinstance(self.model, OcrModel):
+            self.model.crops.resize(capacity.ocr_crops)
         self.batcher.configure(config.batch.max_size, config.batch.max_delay_ms)
         self.config = self.config.model_copy(
             update={"capacity": capacity, "batch": config.batch, "stats": config.stats}
