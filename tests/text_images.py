@@ -18,10 +18,13 @@ from PIL import Image, ImageDraw, ImageFont
 
 from tests.photos import photo_paths
 
-WORDS = tuple("invoice total amount paid cash card change order table coffee water bread milk "
-              "station platform exit north south street avenue open closed monday friday "
-              "garden museum ticket price number date time room floor hotel market bakery "
-              "receipt welcome thank you please return delivery address account balance".split())
+WORDS = (
+    "invoice", "total", "amount", "paid", "cash", "card", "change", "order", "table", "coffee",
+    "water", "bread", "milk", "station", "platform", "exit", "north", "south", "street", "avenue",
+    "open", "closed", "monday", "friday", "garden", "museum", "ticket", "price", "number", "date",
+    "time", "room", "floor", "hotel", "market", "bakery", "receipt", "welcome", "thank", "you",
+    "please", "return", "delivery", "address", "account", "balance",
+)
 FONTS = ("DejaVuSans.ttf", "DejaVuSans-Bold.ttf", "DejaVuSerif.ttf", "DejaVuSansMono.ttf")
 KINDS = ("document", "receipt", "sign", "photo")
 # EXIF orientation → the transpose that stores an upright image so that a viewer, applying
