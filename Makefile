@@ -85,12 +85,18 @@ $(VENV)/bin/python:
 	  { echo "inboxd needs Python >= 3.11 (found $$($(PYTHON) --version))"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 
+# model: ocr's networks: the files of this wheel, without its requirements (pyproject.toml says
+# why); --ignore-requires-python because the wheel says <3.13 for its code, which is not used.
+OCR_MODELS := rapidocr-onnxruntime==1.4.4
+
 $(VENV)/.runtime-installed: pyproject.toml | system-deps $(VENV)/bin/python
 	$(BIN)/python -m pip install -q -e .
+	$(BIN)/python -m pip install -q --no-deps --ignore-requires-python $(OCR_MODELS)
 	touch $@
 
 $(VENV)/.test-installed: pyproject.toml | system-deps $(VENV)/bin/python
 	$(BIN)/python -m pip install -q -e '.[test,ray,bench]'
+	$(BIN)/python -m pip install -q --no-deps --ignore-requires-python $(OCR_MODELS)
 	touch $(VENV)/.runtime-installed $@
 
 clean:
