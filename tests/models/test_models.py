@@ -489,10 +489,16 @@ def test_readme_example_runs(title: str, tmp_path: Path, photos: dict[str, Path]
     for n, block in enumerate(configs):
         root = tmp_path / f"run{n}"
         model = {**yaml.safe_load(block)["model"], "device": "cpu"}
+        if model.get("name") == "ocr":  # a photo with text in it
+            from tests.text_images import receipt_total
+
+            one = {"total": receipt_total().save(tmp_path)}
         run_pipeline(root, one, model)
         for name, path in one.items():
             document = result(root, name, path)
-            if model.get("output") == "embed":
+            if model.get("name") == "ocr":
+                assert document["ocr"]["full_text"] == "Total 348.20 EUR", document
+            elif model.get("output") == "embed":
                 embedding = document["embedding"]
                 assert vector(root, name, path).shape == (embedding["dim"],)
             else:
