@@ -36,6 +36,7 @@ STAGES: tuple[tuple[str, int, int], ...] = (
     ("flood_memory", 90, 60),
     ("oom_split", 45, 60),
     ("sandbox", 20, 20),
+    ("ocr", 60, 60),
 )
 OK = ("passed", "skipped")
 # Where to look for the NVIDIA driver's files: "/" (a test points it at a fake host's root).

@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from bench.gpu_decode_check import gpu_decode
+from bench.gpu_ocr_check import ocr
 
 REPO = Path(__file__).resolve().parent.parent
 Result = dict[str, Any]
@@ -411,7 +412,7 @@ def sandbox(dry_run: bool, out: Path) -> Result:
 STAGES: dict[str, Callable[[bool, Path], Result]] = {
     "gpu_tests": gpu_tests, "precision": precision, "gpu_decode": gpu_decode,
     "throughput": throughput, "flood_memory": flood_memory, "oom_split": oom_split,
-    "sandbox": sandbox,
+    "sandbox": sandbox, "ocr": ocr,
 }
 
 

@@ -65,6 +65,7 @@ def flood(tmp_path: Path, daemon_factory, files: list[TextImage], capacity: dict
           max_regions: int) -> tuple[dict[str, str], int, list[dict]]:
     """The daemon over ``files`` dropped at once: its last stats record, the largest RSS any
     record gave, and the results."""
+    tmp_path.mkdir()
     config = write_config(tmp_path, model={"name": "ocr", "max_regions": max_regions},
                           capacity=capacity, batch={"max_size": 2})
     daemon = daemon_factory(config)

@@ -33,10 +33,16 @@ STORED_TURNED = {3: Image.Transpose.ROTATE_180, 6: Image.Transpose.ROTATE_90,
                  8: Image.Transpose.ROTATE_270}
 
 
+DEBIAN_FONTS = Path("/usr/share/fonts/truetype/dejavu")
+
+
 @cache
 def font_path(name: str = "DejaVuSans.ttf") -> str:
-    import matplotlib
-
+    """matplotlib's bundled DejaVu, else Debian's fonts-dejavu (a machine without matplotlib)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return str(DEBIAN_FONTS / name)
     return str(Path(matplotlib.get_data_path()) / "fonts" / "ttf" / name)
 
 
