@@ -117,6 +117,16 @@ def exact(read: dict[str, list[str]], drawn: dict[str, list[str]]) -> float:
     return hits / max(1, sum(len(lines) for lines in drawn.values()))
 
 
+def summary(r: dict[str, Any]) -> str:
+    return (f"OCR ({r['files']} generated text images, {r['stored_turned']} stored turned): "
+            f"inboxd {r['inboxd_files_per_s']} files/s, RapidOCR's API in a loop "
+            f"{r['peer_files_per_s']} files/s: ratio {r['ratio']} (turns {r['ratio_by_turn']}); "
+            f"{r['lines_equal']}/{r['peer_lines']} of the peer's lines equal "
+            f"({100 * r['lines_equal_share']:.1f}%); rendered lines read exactly: inboxd "
+            f"{100 * r['inboxd_exact_share']:.1f}%, peer {100 * r['peer_exact_share']:.1f}%; "
+            f"ocr_crops high-water {r['ocr_crops_high_water']}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--count", type=int, default=200)
@@ -155,12 +165,7 @@ def main() -> int:
         "peer_exact_share": round(exact(peer_lines, drawn), 4),
         "ocr_crops_high_water": high_water,
     }
-    print(f"OCR: inboxd {result['inboxd_files_per_s']} files/s, RapidOCR loop "
-          f"{result['peer_files_per_s']} files/s: ratio {result['ratio']} "
-          f"(turns {result['ratio_by_turn']}); {same}/{total} of the peer's lines equal "
-          f"({100 * result['lines_equal_share']:.1f}%); rendered lines read exactly: inboxd "
-          f"{100 * result['inboxd_exact_share']:.1f}%, peer "
-          f"{100 * result['peer_exact_share']:.1f}%", file=sys.stderr)
+    print(summary(result), file=sys.stderr)
     if args.emit:
         print(json.dumps(result))
     return 0
