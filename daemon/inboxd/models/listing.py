@@ -33,6 +33,9 @@ def builtin_lines() -> list[str]:
         f"    input: {describe_input(spec, 'rgb')}",
         f"    outputs: classify {lite.NUM_CLASSES} ImageNet classes, or embed "
         f"{lite.EMBEDDING_DIM}-dim",
+        "  ocr: PP-OCRv4 text detection, angle classifier and recognition in ONNX Runtime, "
+        "from the rapidocr-onnxruntime wheel (model: {name: ocr})",
+        "    outputs: text lines with score and polygon, and full_text",
     ]
 
 
