@@ -43,6 +43,10 @@ BATCH_INDEPENDENCE_TOLERANCE = 1e-3
 
 
 def load_model(config: ModelConfig) -> Model:
+    if config.output == "detect":
+        from inboxd.models.detector import load_detector
+
+        return load_detector(config)
     device = pick_device("cpu" if config.kind == "onnx" and config.device == "auto"
                          else config.device)
     choice = choose_runtime(config, device)
