@@ -137,6 +137,10 @@ class ModelInputConfig(Section):
     # rgb; bgr (channels swapped, for OpenCV/Caffe-trained models); gray (luma, as Pillow's
     # convert("L"), copied onto all three channels, for models trained on greyscale images).
     color: Literal["rgb", "bgr", "gray"] = "rgb"
+    # output: detect: the square the whole photo is fitted into (aspect ratio kept, padded
+    # centred: the letterbox). Unset: an ONNX detector's own fixed input, else 640; for a
+    # torchvision detector the longest side its own transform resizes to.
+    size: Annotated[int, Field(gt=0, le=4096)] | None = None
 
     @field_validator("mean", "std")
     @classmethod
@@ -158,6 +162,21 @@ class ModelInputConfig(Section):
         if self.crop is not None and self.resize is not None and self.crop > self.resize:
             raise ValueError(f"crop ({self.crop}) must not be larger than resize ({self.resize})")
         return self
+
+
+class DetectConfig(Section):
+    """``output: detect``: how a detector's raw output becomes each photo's boxes."""
+
+    # yolo: one output N×(4+classes)×candidates, cx,cy,w,h in the letterboxed input, no NMS
+    # inside (an Ultralytics export); boxes: NMS inside, boxes/scores/labels outputs (or one
+    # N×K×6 output: x0,y0,x1,y1,score,label). auto: told apart from the output shapes, which
+    # start-up refuses when they could be either.
+    layout: Literal["auto", "yolo", "boxes"] = "auto"
+    score_threshold: Annotated[float, Field(ge=0, le=1)] = 0.25
+    iou_threshold: Annotated[float, Field(gt=0, le=1)] = 0.45  # class-wise NMS (yolo layout)
+    # Boxes kept per photo, the best first: the bound on what one photo adds to its result.
+    max_detections: Annotated[int, Field(gt=0, le=10000)] = 100
+    pad_value: Annotated[int, Field(ge=0, le=255)] = 114  # the letterbox's grey, as Ultralytics
 
 
 ModelKind = Literal["builtin", "torchvision", "export", "onnx", "ocr"]
@@ -227,11 +246,12 @@ class ModelConfig(Section):
     num_classes: Positive | None = None  # torchvision: default = the labels count, else 1000
     labels: Path | None = None  # one label per line, or a JSON list
     input: ModelInputConfig = ModelInputConfig()
-    output: Literal["classify", "embed"] = "classify"
+    output: Literal["classify", "embed", "detect"] = "classify"
     top_k: Annotated[int, Field(gt=0, le=1000)] = 5  # classify only
     # name: ocr only: text regions read per photo, the best by the detector's score; a photo
     # with more says how many were cut. RapidOCR's own bound (max_candidates) is 1000.
     max_regions: Annotated[int, Field(gt=0, le=100_000)] = 1000
+    detect: DetectConfig = DetectConfig()
     device: str = "auto"
     # auto: from the device's capability and the runtime (inboxd.models.runtimes.choice says
     # how); the choice and its reason are in the started record. An explicit value wins.
@@ -327,6 +347,10 @@ class ModelConfig(Section):
             self._check_ocr()
         elif self._not_default({"max_regions"}):
             raise ValueError("max_regions only applies to name: ocr")
+        if self.output == "detect" and self.kind not in ("torchvision", "onnx"):
+            raise ValueError("output: detect runs a detector you bring: torchvision: ARCH with "
+                             "weights: PATH, or onnx: PATH (a YOLO-layout or boxes/scores/labels "
+                             "export)")
         if self.torchvision is not None and self.weights is None:
             raise ValueError(
                 "torchvision: needs weights: PATH, a local state_dict file "
@@ -342,8 +366,8 @@ class ModelConfig(Section):
             call_default_factory=True))
 
     def _check_ocr(self) -> None:
-        wrong = self._not_default({"labels", "input", "output", "top_k", "precision",
-                                   "compile", "runtime"})
+        wrong = self._not_default({"labels", "input", "output", "top_k", "detect",
+                                   "precision", "compile", "runtime"})
         if wrong:
             raise ValueError(f"name: ocr brings its own networks, input and output (text lines "
                              f"in ONNX Runtime, fp32): remove {', '.join(wrong)}")

@@ -51,6 +51,10 @@ def load_model(config: ModelConfig) -> TaskModel:
 
 
 def load_network(config: ModelConfig) -> Model:
+    if config.output == "detect":
+        from inboxd.models.detector import load_detector
+
+        return load_detector(config)
     device = pick_device("cpu" if config.kind == "onnx" and config.device == "auto"
                          else config.device)
     choice = choose_runtime(config, device)

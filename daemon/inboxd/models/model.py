@@ -29,6 +29,7 @@ from torch import nn
 from inboxd.config import ConfigError
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.item import DecodedImage
+from inboxd.models.detection import Detections
 from inboxd.models.host_buffers import HostStaging
 from inboxd.models.memory import cuda_memory_fields
 from inboxd.models.ocr.reader import OcrReading
@@ -39,7 +40,7 @@ PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat
 # by 2**16 and rounded), so a ``color: gray`` model sees exactly the pixels Pillow would give.
 _LUMA_WEIGHTS = (19595, 38470, 7471)
 
-Output = Literal["classify", "embed", "ocr"]
+Output = Literal["classify", "embed", "detect", "ocr"]
 Color = Literal["rgb", "bgr", "gray"]
 # One image for the model: H×W×3 uint8 RGB, a host array or a tensor already on the device.
 Pixels = npt.NDArray[np.uint8] | torch.Tensor
@@ -74,7 +75,7 @@ class Embedding:
         return float(np.linalg.norm(self.vector.astype(np.float64)))
 
 
-Prediction = Classification | Embedding | OcrReading
+Prediction = Classification | Embedding | Detections | OcrReading
 
 
 def not_finite(prediction: Prediction) -> str | None:
@@ -87,6 +88,11 @@ def not_finite(prediction: Prediction) -> str | None:
     if isinstance(prediction, OcrReading):
         bad = sum(not math.isfinite(line.score) for line in prediction.lines)
         return f"{bad} of the {len(prediction.lines)} line scores" if bad else None
+    if isinstance(prediction, Detections):
+        bad = sum(not math.isfinite(v) for box, score in zip(prediction.boxes,
+                                                              prediction.scores, strict=True)
+                  for v in (*box, score))
+        return f"{bad} of the detections' box coordinates and scores" if bad else None
     bad = sum(not math.isfinite(float(entry.get("score", 0.0))) for entry in prediction.top_k)
     return f"{bad} of the top-{len(prediction.top_k)} scores" if bad else None
 
@@ -158,6 +164,10 @@ class Model:
 
     ``network`` must already be in eval mode (a ``torch.export`` program cannot be switched).
     """
+
+    # Whether the CUDA launch/collect split (engines/cuda_overlap.py) may run its batches: it
+    # stages equal-sized crops, which a detector's fitted photos are not.
+    batches_overlap = True
 
     def __init__(
         self,

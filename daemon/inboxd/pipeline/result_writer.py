@@ -25,6 +25,7 @@ from inboxd.config import Config
 from inboxd.files.commits import CommitEntry, Commits, Committed
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.item import ModelError, PermanentError, TransientError, WorkItem
+from inboxd.models.detection import Detections
 from inboxd.models.engines.interface import Outcome
 from inboxd.models.model import Embedding, Prediction, TaskModel, not_finite
 from inboxd.models.ocr.reader import OcrReading
@@ -194,7 +195,7 @@ class ResultWriter:
             "device": str(self.model.device),
             "runtime": item.runtime or getattr(self.model, "runtime", "torch"),
             "precision": item.precision or self.model.precision,
-            **self._output(result, item.key),
+            **self._output(result, item),
             "image": image,
             "timings_ms": item.timings_ms(self.clock()),
             "attempts": item.attempts + 1,
@@ -203,10 +204,14 @@ class ResultWriter:
             "inboxd_version": __version__,
         }
 
-    def _output(self, result: Prediction, name: str) -> dict[str, Any]:
+    def _output(self, result: Prediction, item: WorkItem) -> dict[str, Any]:
+        if isinstance(result, Detections):
+            # In the displayed photo's pixels, whatever size the model saw it at.
+            return {"detections": result.in_photo(item.image_info["width"],
+                                                  item.image_info["height"])}
         if isinstance(result, Embedding):
             return {"embedding": {
-                "file": os.path.basename(self.lifecycle.results.vector_file(name)),
+                "file": os.path.basename(self.lifecycle.results.vector_file(item.key)),
                 "dim": result.dim,
                 "norm": round(result.norm, 6),
                 "dtype": str(result.vector.dtype),

@@ -54,8 +54,9 @@ class LocalEngine:
         if fast is not None:
             fast.on_exported = self._swap_soon
         self.warmed_sizes: set[int] = set()
-        use_overlap = model.on_gpu if overlap is None else overlap
-        self.overlap = Overlap(model) if use_overlap and isinstance(model, Model) else None
+        wanted = (isinstance(model, Model) and model.on_gpu and model.batches_overlap
+                  if overlap is None else overlap)
+        self.overlap = Overlap(model) if wanted and isinstance(model, Model) else None
         # Results wait here, so the model thread can launch the next batch meanwhile; a model
         # stage may send a second call while one is out only when that helps (CUDA).
         self.collector = (ThreadPoolExecutor(1, thread_name_prefix=f"{THREAD_NAME_PREFIX}-results",
