@@ -87,6 +87,7 @@ def test_lines_come_in_reading_order() -> None:
     assert [line.text for line in reading.lines] == page.lines
 
 
+@pytest.mark.slow
 def test_a_page_of_small_print_is_cut_to_max_regions_and_crops_stay_within_capacity() -> None:
     model = ocr_model()
     crops = CropLayer(capacity=8)
@@ -103,6 +104,7 @@ def test_a_page_of_small_print_is_cut_to_max_regions_and_crops_stay_within_capac
     assert sum(line.text in words for line in reading.lines) >= 0.9 * len(reading.lines)
 
 
+@pytest.mark.slow
 def test_reads_what_rapidocr_reads() -> None:
     """The reference: RapidOCR's own API on the same upright pixels (its own loader ignores
     EXIF orientation, so it is handed the array): the same lines, the same polygons."""
