@@ -101,7 +101,8 @@ def torchvision_section(files: dict[str, Path], **extra: Any) -> dict[str, Any]:
     ("model:\n  input:\n    resize: 200\n    crop: 224\n",
      "line 2: model.input: Value error, crop (224) must not be larger than resize (200)"),
     ("model:\n  input:\n    colour: rgb\n", "line 3: model.input.colour: Extra inputs"),
-    ("model:\n  output: vectors\n", "line 2: model.output: Input should be 'classify', 'embed' or 'detect'"),
+    ("model:\n  output: vectors\n",
+     "line 2: model.output: Input should be 'classify', 'embed' or 'detect'"),
 ])
 def test_model_config_errors_name_their_yaml_line(text: str, expected: str) -> None:
     with pytest.raises(ConfigError) as caught:

@@ -73,7 +73,17 @@ class Embedding:
         return float(np.linalg.norm(self.vector.astype(np.float64)))
 
 
-Prediction = Classification | Embedding | Detections
+@dataclass
+class TaskResults:
+    """One photo's answer from every task of a ``models:`` config, by task name: a prediction,
+    or the reason that task's model failed on this photo (an exception of its own)."""
+
+    sections: dict[str, Classification | Embedding | Detections | Exception]
+    # How each task ran, for its section: task → (runtime, precision).
+    ran: dict[str, tuple[str, str]]
+
+
+Prediction = Classification | Embedding | Detections | TaskResults
 
 
 def not_finite(prediction: Prediction) -> str | None:
@@ -83,6 +93,8 @@ def not_finite(prediction: Prediction) -> str | None:
     if isinstance(prediction, Embedding):
         bad = int(np.count_nonzero(~np.isfinite(prediction.vector)))
         return f"{bad} of the {prediction.dim} embedding values" if bad else None
+    if isinstance(prediction, TaskResults):
+        return None  # each section is checked on its own (a task's section says it)
     if isinstance(prediction, Detections):
         bad = sum(not math.isfinite(v) for box, score in zip(prediction.boxes,
                                                               prediction.scores, strict=True)
