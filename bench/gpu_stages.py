@@ -28,6 +28,7 @@ import yaml
 
 from bench.gpu_decode_check import gpu_decode
 from bench.gpu_detect_check import detection
+from bench.gpu_ocr_check import ocr
 
 REPO = Path(__file__).resolve().parent.parent
 Result = dict[str, Any]
@@ -412,7 +413,7 @@ def sandbox(dry_run: bool, out: Path) -> Result:
 STAGES: dict[str, Callable[[bool, Path], Result]] = {
     "gpu_tests": gpu_tests, "precision": precision, "gpu_decode": gpu_decode,
     "throughput": throughput, "flood_memory": flood_memory, "oom_split": oom_split,
-    "detection": detection, "sandbox": sandbox,
+    "detection": detection, "sandbox": sandbox, "ocr": ocr,
 }
 
 

@@ -79,6 +79,9 @@ class CapacityConfig(Section):
     # compute of another); engine: ray keeps up to this many in flight across the replicas.
     # The next batch waits here, never in Serve's own queue.
     in_flight_batches: Positive = 4
+    # model: ocr only: crops cut out of a photo and waiting for the recogniser. A photo's
+    # regions are cut this many at a time, so a page of small print holds no more.
+    ocr_crops: Positive = 32
 
 
 class BatchConfig(Section):
@@ -177,7 +180,7 @@ class DetectConfig(Section):
     pad_value: Annotated[int, Field(ge=0, le=255)] = 114  # the letterbox's grey, as Ultralytics
 
 
-ModelKind = Literal["builtin", "torchvision", "export", "onnx"]
+ModelKind = Literal["builtin", "torchvision", "export", "onnx", "ocr"]
 # The environment variable systemd sets for a unit's CacheDirectory= (several: colon-separated).
 CACHE_DIRECTORY_ENV = "CACHE_DIRECTORY"
 
@@ -235,7 +238,8 @@ class ModelConfig(Section):
     ``inboxd.models.loading``.
     """
 
-    name: Literal["efficientnet_lite0"] | None = None
+    # efficientnet_lite0 (ImageNet labels) or ocr (text lines: PP-OCRv4 in ONNX Runtime).
+    name: Literal["efficientnet_lite0", "ocr"] | None = None
     torchvision: str | None = None  # an architecture name from torchvision.models
     export: Path | None = None  # a torch.export .pt2 program
     onnx: Path | None = None  # an ONNX network, run by ONNX Runtime on the CPU
@@ -245,6 +249,9 @@ class ModelConfig(Section):
     input: ModelInputConfig = ModelInputConfig()
     output: Literal["classify", "embed", "detect"] = "classify"
     top_k: Annotated[int, Field(gt=0, le=1000)] = 5  # classify only
+    # name: ocr only: text regions read per photo, the best by the detector's score; a photo
+    # with more says how many were cut. RapidOCR's own bound (max_candidates) is 1000.
+    max_regions: Annotated[int, Field(gt=0, le=100_000)] = 1000
     detect: DetectConfig = DetectConfig()
     device: str = "auto"
     # auto: from the device's capability and the runtime (inboxd.models.runtimes.choice says
@@ -337,6 +344,10 @@ class ModelConfig(Section):
         if self.onnx is not None and self.precision in ("fp16", "bf16"):
             raise ValueError("an onnx: model runs at the precision it was exported with: "
                              "set precision: auto or fp32")
+        if self.name == "ocr":
+            self._check_ocr()
+        elif self._not_default({"max_regions"}):
+            raise ValueError("max_regions only applies to name: ocr")
         if self.output == "detect" and self.kind not in ("torchvision", "onnx"):
             raise ValueError("output: detect runs a detector you bring: torchvision: ARCH with "
                              "weights: PATH, or onnx: PATH (a YOLO-layout or boxes/scores/labels "
@@ -348,8 +359,27 @@ class ModelConfig(Section):
             )
         return self
 
+    def _not_default(self, keys: set[str]) -> list[str]:
+        """Which of ``keys`` hold other than their defaults (a config comes back from the
+        commit process as a full dump, so being set says nothing)."""
+        fields = type(self).model_fields
+        return sorted(key for key in keys if getattr(self, key) != fields[key].get_default(
+            call_default_factory=True))
+
+    def _check_ocr(self) -> None:
+        wrong = self._not_default({"labels", "input", "output", "top_k", "detect",
+                                   "precision", "compile", "runtime"})
+        if wrong:
+            raise ValueError(f"name: ocr brings its own networks, input and output (text lines "
+                             f"in ONNX Runtime, fp32): remove {', '.join(wrong)}")
+        if self.engine == "ray":
+            raise ValueError("name: ocr runs in this process (engine: local); engine: ray "
+                             "serves classifiers and embedders")
+
     @property
     def kind(self) -> ModelKind:
+        if self.name == "ocr":
+            return "ocr"
         if self.torchvision is not None:
             return "torchvision"
         if self.export is not None:

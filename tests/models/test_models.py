@@ -492,15 +492,23 @@ def test_readme_example_runs(title: str, tmp_path: Path, photos: dict[str, Path]
         given = yaml.safe_load(block)
         if "models" in given:  # several tasks: each task's section as a one-model result
             tasks = {task: {**b, "device": "cpu"} for task, b in given["models"].items()}
-            run_pipeline(root, one, None, models=tasks)
         else:
             tasks = {"": {**given["model"], "device": "cpu"}}
+        if any(model.get("name") == "ocr" for model in tasks.values()):  # a photo with text
+            from tests.text_images import receipt_total
+
+            one = {"total": receipt_total().save(tmp_path)}
+        if "models" in given:
+            run_pipeline(root, one, None, models=tasks)
+        else:
             run_pipeline(root, one, tasks[""])
         for name, path in one.items():
             document = result(root, name, path)
             for task, model in tasks.items():
                 section = document[task] if task else document
-                if model.get("output") == "embed":
+                if model.get("name") == "ocr":
+                    assert section["ocr"]["full_text"] == "Total 348.20 EUR", document
+                elif model.get("output") == "embed":
                     embedding = section["embedding"]
                     assert vector(root, name, path).shape == (embedding["dim"],)
                 elif model.get("output") == "detect":

@@ -135,6 +135,7 @@ def tasks_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_config(root, model=None, models={
         "labels": {"name": "efficientnet_lite0", "runtime": "torch", "precision": "fp32",
                    "top_k": 3},
+        "text": {"name": "ocr"},
         "things": {"onnx": str(onnx), "output": "detect", "labels": str(labels),
                    "detect": {"score_threshold": detectors.SCORE_THRESHOLD}}})
 
@@ -143,8 +144,12 @@ def tasks_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_one_result_holds_every_task_s_section_and_a_task_s_failure_leaves_the_rest(
         tasks_config: Path) -> None:
     root = tasks_config.parent
+    from tests.text_images import receipt_total
+
+    (root / "models").mkdir(exist_ok=True)
     photos = {"dark.png": png((640, 480), 20), "noisy.png": png((500, 800)),
-              "bright.png": png((640, 480), 250)}
+              "bright.png": png((640, 480), 250),
+              "receipt.png": receipt_total().save(root / "models").read_bytes()}
     for name, data in photos.items():
         (root / "inbox" / name).write_bytes(data)
     done = subprocess.run([sys.executable, "-m", "inboxd", "once", "-c", str(tasks_config)],
@@ -153,11 +158,14 @@ def test_one_result_holds_every_task_s_section_and_a_task_s_failure_leaves_the_r
     for name in photos:
         result = json.loads((root / "results" / f"{name}.json").read_text())
         assert "top_k" not in result and "model" not in result  # sections only
-        labels, things = result["labels"], result["things"]
+        labels, things, text = result["labels"], result["things"], result["text"]
+        assert text["model"] == "ocr" and "full_text" in text["ocr"]
+        if name == "receipt.png":
+            assert text["ocr"]["full_text"] == "Total 348.20 EUR"
         assert labels["model"] == "efficientnet_lite0" and len(labels["top_k"]) == 3
         assert things["model"] == "yolo.onnx" and things["runtime"] == "onnxruntime"
         width, height = result["image"]["width"], result["image"]["height"]
-        if name == "bright.png":
+        if name == "bright.png":  # the detector raises on it
             assert "detections" not in things
             assert things["reason_class"] == "model"
             assert "the model failed on this input" in things["error"]

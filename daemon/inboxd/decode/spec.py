@@ -12,8 +12,10 @@ ResizeMode = Literal["fast", "exact"]
 # fit: the whole photo scaled to fit a square, aspect ratio kept, nothing cut and nothing padded
 # (detectors, OCR): what a model that says *where* things are needs, since a crop would lose
 # the edges and the model side pads each batch to its input (the letterbox) on its device.
-InputKind = Literal["center_crop", "fit"]
-INPUT_KINDS: tuple[InputKind, ...] = ("center_crop", "fit")
+# fit_within: as fit, but only ever smaller: a photo already inside the square keeps its pixels
+# (OCR: its detector sizes its own input from the photo's, and an enlarged photo reads otherwise).
+InputKind = Literal["center_crop", "fit", "fit_within"]
+INPUT_KINDS: tuple[InputKind, ...] = ("center_crop", "fit", "fit_within")
 
 
 def resize_mode(value: object) -> ResizeMode:
@@ -74,6 +76,8 @@ class PreprocessSpec:
         """(width, height) of what a ``width``×``height`` (displayed) photo becomes."""
         if self.kind == "center_crop":
             return self.crop, self.crop
+        if self.kind == "fit_within" and max(width, height) <= self.crop:
+            return width, height
         return fit_size(width, height, self.crop)
 
     def accepts_shape(self, shape: tuple[int, ...]) -> bool:
@@ -84,7 +88,7 @@ class PreprocessSpec:
         if self.kind == "center_crop":
             return shape[0] == shape[1] == self.crop
         return 1 <= shape[0] <= self.crop and 1 <= shape[1] <= self.crop \
-            and max(shape[0], shape[1]) == self.crop
+            and (self.kind == "fit_within" or max(shape[0], shape[1]) == self.crop)
 
     def draft_scale(self, width: int, height: int, margin: float) -> float:
         """The scale (≤ 1) a JPEG may be decoded at by DCT scaling: ``margin`` times what the

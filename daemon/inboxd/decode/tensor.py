@@ -88,7 +88,7 @@ def resized_size(width: int, height: int, spec: PreprocessSpec) -> tuple[int, in
 def fits(header: JpegHeader, spec: PreprocessSpec) -> bool:
     """False for extreme aspect ratios, which the CPU path handles in bounded memory (``fit``
     is bounded by its square whatever the ratio)."""
-    if spec.kind == "fit":
+    if spec.kind != "center_crop":
         return True
     new_w, new_h = resized_size(*header.oriented_size, spec)
     return new_w * new_h <= FULL_RESIZE_MAX_RATIO * spec.resize**2
@@ -117,7 +117,7 @@ def resize_and_crop(image: torch.Tensor, spec: PreprocessSpec) -> torch.Tensor:
     """C×H×W uint8 → ``crop``×``crop``×3 uint8 (H×W×C, contiguous), as ``decode/pillow.py``;
     for a ``fit`` spec, the whole image within ``crop``² (``decode/pillow.py``'s resize_to_fit)."""
     height, width = image.shape[-2:]
-    if spec.kind == "fit":
+    if spec.kind != "center_crop":
         return resize_to_fit(image, spec)
     new_w, new_h = resized_size(width, height, spec)
     mode = MODES[spec.interpolation]

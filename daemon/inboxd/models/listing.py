@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from inboxd.config import Config
 from inboxd.decode.spec import PreprocessSpec
-from inboxd.models.model import Model
+from inboxd.models.model import Model, TaskModel
 
 
 def describe_input(spec: PreprocessSpec, color: str) -> str:
@@ -37,12 +37,27 @@ def builtin_lines() -> list[str]:
         f"    input: {describe_input(spec, 'rgb')}",
         f"    outputs: classify {lite.NUM_CLASSES} ImageNet classes, or embed "
         f"{lite.EMBEDDING_DIM}-dim",
+        "  ocr: PP-OCRv4 text detection, angle classifier and recognition in ONNX Runtime, "
+        "from the rapidocr-onnxruntime wheel (model: {name: ocr})",
+        "    outputs: text lines with score and polygon, and full_text",
     ]
 
 
-def configured_lines(config: Config, model: Model, where: str) -> list[str]:
+def configured_lines(config: Config, model: TaskModel, where: str) -> list[str]:
     info = model.info
     assert info is not None
+    if not isinstance(model, Model):
+        return [
+            f"configured ({where}):",
+            f"  {model.name}: {info.source}",
+            f"    input: the photo fitted within {model.spec.crop} px (never enlarged), "
+            "EXIF orientation applied",
+            f"    output: ocr: text lines with score and polygon (displayed pixels) and "
+            f"full_text; at most {config.model.max_regions} regions per photo, "
+            f"{config.capacity.ocr_crops} crops waiting for the recogniser",
+            f"    runs on: {model.device} (ONNX Runtime), precision {model.precision}, "
+            f"up to {config.batch.max_size} photos per batch",
+        ]
     if model.output == "classify":
         labels = config.model.labels or "ImageNet class names"
         output = f"classify: top {model.top_k} of {info.outputs} classes (labels: {labels})"

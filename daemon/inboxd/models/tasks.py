@@ -17,9 +17,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from inboxd.item import PermanentError, TransientError, WorkItem
-from inboxd.models.detection import Detections
 from inboxd.models.engines.interface import ModelEngine, Outcome
-from inboxd.models.model import Classification, Embedding, Model, Prediction, TaskResults
+from inboxd.models.model import Prediction, TaskAnswer, TaskModel, TaskResults
 
 
 class TaskLayer:
@@ -51,7 +50,7 @@ class TaskLayer:
 class TasksEngine:
     """The model engine of a ``models:`` config: every task's engine behind one interface."""
 
-    def __init__(self, models: dict[str, Model], engines: dict[str, ModelEngine],
+    def __init__(self, models: dict[str, TaskModel], engines: dict[str, ModelEngine],
                  in_flight: int) -> None:
         self.models = models
         self.engines = engines
@@ -111,7 +110,7 @@ def joined(item: WorkItem, outcomes: dict[str, tuple[WorkItem, Prediction | Exce
     for _, outcome in outcomes.values():
         if isinstance(outcome, TransientError):
             return item, outcome
-    sections: dict[str, Classification | Embedding | Detections | Exception] = {}
+    sections: dict[str, TaskAnswer | Exception] = {}
     ran: dict[str, tuple[str, str]] = {}
     for task, (twin, outcome) in outcomes.items():
         if isinstance(outcome, PermanentError):
@@ -131,7 +130,7 @@ def task_names(models: Sequence[str]) -> str:
     return ",".join(models)
 
 
-def memory_fields(models: dict[str, Model]) -> dict[str, Any]:
+def memory_fields(models: dict[str, TaskModel]) -> dict[str, Any]:
     """The CUDA figures of the first model on a GPU (the tasks share one device's memory)."""
     for model in models.values():
         if model.on_gpu:

@@ -28,13 +28,14 @@ from inboxd.item import ModelError, PermanentError, TransientError, WorkItem
 from inboxd.models.detection import Detections
 from inboxd.models.engines.interface import Outcome
 from inboxd.models.model import (
-    Classification,
     Embedding,
-    Model,
     Prediction,
+    TaskAnswer,
+    TaskModel,
     TaskResults,
     not_finite,
 )
+from inboxd.models.ocr.reader import OcrReading
 from inboxd.pipeline.outcomes import Outcomes, RunIO, utc_now
 
 HANDOFF_BATCHES = 1
@@ -75,13 +76,13 @@ class ResultWriter:
     def __init__(
         self,
         config: Config,
-        model: Model,
+        model: TaskModel,
         lifecycle: Lifecycle,
         commits: Commits,
         outcomes: Outcomes,
         run_io: RunIO[Any],
         clock: Callable[[], float],
-        tasks: dict[str, Model] | None = None,
+        tasks: dict[str, TaskModel] | None = None,
     ) -> None:
         self.config = config
         self.model = model
@@ -255,13 +256,15 @@ class ResultWriter:
                 "norm": round(result.norm, 6),
                 "dtype": str(result.vector.dtype),
             }}
+        if isinstance(result, OcrReading):
+            return {"ocr": result.as_json()}
         assert not isinstance(result, TaskResults)
         return {"top_k": result.top_k}
 
 
 def _checked_sections(result: TaskResults) -> TaskResults:
     """A section whose numbers are not finite becomes that task's model error."""
-    sections: dict[str, Classification | Embedding | Detections | Exception] = {}
+    sections: dict[str, TaskAnswer | Exception] = {}
     for task, outcome in result.sections.items():
         why = None if isinstance(outcome, Exception) else not_finite(outcome)
         sections[task] = outcome if why is None else ModelError(

@@ -35,7 +35,8 @@ from inboxd.files.names import NameFilter
 from inboxd.item import WorkItem
 from inboxd.models.engines.interface import DeviceFault, ModelEngine
 from inboxd.models.engines.local import LocalEngine
-from inboxd.models.model import Model
+from inboxd.models.model import TaskModel
+from inboxd.models.ocr_model import OcrModel
 from inboxd.models.tasks import TasksEngine
 from inboxd.models.tasks import memory_fields as task_memory_fields
 from inboxd.os_threads import name_this_thread
@@ -64,18 +65,20 @@ class Pipeline:
     def __init__(
         self,
         config: Config,
-        model: Model,
+        model: TaskModel,
         watch: WatchFn = real_awatch,
         clock: Callable[[], float] = time.monotonic,
         lifecycle: Lifecycle | None = None,
         engine: ModelEngine | None = None,
-        tasks: dict[str, Model] | None = None,
+        tasks: dict[str, TaskModel] | None = None,
     ) -> None:
         """``tasks``: a ``models:`` config's models by task name (``model`` is then the first),
         each photo decoded once for all of them and answered in one result."""
         self.config = config
         self.model = model
         self.tasks = tasks
+        # Every task's model (the one model: alone without models:).
+        self.models: list[TaskModel] = list(tasks.values()) if tasks is not None else [model]
         self.clock = clock
         capacity = config.capacity
         self.stats = Stats(clock)
@@ -144,6 +147,10 @@ class Pipeline:
                             self.worker, self.writer, self.writer.committing, self.retry_list)
         if isinstance(self.engine, TasksEngine):
             self.stats.register(*self.engine.layers.values())
+        for each in self.models:
+            if isinstance(each, OcrModel):  # the OCR task's fan-out: crops for the recogniser
+                each.crops.resize(capacity.ocr_crops)
+                self.stats.register(each.crops)
         self._intake_tasks: list[asyncio.Task[None]] = []
         self._processing_tasks: list[asyncio.Task[None]] = []
         self.crashed: BaseException | None = None
@@ -358,6 +365,9 @@ class Pipeline:
         self.cache.resize(capacity.preprocess_cache, capacity.preprocess_cache_mb)
         self.retry_list.capacity = capacity.retry_list
         self.worker.resize(capacity.in_flight_batches)
+        for each in self.models:
+            if isinstance(each, OcrModel):
+                each.crops.resize(capacity.ocr_crops)
         self.batcher.configure(config.batch.max_size, config.batch.max_delay_ms)
         self.config = self.config.model_copy(
             update={"capacity": capacity, "batch": config.batch, "stats": config.stats}

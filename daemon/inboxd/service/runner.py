@@ -28,7 +28,7 @@ from inboxd.models import faults
 from inboxd.models.device import device_fields, with_device_defaults
 from inboxd.models.engines.choice import load_here, make_engine
 from inboxd.models.fast_path import runtime_fields
-from inboxd.models.model import Model
+from inboxd.models.model import TaskModel
 from inboxd.models.tasks import TasksEngine
 from inboxd.pipeline.stalls import DEFAULT_PATIENCE_S
 from inboxd.pipeline.wiring import Pipeline
@@ -42,7 +42,7 @@ STATUS_EVERY_S = 2.0
 LIVE_SECTIONS = ("capacity", "batch", "stats")
 
 
-def load_tasks(config: Config) -> dict[str, Model]:
+def load_tasks(config: Config) -> dict[str, TaskModel]:
     """A ``models:`` config's models by task name ({} for one ``model:``), each checked as a
     ``model:`` is; a problem names the task's key."""
     if config.models is None:
