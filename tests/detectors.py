@@ -46,10 +46,12 @@ def candidates_array() -> np.ndarray:
 
 
 def yolo_onnx(path: Path, fixed_batch: int | None = None, side: int = SIDE,
-              packed: bool = False) -> Path:
+              packed: bool = False, fails_above_mean: float | None = None) -> Path:
     """The constant detector as an ONNX file (batch axis dynamic unless ``fixed_batch``).
     ``packed``: the boxes layout instead, one N×K×6 output (x0, y0, x1, y1, score, label),
-    the survivors as an export with NMS inside would give them."""
+    the survivors as an export with NMS inside would give them. ``fails_above_mean``: ONNX
+    Runtime raises on a batch holding an image whose letterbox is brighter on average (0-1)
+    than that, a real model error on one input (an Expand to a shape that cannot broadcast)."""
     batch: int | str = fixed_batch if fixed_batch is not None else "batch"
     image = helper.make_tensor_value_info("images", TensorProto.FLOAT, [batch, 3, side, side])
     if packed:
@@ -65,7 +67,8 @@ def yolo_onnx(path: Path, fixed_batch: int | None = None, side: int = SIDE,
         helper.make_node("ReduceMean", ["images", "axes"], ["mean"], keepdims=1),
         helper.make_node("Reshape", ["mean", "shape"], ["per_image"]),
         helper.make_node("Mul", ["per_image", "zero"], ["zeros"]),
-        helper.make_node("Add", ["zeros", "rows"], ["output0"]),
+        helper.make_node("Add", ["zeros", "rows"], ["output0" if fails_above_mean is None
+                                                    else "constant"]),
     ]
     initializers = [
         numpy_helper.from_array(np.array([1, 2, 3], dtype=np.int64), "axes"),
@@ -73,6 +76,29 @@ def yolo_onnx(path: Path, fixed_batch: int | None = None, side: int = SIDE,
         numpy_helper.from_array(np.zeros((1,), dtype=np.float32), "zero"),
         numpy_helper.from_array(rows, "rows"),
     ]
+    if fails_above_mean is not None:
+        # rows × (1 + floor(brightest mean / limit)): the output's own row count while every
+        # image is darker than the limit, twice it (which cannot broadcast) otherwise.
+        nodes += [
+            helper.make_node("ReduceMax", ["per_image"], ["brightest"], keepdims=0),
+            helper.make_node("Div", ["brightest", "limit"], ["ratio"]),
+            helper.make_node("Floor", ["ratio"], ["floor"]),
+            helper.make_node("Cast", ["floor"], ["times"], to=TensorProto.INT64),
+            helper.make_node("Add", ["times", "one"], ["factor"]),
+            helper.make_node("Mul", ["factor", "row_count"], ["rows_wanted"]),
+            helper.make_node("Reshape", ["rows_wanted", "one_dim"], ["rows_1d"]),
+            helper.make_node("Concat", ["one", "rows_1d", "candidate_count"], ["target"],
+                             axis=0),
+            helper.make_node("Expand", ["constant", "target"], ["output0"]),
+        ]
+        initializers += [
+            numpy_helper.from_array(np.array(fails_above_mean, dtype=np.float32), "limit"),
+            numpy_helper.from_array(np.array([1], dtype=np.int64), "one"),
+            numpy_helper.from_array(np.array([1], dtype=np.int64), "one_dim"),
+            numpy_helper.from_array(np.array(rows.shape[1], dtype=np.int64), "row_count"),
+            numpy_helper.from_array(np.array([rows.shape[2]], dtype=np.int64),
+                                    "candidate_count"),
+        ]
     graph = helper.make_graph(nodes, "constant_detector", [image], [output], initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     model.ir_version = 9

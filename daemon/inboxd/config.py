@@ -11,6 +11,7 @@ file is reading the whole configuration surface.
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -473,6 +474,9 @@ class Config(Section):
     batch: BatchConfig = BatchConfig()
     preprocess: PreprocessConfig = PreprocessConfig()
     model: ModelConfig = ModelConfig()
+    # Several tasks per photo: task name → model block (in place of model:). Each photo is
+    # decoded once and its result has one section per task, under the task's name.
+    models: dict[str, ModelConfig] | None = None
     retry: RetryPolicyConfig = RetryPolicyConfig()
     stats: StatsConfig = StatsConfig()
     shutdown: ShutdownConfig = ShutdownConfig()
@@ -489,6 +493,31 @@ class Config(Section):
                              "_ . @ - and not starting with a dot (e.g. gpu0)")
         return instance
 
+    @field_validator("models")
+    @classmethod
+    def _tasks(cls, models: dict[str, ModelConfig] | None) -> dict[str, ModelConfig] | None:
+        if models is None:
+            return None
+        if not 1 <= len(models) <= MAX_TASKS:
+            raise ValueError(f"models: name 1 to {MAX_TASKS} tasks (task name: model block)")
+        for task, block in models.items():
+            if not re.fullmatch(TASK_NAME, task) or task in RESULT_FIELDS:
+                raise ValueError(f"models: task name {task!r}: lower-case letters, digits and _ "
+                                 f"(starting with a letter), none of the result's own fields "
+                                 f"({', '.join(sorted(RESULT_FIELDS))})")
+            if block.engine != "local":
+                raise ValueError(f"models.{task}: engine: ray serves one model: block; with "
+                                 "models: every task runs in this process")
+        if sum(block.output == "embed" for block in models.values()) > 1:
+            raise ValueError("models: at most one task may have output: embed (its vector is "
+                             "the one .npy file beside the result)")
+        return models
+
+    @property
+    def tasks(self) -> dict[str, ModelConfig]:
+        """Every task's model block: ``models:``, or ``model:`` alone under its own name."""
+        return self.models if self.models is not None else {"model": self.model}
+
     def resolved(self, base: Path) -> Config:
         """Relative paths resolve against ``base`` (the working directory), once, at load."""
 
@@ -500,17 +529,23 @@ class Config(Section):
         metrics = self.metrics.model_copy(
             update={"textfile": absolute(textfile) if textfile is not None else None})
         results_dir = absolute(self.results_dir)
-        model = self.model
-        if model.cache_dir is None:
-            from_systemd = os.environ.get(CACHE_DIRECTORY_ENV, "").split(":")[0]
-            cache_dir = absolute(Path(from_systemd)) if from_systemd else (
-                results_dir.parent / "cache")
-            model = model.model_copy(update={"cache_dir": cache_dir})
+        from_systemd = os.environ.get(CACHE_DIRECTORY_ENV, "").split(":")[0]
+        cache_dir = absolute(Path(from_systemd)) if from_systemd else (
+            results_dir.parent / "cache")
+
+        def cached(model: ModelConfig) -> ModelConfig:
+            if model.cache_dir is not None:
+                return model
+            return model.model_copy(update={"cache_dir": cache_dir})
+
+        models = (None if self.models is None
+                  else {task: cached(block) for task, block in self.models.items()})
         return self.model_copy(
             update={
                 "inbox": inbox,
                 "metrics": metrics,
-                "model": model,
+                "model": cached(self.model),
+                "models": models,
                 "results_dir": results_dir,
                 "done_dir": absolute(self.done_dir),
                 "failed_dir": absolute(self.failed_dir),
@@ -521,6 +556,16 @@ class Config(Section):
         """The name a file's outcome is filed under: its path in the inbox, prefixed with the
         inbox's folder name when there are several inboxes."""
         return f"{inbox.name}/{rel}" if len(self.inbox.paths) > 1 else rel
+
+
+MAX_TASKS = 8
+TASK_NAME = r"[a-z][a-z0-9_]{0,31}"
+# The result's own top-level fields: a task's section cannot take one of their names.
+RESULT_FIELDS = frozenset({
+    "source", "sha256", "size_bytes", "source_identity", "model", "device", "runtime",
+    "precision", "top_k", "embedding", "detections", "image", "timings_ms", "attempts",
+    "instance", "completed_at", "inboxd_version", "error",
+})
 
 
 class ConfigError(Exception):
@@ -591,6 +636,9 @@ def parse_config(text: str, source: str, overrides: dict[str, Any] | None = None
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(source, ["line 1: the top level must be a mapping of keys"])
+    if data.get("models") is not None and "model" in data:
+        # Asked of the file, not of the Config (whose dump, handed to a child, has both).
+        raise ConfigError(source, ["give model: (one task) or models: (several), not both"])
     if (nul_at := _nul_in(data, ())) is not None:
         # A YAML escape ("\0") puts a NUL where no path or name can hold one: every later
         # os call would raise ValueError, not a problem the user can read.

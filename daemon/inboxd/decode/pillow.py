@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import io
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -76,18 +77,20 @@ def _taken_names() -> str:
     return ", ".join(fmt.name for fmt in formats.decodable())
 
 
-def decode_image(data: bytes | BinaryIO, spec: PreprocessSpec, max_pixels: int) -> DecodedImage:
+def decode_image(data: bytes | BinaryIO, spec: PreprocessSpec, max_pixels: int,
+                 others: Sequence[PreprocessSpec] = ()) -> DecodedImage:
     """Bytes (or a file open at its start) → RGB uint8 image, the way the model was trained to
     see it: a crop of ``spec.crop``², or (``fit``) the whole photo within ``spec.crop``²
     (``spec.resize_mode`` says how exactly). The image's width and height are the displayed
     photo's (EXIF applied), so that geometry found in the pixels can be mapped back to it."""
-    return decode_resized(data, spec, max_pixels, RESIZINGS[spec.resize_mode])
+    return decode_resized(data, spec, max_pixels, RESIZINGS[spec.resize_mode], others)
 
 
 def decode_resized(data: bytes | BinaryIO, spec: PreprocessSpec, max_pixels: int,
-                   resizing: Resizing) -> DecodedImage:
+                   resizing: Resizing, others: Sequence[PreprocessSpec] = ()) -> DecodedImage:
     """``decode_image`` with the resizing given (the benchmark and the fidelity test compare
-    others)."""
+    others). ``others``: further specs (other tasks') made from the same decode, which is
+    drafted for the one that needs the most pixels."""
     source = io.BytesIO(data) if isinstance(data, bytes) else data
     prefix = source.read(len(jxl_header.CONTAINER_SIGNATURE))
     if prefix == b"":
@@ -113,16 +116,16 @@ def decode_resized(data: bytes | BinaryIO, spec: PreprocessSpec, max_pixels: int
                 # the resize target, so that the antialiased resize after it still sees enough
                 # pixels: drafting right down to the target (DCT scaling in place of the
                 # antialiased resize) moves scores past the contract (docs/decisions.md).
-                scale = spec.draft_scale(width, height, resizing.draft_margin)
+                scale = max(s.draft_scale(width, height, resizing.draft_margin)
+                            for s in (spec, *others))
                 opened.draft("RGB", (max(1, round(width * scale)), max(1, round(height * scale))))
             opened.load()
             # In place: a copy of every unrotated image would double the peak for nothing.
             ImageOps.exif_transpose(opened, in_place=True)
             image = to_rgb(opened)
             oriented_w, oriented_h = _oriented_size(width, height, image)
-            pixels = (resize_and_crop(image, spec, resizing.reducing_gap)
-                      if spec.kind == "center_crop"
-                      else resize_to_fit(image, spec, resizing.reducing_gap))
+            pixels = resized(image, spec, resizing.reducing_gap)
+            more = tuple(resized(image, other, resizing.reducing_gap) for other in others)
     except PermanentError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
@@ -147,7 +150,15 @@ def decode_resized(data: bytes | BinaryIO, spec: PreprocessSpec, max_pixels: int
         raise PermanentError("the JPEG XL decoder could not decode this image: corrupt or "
                              "truncated, or it needs more memory than "
                              "preprocess.decode_memory_mb allows") from exc
-    return DecodedImage(pixels, oriented_w, oriented_h, source_format, source_mode)
+    return DecodedImage(pixels, oriented_w, oriented_h, source_format, source_mode,
+                        others=more)
+
+
+def resized(image: Image.Image, spec: PreprocessSpec,
+            reducing_gap: float | None) -> np.ndarray:
+    if spec.kind == "center_crop":
+        return resize_and_crop(image, spec, reducing_gap)
+    return resize_to_fit(image, spec, reducing_gap)
 
 
 def _check_pixels(width: int, height: int, max_pixels: int) -> None:

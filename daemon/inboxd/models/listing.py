@@ -13,6 +13,10 @@ from inboxd.models.model import Model, TaskModel
 
 def describe_input(spec: PreprocessSpec, color: str) -> str:
     channels = {"rgb": "RGB", "bgr": "BGR", "gray": "grey (luma on all 3 channels)"}[color]
+    if spec.kind == "fit":
+        return (f"each photo fitted whole into {spec.crop}×{spec.crop} ({spec.interpolation}, "
+                f"aspect ratio kept), {channels}, mean {list(spec.mean)}, std "
+                f"{list(spec.std)} (0-1 scale)")
     return (f"N×3×{spec.crop}×{spec.crop} float32, {channels}: shorter side resized to "
             f"{spec.resize} ({spec.interpolation}), center crop {spec.crop}, "
             f"mean {list(spec.mean)}, std {list(spec.std)} (0-1 scale)")
@@ -57,6 +61,12 @@ def configured_lines(config: Config, model: TaskModel, where: str) -> list[str]:
     if model.output == "classify":
         labels = config.model.labels or "ImageNet class names"
         output = f"classify: top {model.top_k} of {info.outputs} classes (labels: {labels})"
+    elif model.output == "detect":
+        detect = config.model.detect
+        output = (f"detect: up to {detect.max_detections} boxes per photo of {info.outputs} "
+                  f"classes, score > {detect.score_threshold}, class-wise NMS at IoU "
+                  f"{detect.iou_threshold} where the model has none inside; boxes in the "
+                  "displayed photo's pixels")
     else:
         output = (f"embed: a {info.outputs}-dim float32 vector per image, written as "
                   "<results_dir>/<file>.npy")

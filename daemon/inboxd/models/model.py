@@ -75,7 +75,21 @@ class Embedding:
         return float(np.linalg.norm(self.vector.astype(np.float64)))
 
 
-Prediction = Classification | Embedding | Detections | OcrReading
+# What one task says about one photo.
+TaskAnswer = Classification | Embedding | Detections | OcrReading
+
+
+@dataclass
+class TaskResults:
+    """One photo's answer from every task of a ``models:`` config, by task name: a prediction,
+    or the reason that task's model failed on this photo (an exception of its own)."""
+
+    sections: dict[str, TaskAnswer | Exception]
+    # How each task ran, for its section: task → (runtime, precision).
+    ran: dict[str, tuple[str, str]]
+
+
+Prediction = TaskAnswer | TaskResults
 
 
 def not_finite(prediction: Prediction) -> str | None:
@@ -85,6 +99,8 @@ def not_finite(prediction: Prediction) -> str | None:
     if isinstance(prediction, Embedding):
         bad = int(np.count_nonzero(~np.isfinite(prediction.vector)))
         return f"{bad} of the {prediction.dim} embedding values" if bad else None
+    if isinstance(prediction, TaskResults):
+        return None  # each section is checked on its own (a task's section says it)
     if isinstance(prediction, OcrReading):
         bad = sum(not math.isfinite(line.score) for line in prediction.lines)
         return f"{bad} of the {len(prediction.lines)} line scores" if bad else None
