@@ -155,6 +155,9 @@ class TaskModel(Protocol):
     def on_gpu(self) -> bool: ...
 
     @property
+    def batches_overlap(self) -> bool: ...
+
+    @property
     def runtime(self) -> str: ...
 
     @property

@@ -43,6 +43,7 @@ class OcrModel:
     choice: Any = None
     runtime = "onnxruntime"
     precision = "fp32"
+    batches_overlap = False  # ONNX Runtime's own sessions: nothing of torch's split applies
 
     def __init__(self, reader: OcrReader, device: torch.device, providers: list[str],
                  note: str | None, assets: OcrAssets) -> None:

@@ -25,6 +25,7 @@ import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import torch
 
@@ -54,9 +55,10 @@ class LocalEngine(ModelEngine):
         if fast is not None:
             fast.on_exported = self._swap_soon
         self.warmed_sizes: set[int] = set()
-        wanted = (isinstance(model, Model) and model.on_gpu and model.batches_overlap
-                  if overlap is None else overlap)
-        self.overlap = Overlap(model) if wanted and isinstance(model, Model) else None
+        wanted = model.on_gpu and model.batches_overlap if overlap is None else overlap
+        # The launch/collect split drives torch on the device: only a Model wants it (an
+        # OcrModel says batches_overlap False), or a test's stand-in for one that forces it.
+        self.overlap = Overlap(cast(Model, model)) if wanted else None
         # Results wait here, so the model thread can launch the next batch meanwhile; a model
         # stage may send a second call while one is out only when that helps (CUDA).
         self.collector = (ThreadPoolExecutor(1, thread_name_prefix=f"{THREAD_NAME_PREFIX}-results",
