@@ -115,7 +115,7 @@ def decode_resized(data: bytes | BinaryIO, spec: PreprocessSpec, max_pixels: int
                 # Let libjpeg decode at 1/2, 1/4 or 1/8 scale, but only down to a margin above
                 # the resize target, so that the antialiased resize after it still sees enough
                 # pixels: drafting right down to the target (DCT scaling in place of the
-                # antialiased resize) moves scores past the contract (bench/RESULTS.md).
+                # antialiased resize) moves scores past the contract (docs/decisions.md).
                 scale = max(s.draft_scale(width, height, resizing.draft_margin)
                             for s in (spec, *others))
                 opened.draft("RGB", (max(1, round(width * scale)), max(1, round(height * scale))))

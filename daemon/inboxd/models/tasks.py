@@ -47,21 +47,24 @@ class TaskLayer:
         self.size_now -= 1
 
 
-class TasksEngine:
+class TasksEngine(ModelEngine):
     """The model engine of a ``models:`` config: every task's engine behind one interface."""
 
     def __init__(self, models: dict[str, TaskModel], engines: dict[str, ModelEngine],
                  in_flight: int) -> None:
         self.models = models
         self.engines = engines
-        self.parallel_calls = all(getattr(e, "parallel_calls", False) for e in engines.values())
+        self.parallel_calls = all(e.parallel_calls for e in engines.values())
+        # The slowest task's own limit on a call: a batch waits for every task.
+        self.call_limit_s = max((e.call_limit_s for e in engines.values()), default=0.0)
         bound = in_flight if self.parallel_calls else 1
         self.layers = {task: TaskLayer(task, bound) for task in engines}
 
-    @property
-    def call_limit_s(self) -> float:
-        return max((float(getattr(e, "call_limit_s", 0.0)) for e in self.engines.values()),
-                   default=0.0)
+    def stats_fields(self) -> dict[str, Any]:
+        fields: dict[str, Any] = {}
+        for engine in self.engines.values():
+            fields.update(engine.stats_fields())
+        return fields
 
     async def warm_up(self, max_size: int) -> tuple[list[int], float]:
         sizes: set[int] = set()
