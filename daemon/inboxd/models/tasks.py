@@ -55,14 +55,16 @@ class TasksEngine(ModelEngine):
         self.models = models
         self.engines = engines
         self.parallel_calls = all(e.parallel_calls for e in engines.values())
+        # The slowest task's own limit on a call: a batch waits for every task.
+        self.call_limit_s = max((e.call_limit_s for e in engines.values()), default=0.0)
         bound = in_flight if self.parallel_calls else 1
         self.layers = {task: TaskLayer(task, bound) for task in engines}
 
-        self.call_limit_s = max((e.call_limit_s for e in engines.values()), default=0.0)
-
     def stats_fields(self) -> dict[str, Any]:
-        return {key: value for engine in self.engines.values()
-                for key, value in engine.stats_fields().items()}
+        fields: dict[str, Any] = {}
+        for engine in self.engines.values():
+            fields.update(engine.stats_fields())
+        return fields
 
     async def warm_up(self, max_size: int) -> tuple[list[int], float]:
         sizes: set[int] = set()
