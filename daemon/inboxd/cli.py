@@ -130,7 +130,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
     config = read_config(args)
     # The model's files too (milliseconds, no torch); `inboxd models` loads the model itself.
-    problems = preflight(config.model)
+    problems = [problem if config.models is None
+                else f"models.{task}.{problem.removeprefix('model.')}"
+                for task, block in config.tasks.items() for problem in preflight(block)]
     if problems:
         raise ConfigError(str(args.config or "config/inboxd.yaml"), problems)
     print(f"{logs.shown(args.config or 'config/inboxd.yaml (embedded default)')}: OK")
@@ -312,7 +314,10 @@ def cmd_models(args: argparse.Namespace) -> int:
     config = read_config(args)
     where = str(args.config or "config/inboxd.yaml, the embedded default")
     lines = [*model_listing.builtin_lines(), ""]
-    lines += model_listing.configured_lines(config, load_here(config.model), where)
+    for task, block in config.tasks.items():
+        here = where if config.models is None else f"{where}, task {task}"
+        lines += model_listing.configured_lines(config.model_copy(update={"model": block}),
+                                                load_here(block), here)
     if args.torchvision:
         lines += ["", *model_listing.torchvision_lines()]
     print("\n".join(lines))

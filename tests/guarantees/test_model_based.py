@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 from inboxd import cli
@@ -99,7 +100,7 @@ class Reference:
 
 
 class World:
-    def __init__(self, root: Path, seed: int) -> None:
+    def __init__(self, root: Path, seed: int, models: dict[str, Any] | None = None) -> None:
         self.root = root
         self.rng = random.Random(seed)
         self.inbox = root / "inbox"
@@ -115,7 +116,7 @@ class World:
             failed_dir=str(self.outputs / "failed"),
             capacity={"event_buffer": 32, "queue": 2, "preprocess_cache": 4, "retry_list": 64},
             retry={"max_attempts": 200, "backoff_initial_ms": 50, "backoff_max_ms": 400},
-            shutdown={"grace_s": 5})
+            shutdown={"grace_s": 5}, **({"model": None, "models": models} if models else {}))
         self.daemon: DaemonProcess | None = None
         self.kills = 0
         self.helper_stops = 0
@@ -479,9 +480,12 @@ def where_are(root: Path, digest: str) -> list[str]:
     return found
 
 
-def run_model(tmp_path: Path, steps: int, seed: int) -> dict[str, int]:
+def run_model(tmp_path: Path, steps: int, seed: int,
+              models: dict[str, Any] | None = None) -> dict[str, int]:
+    """``models``: a ``models:`` block (several tasks per photo) in place of the default model;
+    every result must then hold each task's section."""
     print(f"model-based: {steps} steps, seed {seed} (replay: INBOXD_MODEL_SEED={seed})")
-    world = World(tmp_path, seed)
+    world = World(tmp_path, seed, models)
     mount = ROOT
     if mount:
         world.outputs.mkdir()
@@ -506,8 +510,11 @@ def run_model(tmp_path: Path, steps: int, seed: int) -> dict[str, int]:
                    if ended[d] > ref.must_end[d] + ref.may_vanish[d]}
         assert lost == {}, f"inputs without an outcome: {lost}"
         assert doubled == {}, f"inputs with two outcomes: {doubled}"
-        result_shas = {read_json(r)["sha256"] for r in (world.outputs / "results").rglob("*.json")
-                       if ".tmp" not in r.parts}
+        results = [read_json(r) for r in (world.outputs / "results").rglob("*.json")
+                   if ".tmp" not in r.parts]
+        result_shas = {result["sha256"] for result in results}
+        for task in models or {}:
+            assert all(task in result for result in results), f"a result without {task}"
         assert in_done <= result_shas, "bytes in done/ without any result"
         assert not (ref.corrupt & in_done), "a corrupt input was filed as a success"
         good_failed = {failed_shas[d]: failed_reasons[failed_shas[d]] for d in ref.must_end
@@ -548,6 +555,27 @@ def test_model_based_user_and_system_actions(tmp_path: Path) -> None:
     figures = run_model(tmp_path, STEPS_CI, int(os.environ.get("INBOXD_MODEL_SEED", "20261201")))
     assert figures["kills"] >= 1
     assert figures["helper_stops"] >= 1 and figures["broken_reloads"] >= 1
+
+
+@pytest.mark.daemon
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_model_based_with_several_tasks_per_photo(tmp_path: Path) -> None:
+    """The same guarantees with two tasks per photo (each its own model thread and calls out):
+    kill -9 mid-flood loses nothing and doubles nothing."""
+    from tests import detectors
+
+    (tmp_path / "models").mkdir()
+    labels = tmp_path / "models" / "labels.txt"
+    labels.write_text("\n".join(detectors.LABELS) + "\n")
+    onnx = detectors.yolo_onnx(tmp_path / "models" / "yolo.onnx")
+    figures = run_model(tmp_path, STEPS_CI,
+                        int(os.environ.get("INBOXD_MODEL_SEED", "20261201")), models={
+                            "labels": {"name": "efficientnet_lite0", "runtime": "torch",
+                                       "precision": "fp32"},
+                            "things": {"onnx": str(onnx), "output": "detect",
+                                       "labels": str(labels)}})
+    assert figures["kills"] >= 2
 
 
 @pytest.mark.daemon
