@@ -23,6 +23,9 @@ def resized_size(width: int, height: int, spec: PreprocessSpec) -> tuple[int, in
 
 
 def fits(header: JpegHeader, spec: PreprocessSpec) -> bool:
-    """False for extreme aspect ratios, which the CPU path handles in bounded memory."""
+    """False for extreme aspect ratios, which the CPU path handles in bounded memory (``fit``
+    is bounded by its square whatever the ratio)."""
+    if spec.kind != "center_crop":
+        return True
     new_w, new_h = resized_size(*header.oriented_size, spec)
     return new_w * new_h <= FULL_RESIZE_MAX_RATIO * spec.resize**2

@@ -26,6 +26,7 @@ from torch import nn
 
 from inboxd.config import ConfigError
 from inboxd.decode.spec import PreprocessSpec
+from inboxd.item import DecodedImage
 from inboxd.models.host_buffers import HostStaging
 from inboxd.models.memory import cuda_memory_fields
 from inboxd.models.predictions import (
@@ -36,12 +37,18 @@ from inboxd.models.predictions import (
     ModelInfo,
     Output,
     Prediction,
+    TaskAnswer,
+    TaskModel,
+    TaskResults,
     not_finite,
 )
 from inboxd.models.runtimes.runner import Runner
 
+# The predictions' types live in models/predictions.py (no torch there); their names are this
+# module's too.
 __all__ = ["Classification", "Color", "Embedding", "Model", "ModelInfo", "Output", "Pixels",
-           "Prediction", "imagenet_labels", "not_finite", "on_host"]
+           "Prediction", "TaskAnswer", "TaskModel", "TaskResults", "imagenet_labels",
+           "not_finite", "on_host"]
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -65,6 +72,10 @@ class Model:
 
     ``network`` must already be in eval mode (a ``torch.export`` program cannot be switched).
     """
+
+    # Whether the CUDA launch/collect split (engines/cuda_overlap.py) may run its batches: it
+    # stages equal-sized crops, which a detector's fitted photos are not.
+    batches_overlap = True
 
     def __init__(
         self,
@@ -137,6 +148,11 @@ class Model:
         if runner.precision == "fp32" or runner.runtime != "torch":
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=PRECISIONS[runner.precision])
+
+    def input_of(self, image: DecodedImage) -> Pixels:
+        """What ``predict`` takes for one decoded photo: its pixels (host or device)."""
+        pixels: Pixels = image.model_input
+        return pixels
 
     def to_device(self, images: Sequence[Pixels]) -> torch.Tensor:
         """N×H×W×3 uint8 on the device. Host arrays are stacked (pinned on a GPU, so the copy

@@ -26,6 +26,7 @@ import numpy.typing as npt
 
 from inboxd.config import ModelConfig
 from inboxd.decode.spec import PreprocessSpec
+from inboxd.item import DecodedImage
 from inboxd.models.builtin_weights import BUILTIN_NAME, builtin_description, builtin_weights_path
 from inboxd.models.device import cpu_only_host, usable_cores
 from inboxd.models.predictions import (
@@ -45,7 +46,7 @@ from inboxd.models.runtimes.serving_key import serving_key
 
 
 class OnnxModel:
-    """A ``ServingModel`` whose network is an ONNX Runtime session on the CPU."""
+    """A ``TaskModel`` whose network is an ONNX Runtime session on the CPU."""
 
     def __init__(self, name: str, session: Any, spec: PreprocessSpec, labels: list[str] | None,
                  top_k: int, *, output: Output, color: Color, info: ModelInfo,
@@ -71,9 +72,16 @@ class OnnxModel:
         self._std = np.asarray(spec.std, dtype=np.float32).reshape(1, 3, 1, 1) * 255
         self._luma = np.asarray(LUMA_WEIGHTS, dtype=np.int32).reshape(1, 3, 1, 1)
 
+    # One network on equal-sized crops, as a torch Model (the flag matters on CUDA only).
+    batches_overlap = True
+
     @property
     def device(self) -> Device:
         return HOST_CPU
+
+    def input_of(self, image: DecodedImage) -> Any:
+        """What ``predict`` takes for one decoded photo: its crop's pixels."""
+        return image.model_input
 
     @property
     def on_gpu(self) -> bool:

@@ -1,6 +1,6 @@
 """What a model gives back, and the face every served model shows the pipeline, without torch.
 
-The pipeline (model stage, result writer, wiring, the service) talks to a ``ServingModel``: the
+The pipeline (model stage, result writer, wiring, the service) talks to a ``TaskModel``: the
 torch ``Model`` (``models/model.py``) or the ONNX Runtime model loaded from a cached artifact
 (``models/onnx_model.py``). Keeping this module free of torch is what lets a daemon that serves
 ONNX Runtime start, and run, without loading torch at all.
@@ -9,20 +9,26 @@ ONNX Runtime start, and run, without loading torch at all.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 
 from inboxd.decode.spec import PreprocessSpec
+from inboxd.item import DecodedImage
+
+if TYPE_CHECKING:  # torch's and OpenCV's: loaded only where a detector or OCR runs
+    from inboxd.models.detection import Detections
+    from inboxd.models.ocr.reader import OcrReading
 
 # Pillow's convert("L") in fixed point (ITU-R 601-2 luma: 0.299 R + 0.587 G + 0.114 B, scaled
 # by 2**16 and rounded), so a ``color: gray`` model sees exactly the pixels Pillow would give.
 LUMA_WEIGHTS = (19595, 38470, 7471)
 
-Output = Literal["classify", "embed"]
+Output = Literal["classify", "embed", "detect", "ocr"]
 Color = Literal["rgb", "bgr", "gray"]
 
 
@@ -44,7 +50,27 @@ class Embedding:
         return float(np.linalg.norm(self.vector.astype(np.float64)))
 
 
-Prediction = Classification | Embedding
+# What one task says about one photo.
+TaskAnswer: TypeAlias = "Classification | Embedding | Detections | OcrReading"
+
+
+@dataclass
+class TaskResults:
+    """One photo's answer from every task of a ``models:`` config, by task name: a prediction,
+    or the reason that task's model failed on this photo (an exception of its own)."""
+
+    sections: dict[str, TaskAnswer | Exception]
+    # How each task ran, for its section: task → (runtime, precision).
+    ran: dict[str, tuple[str, str]]
+
+
+Prediction: TypeAlias = "TaskAnswer | TaskResults"
+
+
+def loaded_class(module: str, name: str) -> Any:
+    """A class of a module only if that module is loaded: a prediction cannot be an instance
+    of a class nobody imported, and importing it here would load torch into every daemon."""
+    return getattr(sys.modules.get(module), name, None)
 
 
 def not_finite(prediction: Prediction) -> str | None:
@@ -54,6 +80,19 @@ def not_finite(prediction: Prediction) -> str | None:
     if isinstance(prediction, Embedding):
         bad = int(np.count_nonzero(~np.isfinite(prediction.vector)))
         return f"{bad} of the {prediction.dim} embedding values" if bad else None
+    if isinstance(prediction, TaskResults):
+        return None  # each section is checked on its own (a task's section says it)
+    reading = loaded_class("inboxd.models.ocr.reader", "OcrReading")
+    if reading is not None and isinstance(prediction, reading):
+        bad = sum(not math.isfinite(line.score) for line in prediction.lines)
+        return f"{bad} of the {len(prediction.lines)} line scores" if bad else None
+    detections = loaded_class("inboxd.models.detection", "Detections")
+    if detections is not None and isinstance(prediction, detections):
+        bad = sum(not math.isfinite(v) for box, score in zip(prediction.boxes,
+                                                              prediction.scores, strict=True)
+                  for v in (*box, score))
+        return f"{bad} of the detections' box coordinates and scores" if bad else None
+    assert isinstance(prediction, Classification)
     bad = sum(not math.isfinite(float(entry.get("score", 0.0))) for entry in prediction.top_k)
     return f"{bad} of the top-{len(prediction.top_k)} scores" if bad else None
 
@@ -89,31 +128,47 @@ class HostCpu:
 HOST_CPU = HostCpu()
 
 
-class ServingModel(Protocol):
-    """What the pipeline and the service use of a loaded model, whatever runs it."""
+class TaskModel(Protocol):
+    """What the model stage, its engines and the result writer ask of a model: ``Model`` (one
+    torch or ONNX network), ``OnnxModel`` (the built-in model from its artifact, without torch)
+    and ``OcrModel`` (models/ocr: three networks and the steps between)."""
 
-    name: str
-    spec: PreprocessSpec
-    labels: list[str] | None
-    output: Output
-    color: Color
-    top_k: int
-    info: ModelInfo | None
-    max_batch: int | None
-    choice: Any  # runtimes.choice.Choice, or None for a model built by hand
     before_forward: Callable[[int], None] | None
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def output(self) -> Output: ...
+
+    @property
+    def spec(self) -> PreprocessSpec: ...
 
     @property
     def device(self) -> Device: ...
 
     @property
+    def info(self) -> ModelInfo | None: ...
+
+    @property
+    def max_batch(self) -> int | None: ...
+
+    @property
+    def choice(self) -> Any: ...
+
+    @property
     def on_gpu(self) -> bool: ...
+
+    @property
+    def batches_overlap(self) -> bool: ...
 
     @property
     def runtime(self) -> str: ...
 
     @property
     def precision(self) -> str: ...
+
+    def input_of(self, image: DecodedImage) -> Any: ...
 
     def predict(self, images: Sequence[Any]) -> Sequence[Prediction]: ...
 

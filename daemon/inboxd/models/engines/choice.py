@@ -8,7 +8,7 @@ from inboxd.config import Config, ModelConfig
 from inboxd.models.engines.interface import ModelEngine
 from inboxd.models.engines.local import LocalEngine
 from inboxd.models.onnx_model import load_cached
-from inboxd.models.predictions import ServingModel
+from inboxd.models.predictions import TaskModel
 
 if TYPE_CHECKING:
     from inboxd.models.fast_path import FastPath
@@ -24,7 +24,7 @@ def here(config: ModelConfig) -> ModelConfig:
                                      "runtime": "torch"})
 
 
-def load_here(config: ModelConfig) -> ServingModel:
+def load_here(config: ModelConfig) -> TaskModel:
     """The built-in model from its cached ONNX artifact where it can serve so (torch is then
     never imported: ``models/onnx_model.py``), else the torch model."""
     cached, _ = load_cached(here(config))
@@ -35,23 +35,25 @@ def load_here(config: ModelConfig) -> ServingModel:
     return load_model(here(config))
 
 
-def make_engine(config: Config, model: ServingModel) -> ModelEngine:
+def make_engine(config: Config, model: TaskModel) -> ModelEngine:
     if config.model.engine == "ray":
         from inboxd.models.engines.ray_serve import RayEngine
         from inboxd.models.model import Model
 
-        assert isinstance(model, Model)
+        assert isinstance(model, Model)  # the config refuses engine: ray for name: ocr
         return RayEngine(model, config.model, config.batch.max_size)
     return LocalEngine(model, fast=fast_path(config.model, model))
 
 
-def fast_path(config: ModelConfig, model: ServingModel) -> FastPath | None:
-    """The ONNX Runtime runner to bring in, where the choice was onnxruntime and torch serves."""
+def fast_path(config: ModelConfig, model: TaskModel) -> FastPath | None:
+    """The ONNX Runtime runner to bring in, where the choice was onnxruntime and torch serves
+    (name: ocr and a model served from its artifact run in ONNX Runtime from the start)."""
     choice = model.choice
     if choice is None or choice.runtime != "onnxruntime" or model.runtime != "torch":
         return None
     from inboxd.models.fast_path import FastPath
     from inboxd.models.model import Model
 
-    assert isinstance(model, Model)
+    if not isinstance(model, Model):
+        return None
     return FastPath(model, config)

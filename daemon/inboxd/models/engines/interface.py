@@ -9,7 +9,7 @@ an error is attached to the item it belongs to.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 from inboxd.item import WorkItem
 from inboxd.models.predictions import Prediction
@@ -17,7 +17,7 @@ from inboxd.models.predictions import Prediction
 if TYPE_CHECKING:  # the fast path is torch's: a daemon that serves without torch has none
     from inboxd.models.fast_path import FastPath
 
-Outcome = tuple[WorkItem, Prediction | Exception]
+Outcome: TypeAlias = "tuple[WorkItem, Prediction | Exception]"
 
 # What cuDNN, cuBLAS and the CUDA runtime put in the RuntimeErrors they raise when a kernel
 # cannot run: not an input's problem, and the context is usually unusable afterwards.

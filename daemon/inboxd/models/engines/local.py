@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from inboxd import logs
 from inboxd.item import ModelError, TransientError, WorkItem
@@ -36,7 +36,7 @@ from inboxd.models.engines.interface import (
     is_device_error,
     is_out_of_memory,
 )
-from inboxd.models.predictions import ServingModel
+from inboxd.models.predictions import TaskModel
 from inboxd.os_threads import name_this_thread
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ THREAD_NAME_PREFIX = "inboxd-model"
 
 
 class LocalEngine(ModelEngine):
-    def __init__(self, model: ServingModel, overlap: bool | None = None,
+    def __init__(self, model: TaskModel, overlap: bool | None = None,
                  fast: FastPath | None = None) -> None:
         """``overlap``: launch/collect split (default: on CUDA only; a test forces it).
         ``fast``: a faster runner to bring in (``models/fast_path.py``), swapped in on the
@@ -62,13 +62,14 @@ class LocalEngine(ModelEngine):
             fast.on_exported = self._swap_soon
         self.warmed_sizes: set[int] = set()
         self.overlap: Overlap | None = None
-        if model.on_gpu if overlap is None else overlap:
-            # Only here: torch is loaded wherever a model runs on CUDA, and nowhere else.
+        if model.on_gpu and model.batches_overlap if overlap is None else overlap:
+            # The launch/collect split drives torch on the device: only a Model wants it (an
+            # OcrModel says batches_overlap False), or a test's stand-in for one that forces it.
+            # Imported only here: torch is loaded wherever a model runs on CUDA.
             from inboxd.models.engines.cuda_overlap import Overlap
             from inboxd.models.model import Model
 
-            assert isinstance(model, Model)
-            self.overlap = Overlap(model)
+            self.overlap = Overlap(cast(Model, model))
         # Results wait here, so the model thread can launch the next batch meanwhile; a model
         # stage may send a second call while one is out only when that helps (CUDA).
         self.collector = (ThreadPoolExecutor(1, thread_name_prefix=f"{THREAD_NAME_PREFIX}-results",
@@ -131,12 +132,12 @@ class LocalEngine(ModelEngine):
             self.collector.shutdown(wait=False, cancel_futures=True)
 
 
-def infer_splitting(model: ServingModel, items: list[WorkItem]) -> list[Outcome]:
+def infer_splitting(model: TaskModel, items: list[WorkItem]) -> list[Outcome]:
     """Run ``items`` through the model, halving the batch on failure until each input either
     has a result or an error of its own. Raises ``DeviceFault`` when the device is at fault."""
     started = time.perf_counter()
     try:
-        predictions = model.predict([item.image.model_input for item in items
+        predictions = model.predict([model.input_of(item.image) for item in items
                                      if item.image is not None])
     except Exception as exc:  # sorted out below: out of memory, the device's fault, or an input's
         kind = ("oom" if is_out_of_memory(exc) else
@@ -166,7 +167,7 @@ def infer_splitting(model: ServingModel, items: list[WorkItem]) -> list[Outcome]
     return [(items[0], ModelError(f"the model failed on this input: {why}"))]
 
 
-def _halves(model: ServingModel, items: list[WorkItem], why: str) -> list[Outcome]:
+def _halves(model: TaskModel, items: list[WorkItem], why: str) -> list[Outcome]:
     middle = len(items) // 2
     logs.emit(logging.WARNING, "batch_split", f"{why} at batch size {len(items)}: retrying as "
               f"{middle} + {len(items) - middle}", batch_size=len(items), reason=why)
