@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -35,7 +35,7 @@ from inboxd.files.names import NameFilter
 from inboxd.item import WorkItem
 from inboxd.models.engines.interface import DeviceFault, ModelEngine
 from inboxd.models.engines.local import LocalEngine
-from inboxd.models.predictions import TaskModel
+from inboxd.models.predictions import TaskModel, loaded_class
 from inboxd.models.tasks import TasksEngine
 from inboxd.models.tasks import memory_fields as task_memory_fields
 from inboxd.os_threads import name_this_thread
@@ -59,6 +59,13 @@ from inboxd.stats import Stats
 
 if TYPE_CHECKING:  # OCR loads torch and OpenCV: only a daemon that runs it imports them
     from inboxd.models.ocr_model import OcrModel
+
+
+def ocr_models(models: Iterable[TaskModel]) -> list[OcrModel]:
+    """The OCR tasks among ``models`` (none unless a daemon loaded the OCR model's module)."""
+    ocr = loaded_class("inboxd.models.ocr_model", "OcrModel")
+    return [cast("OcrModel", each) for each in models
+            if ocr is not None and isinstance(each, ocr)]
 
 T = TypeVar("T")
 POLL_S = 0.02
@@ -152,11 +159,9 @@ class Pipeline:
                             self.worker, self.writer, self.writer.committing, self.retry_list)
         if isinstance(self.engine, TasksEngine):
             self.stats.register(*self.engine.layers.values())
-        for each in self.models:
-            if each.output == "ocr":  # the OCR task's fan-out: crops for the recogniser
-                ocr = cast("OcrModel", each)
-                ocr.crops.resize(capacity.ocr_crops)
-                self.stats.register(ocr.crops)
+        for ocr in ocr_models(self.models):  # the OCR task's fan-out: crops for the recogniser
+            ocr.crops.resize(capacity.ocr_crops)
+            self.stats.register(ocr.crops)
         self._intake_tasks: list[asyncio.Task[None]] = []
         self._processing_tasks: list[asyncio.Task[None]] = []
         self.crashed: BaseException | None = None
@@ -374,9 +379,8 @@ class Pipeline:
         self.cache.resize(capacity.preprocess_cache, capacity.preprocess_cache_mb)
         self.retry_list.capacity = capacity.retry_list
         self.worker.resize(capacity.in_flight_batches)
-        for each in self.models:
-            if each.output == "ocr":
-                cast("OcrModel", each).crops.resize(capacity.ocr_crops)
+        for ocr in ocr_models(self.models):
+            ocr.crops.resize(capacity.ocr_crops)
         self.batcher.configure(config.batch.max_size, config.batch.max_delay_ms)
         self.config = self.config.model_copy(
             update={"capacity": capacity, "batch": config.batch, "stats": config.stats}
