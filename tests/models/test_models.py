@@ -289,7 +289,8 @@ def test_cpu_batches_reuse_their_host_buffers_and_give_the_same_bits() -> None:
 # -- torch.export programs ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("max_size", [1, len(PHOTOS)])
+# Batches of one (a model call per photo) only in the full suite: the full batch shows the same.
+@pytest.mark.parametrize("max_size", [pytest.param(1, marks=pytest.mark.slow), len(PHOTOS)])
 def test_export_program_matches_the_program_called_directly(
     tmp_path: Path, files: dict[str, Path], photos: dict[str, Path], max_size: int
 ) -> None:
