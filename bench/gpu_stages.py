@@ -24,9 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from bench.gpu_decode_check import gpu_decode
+from support import configs
 
 REPO = Path(__file__).resolve().parent.parent
 Result = dict[str, Any]
@@ -54,17 +53,8 @@ def sizes(dry_run: bool) -> dict[str, Any]:
 
 
 def write_config(root: Path, **sections: Any) -> Path:
-    config: dict[str, Any] = {
-        "inbox": {"paths": [str(root / "inbox")], "settle_ms": 0, "rescan_interval_s": 1},
-        "results_dir": str(root / "results"), "done_dir": str(root / "done"),
-        "failed_dir": str(root / "failed"), "stats": {"interval_s": 1},
-    }
-    for key, value in sections.items():
-        config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
-    (root / "inbox").mkdir(parents=True, exist_ok=True)
-    path = root / "inboxd.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return configs.write_config(root, {"inbox": {"settle_ms": 0, "rescan_interval_s": 1},
+                                       "stats": {"interval_s": 1}}, sections)
 
 
 def fresh(out: Path, name: str) -> Path:
@@ -119,7 +109,7 @@ def precision(dry_run: bool, out: Path) -> Result:
     from inboxd.models.loading import load_model
     from inboxd.models.model import Classification
 
-    from tests.photos import EXPECTED_TOP1, photo_paths
+    from support.photos import EXPECTED_TOP1, photo_paths
 
     photos = {n: p for n, p in sorted(photo_paths().items()) if n in EXPECTED_TOP1}
     photos = dict(list(photos.items())[:sizes(dry_run)["photos"]])
@@ -331,7 +321,7 @@ def oom_split(dry_run: bool, out: Path) -> Result:
     logging.getLogger("inboxd").addHandler(Splits())
 
     def batch() -> list[WorkItem]:
-        items = [WorkItem(path.parent, f"{n}.jpg", f"{n}.jpg", path) for n in range(count)]
+        items = [WorkItem(path.parent, f"{n}.jpg", f"{n}.jpg", str(path)) for n in range(count)]
         for item in items:
             item.image = DecodedImage(pixels, image.width, image.height, "JPEG", "RGB")
         return items

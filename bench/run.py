@@ -27,6 +27,9 @@ from typing import Any
 
 from bench import report, scenarios
 from bench.photos import Photo, build_corpus
+from support.harness import logger
+
+log = logger("bench")
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -82,10 +85,6 @@ PROFILES = {
                      open_loop_s=4, baseline_count=30, guard_mb=512, ceiling_s=3,
                      overhead_count=600, overhead_memory="300,3000", peer_scale="quick"),
 }
-
-
-def log(message: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def run_json(module: str, *args: str) -> dict[str, Any]:

@@ -6,11 +6,9 @@ fixed sleep.
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -21,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from PIL import Image
 
+from support import configs
+from support.records import line_fields as line_fields  # re-exported: what the tests import
 from tests.waiting import wait_until as wait_until  # re-exported: what the tests import
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,25 +49,14 @@ def run_interleaved(targets: list[Callable[[], None]]) -> None:
 
 
 def write_config(root: Path, **sections: Any) -> Path:
-    """A config with every folder under ``root``; ``sections`` override keys (dicts merge)."""
-    config: dict[str, Any] = {
-        "inbox": {"paths": [str(root / "inbox")], "settle_ms": 50, "rescan_interval_s": 5},
-        "results_dir": str(root / "results"),
-        "done_dir": str(root / "done"),
-        "failed_dir": str(root / "failed"),
+    """A config with every folder under ``root``, quick to settle and to report; ``sections``
+    override keys (dicts merge)."""
+    return configs.write_config(root, {
+        "inbox": {"settle_ms": 50, "rescan_interval_s": 5},
         "stats": {"interval_s": 1},
         "shutdown": {"grace_s": 20},
         "model": {"cache_dir": str(SHARED_MODEL_CACHE)},
-    }
-    for key, value in sections.items():
-        if isinstance(value, dict) and isinstance(config.get(key), dict):
-            config[key] = {**config[key], **value}
-        else:
-            config[key] = value
-    path = root / "inboxd.yaml"
-    path.write_text(yaml.safe_dump(config))
-    (root / "inbox").mkdir(parents=True, exist_ok=True)
-    return path
+    }, sections)
 
 
 def make_image(path: Path, size: tuple[int, int] = (64, 48),
@@ -146,18 +134,6 @@ class DaemonProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(30)
-
-
-# A KEY=value field of a daemon's stderr record. A value holding whitespace, a quote or "=" is
-# written as repr() writes it (inboxd.logs.format_value), spaces and all.
-_FIELD = re.compile(
-    r"""(?<!\S)([A-Z][A-Z0-9_]*)=(?:('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")(?!\S)|(\S+))""")
-
-
-def line_fields(line: str) -> dict[str, str]:
-    """The KEY=value fields of one stderr record line, quoted values unquoted."""
-    return {key: ast.literal_eval(quoted) if quoted else bare
-            for key, quoted, bare in _FIELD.findall(line)}
 
 
 def last_stats(lines: list[str]) -> dict[str, str]:

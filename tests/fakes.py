@@ -7,11 +7,13 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 import watchfiles
+from inboxd.config import load_config
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.files.commits import CommitEntry, Commits, Committed, commit
 from inboxd.files.lifecycle import Lifecycle
@@ -115,3 +117,13 @@ def commit_in_this_process(pipeline: Pipeline) -> None:
     test can fake a disk at the filesystem boundary (a monkeypatched ``Lifecycle``), which the
     commit process would never see. Before the pipeline starts."""
     pipeline.commits = pipeline.writer.commits = InProcess(pipeline.lifecycle)
+
+
+def pipeline_for(root: Path, model: Any = None, watch: Any = None, **sections: Any) -> Pipeline:
+    """A pipeline on ``write_config(root, **sections)`` with ``FakeModel`` (or ``model``) and the
+    real watcher (or ``watch``), not started."""
+    from tests.conftest import write_config
+
+    config = load_config(write_config(root, **sections))
+    kwargs = {"watch": watch} if watch is not None else {}
+    return Pipeline(config, model or FakeModel(), **kwargs)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
-import hashlib
 import os
 import random
 import signal
@@ -44,6 +43,7 @@ import pytest
 from inboxd import cli
 from PIL import Image
 
+from support.harness import sha256_hex as sha
 from tests.conftest import DaemonProcess, read_json, write_config
 from tests.guarantees.test_stuck_helpers import helper_pids
 
@@ -53,10 +53,6 @@ KILL_EVERY_STEPS = 60  # on average: 5 kills in CI, ~33 in the soak
 NAMES = ["scan.png", "a.png", "b.png", "deep/c.png", "deep/er/d.png"]
 ROOT = os.geteuid() == 0
 NEIGHBOUR_UID = 42_421  # the owner of a .processing the neighbour made
-
-
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)

@@ -37,6 +37,7 @@ from inboxd.models.sources import TORCHVISION_INPUT, Source, last_linear
 from PIL import Image
 from torch import nn
 
+from support.photos import photo_paths
 from tests.byo_models import (
     NUM_CLASSES,
     TOLERANCE,
@@ -51,7 +52,6 @@ from tests.byo_models import (
     vector,
 )
 from tests.conftest import REPO, make_image, run_interleaved, write_config
-from tests.photos import photo_paths
 
 PHOTOS = ("chelsea", "rocket", "camera")  # PNG and JPEG, RGB and greyscale, three sizes
 

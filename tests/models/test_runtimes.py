@@ -27,7 +27,7 @@ from inboxd.models.runtimes import onnx as onnx_runtime
 from inboxd.models.runtimes.agreement import SCORE_TOLERANCE, probe_images
 from inboxd.models.runtimes.choice import choose, cpu_flags, native_bf16
 
-from tests.photos import photo_paths
+from support.photos import photo_paths
 
 CPUINFO = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 avx512f {extra}\n"
 
