@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from tests.conftest import DaemonProcess, drop, make_image, wait_until, write_config
-from tests.service.test_runner import NotifySocket
+from tests.fakes import NotifySocket
 
 ROOT = os.geteuid() == 0
 
