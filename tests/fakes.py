@@ -187,7 +187,7 @@ class NotifySocket:
                 return self.messages
 
     def wait_for(self, prefix: str, timeout_s: float = 120) -> str:
-        from tests.waiting import wait_until
+        from support.waiting import wait_until
 
         def found() -> str | None:
             return next((m for m in self.drain() if m.startswith(prefix)), None)
