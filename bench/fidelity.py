@@ -79,9 +79,9 @@ HEADER = ("| path | n | changed | top-1 agreement % | median abs(Δ top-1) | p95
 
 def eager_fp32_predict() -> Predict:
     """The built-in model as the daemon loads it, in eager fp32 on the CPU: the reference."""
-    from inboxd.models.loading import load_model
+    from inboxd.models.loading import load_network
 
-    return softmax_predict(load_model(ModelConfig(device="cpu", precision="fp32")))
+    return softmax_predict(load_network(ModelConfig(device="cpu", precision="fp32")))
 
 
 def softmax_predict(model: Model) -> Predict:
@@ -96,10 +96,10 @@ def softmax_predict(model: Model) -> Predict:
 def onnxruntime_predict() -> Predict:
     """The built-in model as the daemon serves it by default on the CPU: exported to ONNX (as
     ``models/onnx_export.py`` does, here in this process) and run by ONNX Runtime, fp32."""
-    from inboxd.models.loading import load_model
+    from inboxd.models.loading import load_network
     from inboxd.models.runtimes import onnx as onnx_runtime
 
-    model = load_model(ModelConfig(device="cpu", precision="fp32"))
+    model = load_network(ModelConfig(device="cpu", precision="fp32"))
     data = onnx_runtime.export_bytes(model.network.cpu().eval(), model.spec.crop, None,
                                      "bench.fidelity")
     model.use(onnx_runtime.from_bytes(data, 2))

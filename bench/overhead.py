@@ -98,10 +98,10 @@ def reference(root: Path, config_path: Path, photos: list[Photo], count: int) ->
     from inboxd.decode.pillow import decode_image
     from inboxd.files.durable import fsync_dir, json_bytes, write_tmp
     from inboxd.files.reading import read_and_hash
-    from inboxd.models.loading import load_model
+    from inboxd.models.loading import load_network
 
     config = load_config(config_path)
-    model = load_model(config.model)
+    model = load_network(config.model)
     model.warm_up(model.warm_up_sizes(BATCH))
     inbox, processing, results, done, tmp = (root / n for n in (
         "inbox", "processing", "results", "done", "tmp"))

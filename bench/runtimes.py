@@ -87,12 +87,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from inboxd.config import ModelConfig
     from inboxd.decode.pillow import decode_image
-    from inboxd.models.loading import load_model
+    from inboxd.models.loading import load_network
 
     from support.photos import photo_paths
 
     with tempfile.TemporaryDirectory() as cache:
-        model = load_model(ModelConfig(device="cpu", runtime="torch", precision="fp32",
+        model = load_network(ModelConfig(device="cpu", runtime="torch", precision="fp32",
                                        cache_dir=Path(cache)))
     crops = [decode_image(p.read_bytes(), model.spec, 89_478_485).pixels
              for p in photo_paths().values()]

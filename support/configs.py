@@ -23,13 +23,16 @@ def write_config(root: Path, base: dict[str, Any] | None = None,
                  sections: dict[str, Any] | None = None, name: str = "inboxd.yaml") -> Path:
     """``root/name``: ``base`` (None: nothing, the model's defaults), its inbox, results, done
     and failed folders under ``root``, then ``sections`` (a mapping merges into the section
-    of that name, key by key; anything else replaces it). The inbox folder is made."""
+    of that name, key by key; None removes the key, e.g. ``model=None`` beside ``models=``;
+    anything else replaces it). The inbox folder is made."""
     config = copy.deepcopy(base or {})
     config.setdefault("inbox", {})["paths"] = [str(root / "inbox")]
     config.update(results_dir=str(root / "results"), done_dir=str(root / "done"),
                   failed_dir=str(root / "failed"))
     for key, value in (sections or {}).items():
-        if isinstance(value, dict) and isinstance(config.get(key), dict):
+        if value is None:
+            config.pop(key, None)
+        elif isinstance(value, dict) and isinstance(config.get(key), dict):
             config[key] = {**config[key], **value}
         else:
             config[key] = value

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +44,12 @@ class DaemonProcess:
     """``python -m inboxd run`` as a child process, its stderr collected line by line."""
 
     def __init__(self, config: Path, *extra: str, env: dict[str, str] | None = None,
-                 command: str = "run") -> None:
+                 command: str = "run", prefix: Sequence[str] = ()) -> None:
         self.config = config
         self.lines: list[str] = []
         self._lock = threading.Lock()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "inboxd", command, "-c", str(config), *extra],
+            [*prefix, sys.executable, "-m", "inboxd", command, "-c", str(config), *extra],
             cwd=config.parent,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -53,7 +53,7 @@ def run_interleaved(targets: list[Callable[[], None]]) -> None:
 
 def write_config(root: Path, **sections: Any) -> Path:
     """A config with every folder under ``root``, quick to settle and to report; ``sections``
-    override keys (dicts merge)."""
+    override keys (dicts merge; None removes the key, e.g. ``model=None`` beside ``models=``)."""
     return configs.write_config(root, {
         "inbox": {"settle_ms": 50, "rescan_interval_s": 5},
         "stats": {"interval_s": 1},

@@ -11,13 +11,16 @@ for a while and continue it, reload a config file that cannot be used and then t
 and what a member of the inbox's group can do (issue
 33): a folder named like a done file or a result (its files can never be filed there: they
 end in failed/), links planted in the inbox's hidden folders (``.processing``, its ``.tmp``,
-the temp names ``inboxd submit`` used to use) and ``inboxd submit`` beside them, and
-``.processing`` swapped for a folder of the neighbour's own for a moment.
+the temp names ``inboxd submit`` used to use) and ``inboxd submit`` beside them,
+``.processing`` swapped for a folder of the neighbour's own for a moment, and (issue 36)
+``.processing`` renamed away for good and replaced by one of the neighbour's.
 
 The reference model only tracks bytes (by sha256): every input must end exactly once in done/
 (with ``results/<its name>.json`` describing those bytes, or — for a byte-identical re-drop — an
 earlier result of the same bytes) or in failed/ with its ``.error.json``; an input the *user*
-replaced or deleted before it was claimed may instead vanish. Nothing outside the inbox may
+replaced or deleted before it was claimed may instead vanish. A good photo (one that decodes,
+under a name that can be filed) never ends in failed/: not for a full disk, a kill, a stopped
+helper or anything else that is not its own problem. Nothing outside the inbox may
 change, and after the drain nothing is left in ``.processing/`` or in a temp folder.
 
 CI runs ``STEPS_CI`` steps; ``make soak`` runs ``STEPS_SOAK`` with ≥ 20 kills. The seed is
@@ -38,6 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 from inboxd import cli
@@ -73,6 +77,10 @@ class Reference:
     must_end: collections.Counter[str] = field(default_factory=collections.Counter)
     may_vanish: collections.Counter[str] = field(default_factory=collections.Counter)
     corrupt: set[str] = field(default_factory=set)
+    # Good photos that may still fail: their name can never be filed (a folder named like an
+    # outcome). Any other good photo in failed/ is a guarantee broken.
+    unfileable: set[str] = field(default_factory=set)
+    unfileable_folders: set[Path] = field(default_factory=set)  # what is dropped there, too
     outside: dict[Path, str] = field(default_factory=dict)  # files that must not change
     origin: dict[str, str] = field(default_factory=dict)  # sha256 → how it came, for a report
 
@@ -88,7 +96,7 @@ class Reference:
 
 
 class World:
-    def __init__(self, root: Path, seed: int) -> None:
+    def __init__(self, root: Path, seed: int, models: dict[str, Any] | None = None) -> None:
         self.root = root
         self.rng = random.Random(seed)
         self.inbox = root / "inbox"
@@ -104,7 +112,7 @@ class World:
             failed_dir=str(self.outputs / "failed"),
             capacity={"event_buffer": 32, "queue": 2, "preprocess_cache": 4, "retry_list": 64},
             retry={"max_attempts": 200, "backoff_initial_ms": 50, "backoff_max_ms": 400},
-            shutdown={"grace_s": 5})
+            shutdown={"grace_s": 5}, **({"model": None, "models": models} if models else {}))
         self.daemon: DaemonProcess | None = None
         self.kills = 0
         self.helper_stops = 0
@@ -174,6 +182,8 @@ class World:
             tmp.write_bytes(data)
             os.replace(tmp, victim)  # the user's own overwrite
             self.ref.added(data, f"replaced {victim.relative_to(self.inbox)}")
+            if victim.parent in self.ref.unfileable_folders:
+                self.ref.unfileable.add(sha(data))
         else:
             with contextlib.suppress(FileNotFoundError):  # claimed in between
                 victim.unlink()
@@ -224,13 +234,21 @@ class World:
         self.ref.corrupt.add(sha(data))
 
     def fill_or_free_disk(self) -> None:
+        """The output disk full for a while: filled to its last page now, freed some steps
+        later (this action again). The daemon must wait, failing no good photo."""
         if self.ballast is None:
             ballast = self.outputs / "ballast"
             # Full is the point: ENOSPC ends the filling (also at the open, if the daemon's
-            # own files filled the disk first).
-            with contextlib.suppress(OSError), open(ballast, "wb") as handle:
-                while True:
-                    handle.write(b"\0" * 65536)
+            # own files filled the disk first), chunk by smaller chunk down to one page.
+            with contextlib.suppress(OSError):
+                fd = os.open(ballast, os.O_WRONLY | os.O_CREAT, 0o600)
+                try:
+                    for chunk in (1 << 16, 1 << 12):
+                        with contextlib.suppress(OSError):
+                            while True:
+                                os.write(fd, bytes(chunk))
+                finally:
+                    os.close(fd)
             self.ballast = ballast if ballast.exists() else None
         else:
             self.ballast.unlink()
@@ -253,6 +271,8 @@ class World:
         (folder / "p.png").write_bytes(data)
         os.rename(folder, self.inbox / name)
         self.ref.added(data, f"folder like an outcome {name}/p.png")
+        self.ref.unfileable.add(sha(data))
+        self.ref.unfileable_folders.add(self.inbox / name)
 
     def _outside_file(self, what: str) -> Path:
         target = self.elsewhere / f"{what}{self.counter}.png"
@@ -290,26 +310,52 @@ class World:
 
     def swap_processing(self) -> None:
         """The group can rename ``.processing`` away and make one of its own (with links
-        inside): for a moment, until an admin puts it back. Claims and moves meanwhile wait
-        (retried), and nothing goes through the neighbour's folder."""
+        inside): here swapped in one step (RENAME_EXCHANGE) and back a moment later. Nothing
+        goes through the neighbour's folder; the daemon may put its area back meanwhile
+        (issue 36: the neighbour's folder renamed aside, a fresh one made), and then the swap
+        back moves the daemon's folders about, which it puts right again."""
         processing = self.inbox / ".processing"
-        planted = self.inbox / ".processing-planted"
+        self.counter += 1
+        planted = self.inbox / f".processing-planted{self.counter}"
         planted.mkdir()
         (planted / "default").symlink_to(self.elsewhere)
         (planted / ".tmp").mkdir()
         (planted / ".tmp" / "default").symlink_to(self.outputs / "done")
         os.chown(planted, NEIGHBOUR_UID, NEIGHBOUR_UID)
-        # Swapped in one step (RENAME_EXCHANGE), and back: a rename away and a mkdir would
-        # leave a moment without .processing, in which the daemon makes its own afresh and
-        # the original, with the files in flight, cannot be put back (not handled: said in
-        # the closing note of issue 33).
         exchange(processing, planted)
         time.sleep(self.rng.choice([0.05, 0.3, 1.0]))
-        exchange(processing, planted)
+        with contextlib.suppress(FileNotFoundError):  # the daemon renamed it aside meanwhile
+            exchange(processing, planted)
+        if os.lstat(planted).st_uid != NEIGHBOUR_UID:
+            return  # a former area of the daemon's now, its to take back
         for link in (planted / "default", planted / ".tmp" / "default"):
             link.unlink()
         (planted / ".tmp").rmdir()
         planted.rmdir()
+
+    def replace_processing(self) -> None:
+        """Renamed away for good (not swapped back) and replaced by a folder of the
+        neighbour's own, with links inside, while files are in flight (issue 36): the daemon
+        puts its area back, takes every claimed file back from the renamed folder by
+        descriptor and goes on; a kill before it noticed leaves them for the restart's
+        takeover. Whatever is left in the renamed folder counts as waiting (``waiting``)."""
+        processing = self.inbox / ".processing"
+        self.counter += 1
+        planted = self.inbox / f".processing-planted{self.counter}"
+        planted.mkdir()
+        (planted / "default").symlink_to(self.elsewhere)
+        (planted / ".tmp").mkdir()
+        (planted / ".tmp" / "default").symlink_to(self.outputs / "done")
+        os.chown(planted, NEIGHBOUR_UID, NEIGHBOUR_UID)
+        with contextlib.suppress(FileNotFoundError):  # not there: the daemon makes it again
+            os.rename(processing, self.inbox / f".processing-moved{self.counter}")
+        try:
+            os.rename(planted, processing)
+        except OSError:  # the daemon made its own again first (not empty): nothing to replace
+            for link in (planted / "default", planted / ".tmp" / "default"):
+                link.unlink()
+            (planted / ".tmp").rmdir()
+            planted.rmdir()
 
     # -- what the system does --------------------------------------------------------------
 
@@ -375,7 +421,8 @@ class World:
         actions += self.stuck_helper_actions()
         actions += [(self.folder_like_an_outcome, 2), (self.plant_links, 2), (self.submit, 2)]
         if ROOT:
-            actions += [(self.fill_or_free_disk, 2), (self.swap_processing, 1)]
+            actions += [(self.fill_or_free_disk, 2), (self.swap_processing, 1),
+                        (self.replace_processing, 1)]
         if self.rng.random() < 1 / KILL_EVERY_STEPS:
             self.kill_and_restart()
             return "kill"
@@ -385,13 +432,15 @@ class World:
         return action.__name__
 
 
-def outcomes(out: Path) -> tuple[collections.Counter[str], set[str], dict[str, str]]:
+def outcomes(out: Path) -> tuple[collections.Counter[str], set[str], dict[str, str],
+                                 dict[str, str]]:
     """sha256 → how many times those bytes ended in done/ or failed/; the sha256s in done/;
-    failed name → its reason. Checks on the way that every done file's result, found by its
-    name, describes its bytes."""
+    failed name → its reason; sha256 → its name in failed/. Checks on the way that every done
+    file's result, found by its name, describes its bytes."""
     ended: collections.Counter[str] = collections.Counter()
     in_done: set[str] = set()
     failed_reasons = {}
+    failed_shas = {}
     for folder in ("done", "failed"):
         for path in (out / folder).rglob("*"):
             if not path.is_file() and not path.is_symlink():
@@ -405,12 +454,14 @@ def outcomes(out: Path) -> tuple[collections.Counter[str], set[str], dict[str, s
                     continue  # a refused link: not an input's bytes
             digest = sha(path.read_bytes())
             ended[digest] += 1
+            if folder == "failed":
+                failed_shas[digest] = name
             if folder == "done":
                 in_done.add(digest)
                 by_name = out / "results" / f"{name}.json"
                 if by_name.exists():
                     assert read_json(by_name)["sha256"] == digest, f"done/{name}: other bytes"
-    return ended, in_done, failed_reasons
+    return ended, in_done, failed_reasons, failed_shas
 
 
 def where_are(root: Path, digest: str) -> list[str]:
@@ -425,9 +476,12 @@ def where_are(root: Path, digest: str) -> list[str]:
     return found
 
 
-def run_model(tmp_path: Path, steps: int, seed: int) -> dict[str, int]:
+def run_model(tmp_path: Path, steps: int, seed: int,
+              models: dict[str, Any] | None = None) -> dict[str, int]:
+    """``models``: a ``models:`` block (several tasks per photo) in place of the default model;
+    every result must then hold each task's section."""
     print(f"model-based: {steps} steps, seed {seed} (replay: INBOXD_MODEL_SEED={seed})")
-    world = World(tmp_path, seed)
+    world = World(tmp_path, seed, models)
     mount = ROOT
     if mount:
         world.outputs.mkdir()
@@ -444,7 +498,7 @@ def run_model(tmp_path: Path, steps: int, seed: int) -> dict[str, int]:
                                   str(world.config)], cwd=tmp_path, capture_output=True,
                                  text=True, timeout=600)
         assert drained.returncode in (0, 1), drained.stderr[-3000:]
-        ended, in_done, failed_reasons = outcomes(world.outputs)
+        ended, in_done, failed_reasons, failed_shas = outcomes(world.outputs)
         ref = world.ref
         lost = {d: (n, ref.origin.get(d), where_are(tmp_path, d))
                 for d, n in ref.must_end.items() if ended[d] < n}
@@ -452,10 +506,16 @@ def run_model(tmp_path: Path, steps: int, seed: int) -> dict[str, int]:
                    if ended[d] > ref.must_end[d] + ref.may_vanish[d]}
         assert lost == {}, f"inputs without an outcome: {lost}"
         assert doubled == {}, f"inputs with two outcomes: {doubled}"
-        result_shas = {read_json(r)["sha256"] for r in (world.outputs / "results").rglob("*.json")
-                       if ".tmp" not in r.parts}
+        results = [read_json(r) for r in (world.outputs / "results").rglob("*.json")
+                   if ".tmp" not in r.parts]
+        result_shas = {result["sha256"] for result in results}
+        for task in models or {}:
+            assert all(task in result for result in results), f"a result without {task}"
         assert in_done <= result_shas, "bytes in done/ without any result"
         assert not (ref.corrupt & in_done), "a corrupt input was filed as a success"
+        good_failed = {failed_shas[d]: failed_reasons[failed_shas[d]] for d in ref.must_end
+                       if d in failed_shas and d not in ref.corrupt | ref.unfileable}
+        assert good_failed == {}, f"good photos failed: {good_failed}"
         for path, digest in ref.outside.items():
             assert sha(path.read_bytes()) == digest, f"{path} outside the inbox changed"
         processing = tmp_path / "inbox" / ".processing" / "default"
@@ -468,6 +528,7 @@ def run_model(tmp_path: Path, steps: int, seed: int) -> dict[str, int]:
                    "broken_reloads": world.broken_reloads,
                    "inputs": sum(ref.must_end.values()),
                    "vanishable": sum(ref.may_vanish.values()), "lost": 0, "doubled": 0,
+                   "good_failed": 0,
                    "failed": len(failed_reasons), **{f"op_{k}": v for k, v in
                                                      done_actions.items()}}
         print("model-based figures:", figures)
@@ -490,6 +551,27 @@ def test_model_based_user_and_system_actions(tmp_path: Path) -> None:
     figures = run_model(tmp_path, STEPS_CI, int(os.environ.get("INBOXD_MODEL_SEED", "20261201")))
     assert figures["kills"] >= 1
     assert figures["helper_stops"] >= 1 and figures["broken_reloads"] >= 1
+
+
+@pytest.mark.daemon
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_model_based_with_several_tasks_per_photo(tmp_path: Path) -> None:
+    """The same guarantees with two tasks per photo (each its own model thread and calls out):
+    kill -9 mid-flood loses nothing and doubles nothing."""
+    from tests import detectors
+
+    (tmp_path / "models").mkdir()
+    labels = tmp_path / "models" / "labels.txt"
+    labels.write_text("\n".join(detectors.LABELS) + "\n")
+    onnx = detectors.yolo_onnx(tmp_path / "models" / "yolo.onnx")
+    figures = run_model(tmp_path, STEPS_CI,
+                        int(os.environ.get("INBOXD_MODEL_SEED", "20261201")), models={
+                            "labels": {"name": "efficientnet_lite0", "runtime": "torch",
+                                       "precision": "fp32"},
+                            "things": {"onnx": str(onnx), "output": "detect",
+                                       "labels": str(labels)}})
+    assert figures["kills"] >= 2
 
 
 @pytest.mark.daemon

@@ -35,10 +35,14 @@ from inboxd.files.names import NameFilter
 from inboxd.item import WorkItem
 from inboxd.models.engines.interface import DeviceFault, ModelEngine
 from inboxd.models.engines.local import LocalEngine
-from inboxd.models.model import Model
+from inboxd.models.model import TaskModel
+from inboxd.models.ocr_model import OcrModel
+from inboxd.models.tasks import TasksEngine
+from inboxd.models.tasks import memory_fields as task_memory_fields
 from inboxd.os_threads import name_this_thread
 from inboxd.pipeline.batcher import Batcher
 from inboxd.pipeline.event_buffer import EventBuffer
+from inboxd.pipeline.full_outputs import FullOutputs
 from inboxd.pipeline.held_files import HeldFiles
 from inboxd.pipeline.intake import Intake
 from inboxd.pipeline.model_stage import ModelStage
@@ -62,18 +66,25 @@ class Pipeline:
     def __init__(
         self,
         config: Config,
-        model: Model,
+        model: TaskModel,
         watch: WatchFn = real_awatch,
         clock: Callable[[], float] = time.monotonic,
         lifecycle: Lifecycle | None = None,
         engine: ModelEngine | None = None,
+        tasks: dict[str, TaskModel] | None = None,
     ) -> None:
+        """``tasks``: a ``models:`` config's models by task name (``model`` is then the first),
+        each photo decoded once for all of them and answered in one result."""
         self.config = config
         self.model = model
+        self.tasks = tasks
+        # Every task's model (the one model: alone without models:).
+        self.models: list[TaskModel] = list(tasks.values()) if tasks is not None else [model]
         self.clock = clock
         capacity = config.capacity
         self.stats = Stats(clock)
-        self.stats.memory_probe = model.memory_fields
+        self.stats.memory_probe = (model.memory_fields if tasks is None
+                                   else lambda: task_memory_fields(tasks))
         self.lifecycle = lifecycle or Lifecycle(config)
         self.io_executor = ThreadPoolExecutor(1, thread_name_prefix="inboxd-io",
                                               initializer=name_this_thread)
@@ -83,8 +94,9 @@ class Pipeline:
         self.queue = PipelineQueue(capacity.queue)
         self.cache = PreprocessCache(capacity.preprocess_cache, capacity.preprocess_cache_mb)
         self.retry_list = RetryList(capacity.retry_list, self._requeue, clock)
+        self.outputs = FullOutputs(config, self.run_io, clock, self.lifecycle.tmp_dir_of)
         self.outcomes = Outcomes(config, self.lifecycle, self.stats, self.retry_list,
-                                 self.run_io, clock, held=self.held)
+                                 self.run_io, clock, held=self.held, outputs=self.outputs)
         self.watcher = Watcher(
             config.inbox.paths, config.inbox.recursive, NameFilter(config.inbox.include),
             self.buffer, self.stats, config.inbox.rescan_interval_s, clock, watch,
@@ -96,20 +108,25 @@ class Pipeline:
             config, self.buffer, self.queue, self.lifecycle, self.stats,
             on_enqueued=lambda item: self.outcomes.admitted(),
             on_refused=self.outcomes.refused, clock=clock, held=self.held,
+            outputs=self.outputs,
         )
         pre = config.preprocess
         # The model says what its input is; preprocess.resize says how exactly the workers
         # make it (the GPU route's tensors are torchvision's either way).
+        specs = [dataclasses.replace(m.spec, resize_mode=pre.resize)
+                 for m in (tasks.values() if tasks is not None else [model])]
         self.decode_pool = DecodePool(pre.workers, WorkerSettings(
-            dataclasses.replace(model.spec, resize_mode=pre.resize), pre.max_image_pixels,
-            pre.max_file_mb << 20, pre.decode_memory_mb << 20, pre.decode_timeout_s))
+            specs[0], pre.max_image_pixels, pre.max_file_mb << 20, pre.decode_memory_mb << 20,
+            pre.decode_timeout_s, tuple(specs[1:])))
+        # The device decoder makes one crop per file; several tasks' cuts come from the workers.
+        gpu_decode = pre.gpu_decode if len(specs) == 1 else "off"
         self.preprocessor = Preprocessor(
             self.queue, self.cache, self.decode_pool, pre.workers, pre.files_per_request,
             on_error=self.outcomes.error,
             existing_sha256=self.lifecycle.results.recorded_sha256,
             on_duplicate=lambda item: self.outcomes.duplicate(item, item.key),
             on_changing=self.outcomes.give_back_held, clock=clock,
-            device_route=device_route.build(pre.gpu_decode, model.device, model.spec,
+            device_route=device_route.build(gpu_decode, model.device, model.spec,
                                             pre.max_image_pixels, pre.max_file_mb << 20,
                                             decoders_for(pre.workers)),
         )
@@ -120,8 +137,10 @@ class Pipeline:
         )
         self.commits: Commits = CommitProcess(config, self.lifecycle)
         self.writer = ResultWriter(config, model, self.lifecycle, self.commits, self.outcomes,
-                                   self.run_io, clock)
-        self.engine = engine or LocalEngine(model)
+                                   self.run_io, clock, tasks)
+        self.engine = engine or (LocalEngine(model) if tasks is None else TasksEngine(
+            tasks, {task: LocalEngine(m) for task, m in tasks.items()},
+            capacity.in_flight_batches))
         self.worker = ModelStage(self.engine, self.batcher, self.writer.submit, clock,
                                   release=self.outcomes.release,
                                   on_device_fault=self._device_fault,
@@ -129,6 +148,12 @@ class Pipeline:
                                   in_flight=capacity.in_flight_batches)
         self.stats.register(self.buffer, self.queue, self.preprocessor, self.cache, self.batcher,
                             self.worker, self.writer, self.writer.committing, self.retry_list)
+        if isinstance(self.engine, TasksEngine):
+            self.stats.register(*self.engine.layers.values())
+        for each in self.models:
+            if isinstance(each, OcrModel):  # the OCR task's fan-out: crops for the recogniser
+                each.crops.resize(capacity.ocr_crops)
+                self.stats.register(each.crops)
         self._intake_tasks: list[asyncio.Task[None]] = []
         self._processing_tasks: list[asyncio.Task[None]] = []
         self.crashed: BaseException | None = None
@@ -219,6 +244,7 @@ class Pipeline:
             self._spawn(self._intake_tasks, self.watcher.run_watch(), "watcher")
             self._spawn(self._intake_tasks, self.watcher.run_scans(), "scanner")
             self._spawn(self._intake_tasks, self.takeovers.run(), "takeover")
+            self._spawn(self._intake_tasks, self.takeovers.watch_claim_areas(), "claim-areas")
         self._spawn(self._intake_tasks, self.intake.run(), "intake")
 
     def stats_fields(self, reset: bool = True) -> dict[str, Any]:
@@ -234,6 +260,8 @@ class Pipeline:
         down_since_s = self.worker.unavailable_since_s
         fields["MODEL_UNAVAILABLE_S"] = (round(self.clock() - down_since_s, 3)
                                          if down_since_s is not None else 0)
+        fields.update(OUTPUT_FULL_S=round(self.outputs.waited_s(), 3),
+                      OUTPUT_FULL_WAITS=self.outputs.waits, OUTPUT_PROBES=self.outputs.probes)
         return fields
 
     def log_stats(self) -> dict[str, Any]:
@@ -288,7 +316,9 @@ class Pipeline:
         down = ("" if down_since_s is None else
                 f"model unreachable for {self.clock() - down_since_s:.0f} s (reconnecting), ")
         stalled = "".join(f"; {stall}" for stall in self.stalls(patience_s) if stall.shown)
-        return (f"{down}queue {self.queue.qsize()}/{self.queue.maxsize}, "
+        full = self.outputs.status()
+        waiting = f"{down}{full}, " if full else down
+        return (f"{waiting}queue {self.queue.qsize()}/{self.queue.maxsize}, "
                 f"buffer {self.buffer.size}/{self.buffer.capacity}, "
                 f"{counters.completed} completed, {counters.failed} failed, "
                 f"{self.stats.recent_files_per_s():.1f} files/s{stalled}")
@@ -301,8 +331,10 @@ class Pipeline:
                     counters.released, self.decode_pool.answered, self.worker.batches_done,
                     self.commits.replies)
         active = self.outcomes.active()
-        # Waiting for a model cluster to come back is no stall: it is shown as unreachable.
-        waiting = active > 0 and self.worker.unavailable_since_s is None
+        # Waiting for a model cluster to come back, or for room in a full output folder, is no
+        # stall: each is shown as what it is.
+        waiting = (active > 0 and self.worker.unavailable_since_s is None
+                   and not self.outputs.full)
         clock = self.stall_clock
         now = clock.look(progress, waiting)
         found: list[Stall] = []
@@ -339,6 +371,9 @@ class Pipeline:
         self.cache.resize(capacity.preprocess_cache, capacity.preprocess_cache_mb)
         self.retry_list.capacity = capacity.retry_list
         self.worker.resize(capacity.in_flight_batches)
+        for each in self.models:
+            if isinstance(each, OcrModel):
+                each.crops.resize(capacity.ocr_crops)
         self.batcher.configure(config.batch.max_size, config.batch.max_delay_ms)
         self.config = self.config.model_copy(
             update={"capacity": capacity, "batch": config.batch, "stats": config.stats}
@@ -383,13 +418,17 @@ class Pipeline:
         self.buffer.clear()  # only names: the files are still in the inbox
         if self.crashed is not None:
             force.set()  # a crashed stage drains nothing: waiting on it would wait for ever
+        full = self.outputs.full  # nothing held for room can drain: it goes back now
+        if full:
+            grace_s = 0
         drain = asyncio.create_task(self._drain())
         forced = asyncio.create_task(_wait(force))
         await asyncio.wait({drain, forced}, timeout=grace_s,
                            return_when=asyncio.FIRST_COMPLETED)
         if not drain.done():
             why = ("a stage crashed" if self.crashed is not None else "second signal"
-                   if force.is_set() else f"grace period of {grace_s:g} s over")
+                   if force.is_set() else "an output folder is full" if full
+                   else f"grace period of {grace_s:g} s over")
             where = ("stay claimed for the next start-up" if self.crashed is not None
                      else "go back to the inbox")
             logs.emit(logging.WARNING, "stopping",
@@ -397,6 +436,7 @@ class Pipeline:
                       in_flight=self.outcomes.active())
         await _cancel([drain, forced])
         await _cancel(self._processing_tasks)
+        self.outputs.close()
         self.intake.close()
         self.preprocessor.close()
         self.worker.close()
