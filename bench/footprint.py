@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--photo", type=Path, default=None)
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
-    from tests.photos import photo_paths
+    from support.photos import photo_paths
 
     photo = args.photo or photo_paths()["chelsea"]
     work = Path(tempfile.mkdtemp(prefix="inboxd-footprint-"))

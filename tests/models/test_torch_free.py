@@ -61,7 +61,7 @@ def test_a_daemon_serving_a_cached_artifact_has_no_torch(tmp_path: Path, daemon_
     assert started["RUNTIME_ARTIFACT"] == "cached, served without torch", started
     assert started["TORCH_VERSION"] == "not loaded", started
     daemon.wait_for("ready")
-    from tests.photos import photo_paths
+    from support.photos import photo_paths
 
     drop(photo_paths()["chelsea"], tmp_path / "inbox", "cat.png")
     result_path = tmp_path / "results" / "cat.png.json"
@@ -80,7 +80,7 @@ def test_the_cached_model_gives_the_torch_model_s_answers(tmp_path: Path) -> Non
     from inboxd.models.fast_path import FastPath
     from inboxd.models.loading import load_model
 
-    from tests.photos import photo_paths
+    from support.photos import photo_paths
 
     config = ModelConfig(device="cpu", cache_dir=tmp_path)
     reference = load_model(config.model_copy(update={"runtime": "torch"}))

@@ -1,7 +1,7 @@
 """Real camera photos at their native resolution for the fidelity corpus: the photographs among
 Debian's desktop wallpapers, cropped and re-encoded, never upscaled.
 
-The wheel photos of ``bench/corpus.py`` are under 1 MP, so its large variants are upscaled and
+The wheel photos of ``support/corpus.py`` are under 1 MP, so its large variants are upscaled and
 carry no detail above the source's resolution; a decode that throws detail away (DCT scaling,
 shrink-on-load) looks harmless on them. These 20 photographs (1920×1200 to 2560×1600, shot by
 cameras: landscapes, macro, water, texture) keep theirs. The packages come through apt
@@ -13,7 +13,7 @@ native pixels, an EXIF-orientation share, JPEG at several qualities and chroma s
 (some progressive). Built once into ``var/corpus/real-<key>/`` (the key hashes the recipe, the
 package versions and Pillow's), like the upscaled corpus, and raced the same way.
 
-    python -m bench.real_photos   # fetch, build (or find) and summarise
+    python -m support.real_photos   # fetch, build (or find) and summarise
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from bench.corpus import ORIENTATION_TAG, Variant, corpus_dir
+from support.corpus import ORIENTATION_TAG, Variant, corpus_dir
 
 ROOT = Path(__file__).resolve().parents[1] / "var" / "real-photos"
 PACKAGES = ("plasma-workspace-wallpapers", "mate-backgrounds")
