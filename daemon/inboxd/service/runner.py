@@ -28,6 +28,7 @@ from inboxd.models import faults
 from inboxd.models.device import device_fields, with_device_defaults
 from inboxd.models.engines.choice import load_here, make_engine
 from inboxd.models.fast_path import runtime_fields
+from inboxd.models.onnx_probe import daemon_sizes, probe_in_child
 from inboxd.pipeline.stalls import DEFAULT_PATIENCE_S
 from inboxd.pipeline.wiring import Pipeline
 from inboxd.service.notify import Notifier, abort_with_stacks
@@ -75,6 +76,9 @@ class Service:
         started = time.perf_counter()
         extending = asyncio.create_task(self._extend_start_timeout())
         try:
+            if self.config.model.kind == "onnx":  # a graph may ask for any memory: try it aside
+                await asyncio.to_thread(probe_in_child, self.config.model,
+                                        daemon_sizes(self.config))
             model = await asyncio.to_thread(load_here, self.config.model)
             self.config, profile = with_device_defaults(  # unset keys follow the device
                 self.config, model.device, model.max_batch)
