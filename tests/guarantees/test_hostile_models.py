@@ -56,3 +56,90 @@ def test_a_memory_bomb_onnx_is_refused_with_78_not_oom_killed(tmp_path: Path) ->
     assert "needs more memory than the" in ran.stderr, ran.stderr[-3000:]
     assert "lower batch.max_size" in ran.stderr
     assert (tmp_path / "inbox" / "a.png").exists()
+
+
+@pytest.mark.parametrize("planted", ["fifo", "huge"])
+def test_what_is_planted_at_the_onnx_cache_path_is_refused_at_once(
+        tmp_path: Path, planted: str) -> None:
+    """Before: a FIFO blocked the build thread's open for good, with nothing logged; a 2 GiB
+    file was read whole (peak RSS 2.9 GB) before it was found to be no model."""
+    from inboxd.models.fast_path import FastPath
+
+    from tests.models.test_runtimes import builtin
+
+    model, config = builtin(tmp_path / "cache")
+    target = FastPath(model, config).path
+    target.parent.mkdir(parents=True)
+    if planted == "fifo":
+        os.mkfifo(target)
+    else:
+        with open(target, "wb") as sparse:  # 2 GiB that take no disk
+            sparse.truncate(2 << 30)
+    exports: list[Path] = []
+    fast = FastPath(model, config, exporter=lambda _c, path, _k: exports.append(path))
+    fast.start()
+    fast.join(30)
+    assert fast._thread is not None and not fast._thread.is_alive(), "the build is stuck"
+    assert exports == [target], "refused, and exported again"
+    reason = fast.fields["RUNTIME_REBUILD_REASON"]
+    assert ("not a regular file" if planted == "fifo" else "where this network's export takes"
+            ) in reason, reason
+
+
+STOPPED_EXPORTER = """
+import os, signal, subprocess, sys
+from pathlib import Path
+from inboxd.config import ModelConfig
+from inboxd.models import onnx_export
+
+class StoppedAtOnce(subprocess.Popen):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        os.kill(self.pid, signal.SIGSTOP)  # before its interpreter has run a line
+        print(self.pid, flush=True)
+        os._exit(0)  # the daemon goes: exits, or is killed
+
+onnx_export.subprocess.Popen = StoppedAtOnce
+onnx_export.export_in_child(ModelConfig(), Path(sys.argv[1]), "key")
+"""
+
+
+def test_an_exporter_stopped_as_it_starts_dies_with_the_daemon(tmp_path: Path) -> None:
+    """Before: ``die_with_parent`` ran in the exporter's ``main``; stopped before it, the
+    exporter outlived the daemon (stopped, for ever)."""
+    from tests.waiting import wait_until
+
+    ran = subprocess.run([sys.executable, "-c", STOPPED_EXPORTER, str(tmp_path / "a.onnx")],
+                         capture_output=True, text=True, timeout=60)
+    pid = int(ran.stdout.split()[0])
+
+    def gone() -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                return stat.read().rpartition(")")[2].split()[0] == "Z"
+        except FileNotFoundError:
+            return True
+
+    try:
+        wait_until(gone, 10, "the stopped exporter to die with its parent")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)
+
+
+@pytest.mark.daemon
+def test_a_batch_slower_than_the_watchdog_allows_is_said_at_start_up(tmp_path: Path) -> None:
+    """Before: nothing at start-up; the first busy batch stopped the pings and systemd
+    restarted the service, again and again."""
+    from tests.conftest import DaemonProcess
+
+    config = write_config(tmp_path, batch={"max_size": 8})
+    daemon = DaemonProcess(config, env={"WATCHDOG_USEC": "20000"})  # 20 ms: any batch is longer
+    try:
+        daemon.wait_for("ready", 180)
+        warnings = [line for line in daemon.records("watchdog") if "at warm-up" in line]
+    finally:
+        daemon.stop()
+    assert warnings, daemon.output()
+    assert "Raise WatchdogSec= to at least" in warnings[0]
+    assert "lower batch.max_size" in warnings[0]

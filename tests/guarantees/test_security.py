@@ -90,7 +90,9 @@ FIXED_COMMANDS = {Path("decode/worker_process.py"): ["sys.executable", "'-m'",
                                                     "'inboxd.files.commit_child'"],
                   Path("models/engines/ray_bridge.py"): ["sys.executable", "*BRIDGE_COMMAND"],
                   Path("models/onnx_export.py"): ["sys.executable", "'-m'",
-                                                  "'inboxd.models.onnx_export'"]}
+                                                  "'inboxd.models.onnx_export'"],
+                  Path("models/onnx_probe.py"): ["sys.executable", "'-m'",
+                                                 "'inboxd.models.onnx_probe'"]}
 
 
 def _is_fixed_popen(call: ast.Call, where: Path) -> bool:
@@ -106,7 +108,8 @@ def _is_fixed_popen(call: ast.Call, where: Path) -> bool:
 
 def test_no_shell_or_unpickling_anywhere_in_the_daemon() -> None:
     """File names are attacker-controlled: the daemon never runs a shell or a subprocess (but
-    its own decode workers, commit process, Ray bridge and ONNX exporter, by fixed command lines),
+    its own decode workers, commit process, Ray bridge, ONNX exporter and ONNX memory probe, by
+    fixed command lines),
     and weights are loaded with ``torch.load(weights_only=True)`` only, never unpickled."""
     offenders = []
     sources = sorted(PACKAGE.rglob("*.py"))

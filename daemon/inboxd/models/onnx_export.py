@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ EXPORT_TIMEOUT_S = 900.0
 # gets idle time would never finish, while the runner it builds pays for itself within minutes.
 EXPORTER_NICE = 10
 EXIT_OTHER_NETWORK = 3
+PR_SET_PDEATHSIG = 1
 _TAIL_CHARS = 400
 
 
@@ -43,7 +45,8 @@ def export_in_child(config: ModelConfig, path: Path, key: str,
     try:
         done = subprocess.run([sys.executable, "-m", "inboxd.models.onnx_export"],
                               input=request(config, path, key), capture_output=True, text=True,
-                              errors="replace", timeout=timeout_s, check=False)
+                              errors="replace", timeout=timeout_s, check=False,
+                              preexec_fn=killed_with_parent(os.getpid()))
     except subprocess.TimeoutExpired as exc:
         raise ExportFailed(f"the exporter took more than {timeout_s:.0f} s and was killed"
                            ) from exc
@@ -54,15 +57,32 @@ def export_in_child(config: ModelConfig, path: Path, key: str,
         raise ExportFailed(f"the exporter exited {done.returncode}: {last}")
 
 
+def killed_with_parent(parent_pid: int) -> Callable[[], None]:
+    """For ``preexec_fn``: the exporter is killed with its parent from before it runs a line of
+    its own. Set in ``main`` instead, an exporter stopped (SIGSTOP) in its first instant would
+    never set it and outlive the daemon, stopped for ever. ``prctl`` is looked up here, in
+    the parent: between fork and exec the child only calls it."""
+    import ctypes
+    import signal
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def in_child() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl: nobody will signal
+            os._exit(1)
+
+    return in_child
+
+
 def die_with_parent() -> None:
     """The exporter must not outlive the daemon (``inboxd once`` exits without waiting for it):
     the kernel kills it when the thread that started it ends."""
     import ctypes
     import signal
 
-    pr_set_pdeathsig = 1
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         return  # not Linux: the exporter may finish its one file after the daemon is gone
     if os.getppid() == 1:  # the parent died before prctl: nobody is waiting for this

@@ -119,9 +119,28 @@ class Service:
                   instance=self.config.instance, version=__version__,
                   watch=",".join("polling" if p.polling else "inotify" for p in plans),
                   filesystems=",".join(p.filesystem for p in plans))
+        self._warn_if_slower_than_watchdog(model.batch_seconds)
         if self.metrics is not None:
             self.metrics.attach(self.pipeline)
         return self.pipeline
+
+    def _warn_if_slower_than_watchdog(self, batch_seconds: dict[int, float]) -> None:
+        """A batch that takes longer than the watchdog's patience (half ``WatchdogSec=``) stops
+        the pings at its first real batch and gets the service restarted, again and again:
+        say so now, with the fix, since the warm-up has just measured it."""
+        patience_s = self.notifier.watchdog_interval_s()
+        if patience_s is None or not batch_seconds:
+            return
+        size, took_s = max(batch_seconds.items(), key=lambda entry: entry[1])
+        if took_s < patience_s:
+            return
+        logs.emit(logging.WARNING, "watchdog",
+                  f"a batch of {size} took {took_s:.1f} s at warm-up, longer than the "
+                  f"{patience_s:.1f} s the watchdog allows a model call (half of WatchdogSec="
+                  f"{2 * patience_s:.0f}s): systemd would restart inboxd at its first busy "
+                  f"batch. Raise WatchdogSec= to at least {4 * took_s:.0f}s (a drop-in), or "
+                  "lower batch.max_size", batch_size=size, batch_s=round(took_s, 3),
+                  watchdog_patience_s=patience_s)
 
     def close_metrics(self) -> None:
         if self.metrics is not None:
