@@ -210,6 +210,7 @@ class Pipeline:
         crashed on one batch must not fail the photos being decoded meanwhile). None for a
         stage that cannot say which files it held."""
         held = (self.worker.crashed_with if stage == "model-worker" else
+                self.writer.crashed_with if stage == "result-writer" else
                 self.preprocessor.crashed_with if stage.startswith("preprocess-") else None)
         return None if held is None else {os.path.normpath(item.claimed_path) for item in held}
 
