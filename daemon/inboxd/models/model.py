@@ -272,12 +272,20 @@ class Model:
         """``outputs`` must be batch_size × D, D what the probe found at start-up, and finite.
         A network can pass the probe and still answer some batch sizes wrongly (a program with
         a data-dependent shape), or one batch with NaN (fp16 overflow)."""
+        self.check_shape(outputs, batch_size)
+        self.check_finite(outputs, batch_size)
+
+    def check_shape(self, outputs: torch.Tensor, batch_size: int) -> None:
+        """``check_answer``'s half that needs no device sync."""
         columns = self.info.outputs if self.info is not None else None
         shape = list(outputs.shape)
         if outputs.ndim != 2 or shape[0] != batch_size or columns not in (None, shape[1]):
             wanted = f"{batch_size}×{columns if columns is not None else 'D'}"
             raise UnfitAnswer(f"the model answered a batch of {batch_size} with a {shape} "
                               f"tensor, not {wanted}")
+
+    def check_finite(self, outputs: torch.Tensor, batch_size: int) -> None:
+        """``check_answer``'s other half (on a GPU it waits for ``outputs``)."""
         if not bool(torch.isfinite(outputs).all()):
             raise UnfitAnswer(f"the model's output for a batch of {batch_size} is not a number "
                               "(NaN or infinite values)")
