@@ -266,6 +266,10 @@ class Service:
             # In a thread: a config on a hung network filesystem must not stop the event loop.
             new = await asyncio.to_thread(load_checked_config, self.config_path, self.overrides)
             new, _ = with_device_defaults(new, pipeline.model.device, pipeline.model.max_batch)
+            if (self.config.model.kind == "onnx"
+                    and new.batch.max_size not in pipeline.model.batch_seconds):
+                # A size never run yet: tried aside first, as at start-up.
+                await asyncio.to_thread(probe_in_child, self.config.model, [new.batch.max_size])
             # A larger batch is checked against the model (a .pt2 program's bound) and warmed
             # on the model's thread *before* the batcher may produce it.
             warmed, warm_s = await pipeline.engine.warm_up(new.batch.max_size)
