@@ -101,7 +101,7 @@ class PreprocessConfig(Section):
     # uncompressed 8-bit RGB; a JPEG header followed by gigabytes of junk is refused.
     max_file_mb: Positive = 256
     # Address space a worker may add for one decode (RLIMIT_AS above its warmed-up size): room
-    # for an RGBA PNG of max_image_pixels, the largest legitimate decode (bench/RESULTS.md).
+    # for an RGBA PNG of max_image_pixels, the largest legitimate decode (docs/decisions.md).
     decode_memory_mb: Positive = 1536
     # Hashing and decoding one file; past it the worker is killed and replaced, the file fails.
     # A few times the slowest legitimate decode (a max_image_pixels RGBA PNG on a busy CPU).

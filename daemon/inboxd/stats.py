@@ -207,7 +207,7 @@ OTHER_FIELDS = (
     StatsField("CUDA_PINNED_HOST_BYTES", "gauge", "bytes", "cuda",
                "Pinned host memory allocated for copies to the device.",
                "inboxd_cuda_pinned_host_bytes"),
-    # engine: ray only (models.ray_engine.stats_fields).
+    # engine: ray only (models.engines.ray_serve.RayEngine.stats_fields).
     StatsField("RAY_CONNECTED", "gauge", "bool", "ray",
                "1 while the Ray cluster is connected.", "inboxd_ray_connected"),
     StatsField("RAY_CONNECTS", "counter", "connections", "ray",

@@ -99,14 +99,15 @@ class StoppedAtOnce(subprocess.Popen):
         print(self.pid, flush=True)
         os._exit(0)  # the daemon goes: exits, or is killed
 
-onnx_export.subprocess.Popen = StoppedAtOnce
+subprocess.Popen = StoppedAtOnce  # what children.HelperProcess starts every helper with
 onnx_export.export_in_child(ModelConfig(), Path(sys.argv[1]), "key")
 """
 
 
 def test_an_exporter_stopped_as_it_starts_dies_with_the_daemon(tmp_path: Path) -> None:
     """Before: ``die_with_parent`` ran in the exporter's ``main``; stopped before it, the
-    exporter outlived the daemon (stopped, for ever)."""
+    exporter outlived the daemon (stopped, for ever). Every helper starts the same way
+    (``children.HelperProcess``): the exporter stands for all of them."""
     from tests.waiting import wait_until
 
     ran = subprocess.run([sys.executable, "-c", STOPPED_EXPORTER, str(tmp_path / "a.onnx")],

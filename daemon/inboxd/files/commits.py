@@ -53,9 +53,26 @@ class Committed:
 
 class Commits(Protocol):
     """Where a batch's commit runs: the commit process (``files/commit_process.py``); tests
-    put one running in their own process where they fake a disk (``tests/fakes.py``)."""
+    put one running in their own process where they fake a disk (``tests/fakes.py``). What the
+    watchdog reads has defaults, for one that subclasses this to inherit (no process: nothing
+    to stall or stop)."""
+
+    replies: int = 0  # batches answered (the watchdog's progress)
 
     def start(self) -> None: ...
+
+    @property
+    def pid(self) -> int | None:
+        """Its process, if it has one."""
+        return None
+
+    def stalled_s(self) -> float | None:
+        """Seconds the oldest unanswered batch has waited for its reply; None: none waits."""
+        return None
+
+    def stopped(self) -> bool:
+        """Whether its process is stopped (SIGSTOP, a debugger)."""
+        return False
 
     def send(self, entries: Sequence[CommitEntry]) -> Future[Committed]: ...
 

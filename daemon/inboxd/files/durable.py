@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from inboxd import testing
 from inboxd.files.layout import TMP_DIRNAME
 from inboxd.files.renames import place_inside
 from inboxd.files.safe_paths import open_inside
@@ -37,8 +38,7 @@ from inboxd.os_threads import name_this_thread
 RESULT_MODE = 0o644  # before the umask (the unit's 0027 makes it 0640): see output_mode
 SYNC_THREADS = 16  # parallel fdatasync calls of one group commit (8-16: 5-10x a loop here)
 # Test-only: a pause (ms) at each step of a group commit, so that kills land inside commits.
-COMMIT_PAUSE_ENV = "INBOXD_TEST_COMMIT_PAUSE_MS"
-_COMMIT_PAUSE_S = float(os.environ.get(COMMIT_PAUSE_ENV) or 0) / 1000
+_COMMIT_PAUSE_S = float(testing.hook(testing.COMMIT_PAUSE_MS) or 0) / 1000
 # No extended attributes here (the filesystem has none, or this one is not ours to copy).
 _NO_XATTRS = {errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM, errno.EACCES, errno.ENODATA,
               errno.E2BIG, errno.ERANGE}

@@ -15,12 +15,11 @@ from __future__ import annotations
 import json
 import os
 import resource
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from inboxd.children import child_env, die_with_parent, held_for_start
+from inboxd.children import HelperProcess, die_with_parent, ignore_stop_signals
 from inboxd.config import Config, ConfigError, ModelConfig
 
 # The share of the free memory a model may take: the daemon itself, its decode workers and the
@@ -95,25 +94,30 @@ def probe_in_child(config: ModelConfig, sizes: list[int], timeout_s: float = PRO
     asked = {"path": str(config.onnx), "crop": config.input.crop, "sizes": sorted(set(sizes)),
              "limit_bytes": limit_bytes, "parent_pid": os.getpid()}
     try:
-        with held_for_start():
-            done = subprocess.run([sys.executable, "-m", "inboxd.models.onnx_probe"],
-                                  input=json.dumps(asked), capture_output=True, text=True,
-                                  errors="replace", timeout=timeout_s, check=False,
-                                  env=child_env())
-    except subprocess.TimeoutExpired as exc:
+        probe = HelperProcess(("-m", "inboxd.models.onnx_probe"), capture_stderr=True)
+    except OSError as exc:
+        raise _refused(config, f"the probe process could not start: {exc.strerror or exc}"
+                       ) from exc
+    try:
+        _, stderr = probe.communicate(json.dumps(asked).encode(), timeout_s)
+    except TimeoutError as exc:
         raise _refused(config, f"loading and running it took more than {timeout_s:.0f} s"
                        ) from exc
-    if done.returncode == 0:
+    finally:
+        probe.reap()
+    code = probe.exit_code()
+    if code == 0:
         return
-    last = (done.stderr.strip().splitlines() or ["(no output)"])[-1][-_TAIL_CHARS:]
-    if done.returncode == EXIT_NO_MEMORY or done.returncode < 0:
+    text = stderr.decode(errors="replace")
+    last = (text.strip().splitlines() or ["(no output)"])[-1][-_TAIL_CHARS:]
+    if code == EXIT_NO_MEMORY or code is None or code < 0:
         raise _refused(config, f"it needs more memory than the {limit_bytes >> 20} MiB this "
                        f"machine can give it now ({last}): it is refused rather than let it "
                        "get the daemon killed; if the model is sound, give inboxd more memory "
                        "(the unit's MemoryMax=) or lower batch.max_size")
-    if done.returncode == EXIT_FAILED:
+    if code == EXIT_FAILED:
         return  # an error of the model's own: the in-process load says it, with its fix
-    raise _refused(config, f"the probe process exited {done.returncode}: {last}")
+    raise _refused(config, f"the probe process exited with {probe.describe_exit()}: {last}")
 
 
 def _refused(config: ModelConfig, why: str) -> ConfigError:
@@ -123,6 +127,7 @@ def _refused(config: ModelConfig, why: str) -> ConfigError:
 def main() -> int:
     asked: dict[str, Any] = json.loads(sys.stdin.read())
     die_with_parent(asked["parent_pid"])
+    ignore_stop_signals()  # the daemon ends it (it dies with it); a Ctrl-C is the daemon's
     import numpy as np
     import onnxruntime as ort
 

@@ -195,7 +195,7 @@ class ResultWriter:
             "source_identity": list(item.identity) if item.identity else None,
             "model": self.model.name,
             "device": str(self.model.device),
-            "runtime": item.runtime or getattr(self.model, "runtime", "torch"),
+            "runtime": item.runtime or self.model.runtime,
             "precision": item.precision or self.model.precision,
             **self._output(result, item.key),
             "image": image,

@@ -242,10 +242,7 @@ class Pipeline:
                       PREPROCESS_CACHE_CAPACITY_BYTES=self.cache.capacity_bytes,
                       PREPROCESS_CACHE_HIGH_WATER_BYTES=self.cache.high_water_bytes)
         # A remote engine's own figures (engine: ray: per-replica latency, lost batches).
-        engine_fields: Callable[[], dict[str, Any]] | None = getattr(self.engine,
-                                                                      "stats_fields", None)
-        if engine_fields is not None:
-            fields.update(engine_fields())
+        fields.update(self.engine.stats_fields())
         down_since_s = self.worker.unavailable_since_s
         fields["MODEL_UNAVAILABLE_S"] = (round(self.clock() - down_since_s, 3)
                                          if down_since_s is not None else 0)
@@ -312,10 +309,9 @@ class Pipeline:
         """Every stage holding work that has not moved (``pipeline.stalls``); ``patience_s``:
         the watchdog's ping interval, the least time any stage is given."""
         counters = self.stats.counters
-        commit_replies: int = getattr(self.commits, "replies", 0)
         progress = (counters.enqueued, counters.completed, counters.failed, counters.retried,
                     counters.released, self.decode_pool.answered, self.worker.batches_done,
-                    commit_replies)
+                    self.commits.replies)
         active = self.outcomes.active()
         # Waiting for a model cluster to come back is no stall: it is shown as unreachable.
         waiting = active > 0 and self.worker.unavailable_since_s is None
@@ -326,11 +322,11 @@ class Pipeline:
         if busy_since_s is not None:
             found.append(Stall("model", now - clock.since(busy_since_s),
                                self.worker.call_limit_s(patience_s), " (on one batch)"))
-        commit_waits_s: float | None = getattr(self.commits, "stalled_s", lambda: None)()
+        commit_waits_s = self.commits.stalled_s()
         if commit_waits_s is not None:
-            stopped = getattr(self.commits, "stopped", lambda: False)()
+            stopped = self.commits.stopped()
             found.append(Stall("commit", now - clock.since(now - commit_waits_s), patience_s,
-                               f" (its process, pid {getattr(self.commits, 'pid', '?')}, is "
+                               f" (its process, pid {self.commits.pid}, is "
                                "stopped: SIGCONT it, or restart inboxd)" if stopped else ""))
         timeout_s = self.config.preprocess.decode_timeout_s
         for pid, stopped_s in self.decode_pool.stopped_workers():
