@@ -16,7 +16,7 @@ import pytest
 from inboxd.config import load_config
 from inboxd.files.layout import processing_dir
 from inboxd.item import WorkItem
-from inboxd.models.engines.interface import Outcome
+from inboxd.models.engines.interface import ModelEngine, Outcome
 from inboxd.pipeline.wiring import Pipeline
 
 from tests.byo_models import labels_file, onnx_wrong_rows, run_pipeline
@@ -66,7 +66,7 @@ def test_a_batch_size_the_model_cannot_answer_is_refused_at_start_up(tmp_path: P
     assert (tmp_path / "inbox" / "a.png").exists()
 
 
-class CrashesOn:
+class CrashesOn(ModelEngine):
     """A model engine with a bug: a call with ``poison`` in its batch raises out of the engine
     (not an outcome), which crashes the model stage."""
 
