@@ -65,6 +65,16 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 RENAME_EXCHANGE = 2
 
 
+RENAME_NOREPLACE = 1
+
+
+def rename_noreplace(a: Path, b: Path) -> None:
+    """``mv -n``: ``FileExistsError`` when ``b`` exists (``renameat2(RENAME_NOREPLACE)``)."""
+    if _LIBC.renameat2(-100, os.fsencode(a), -100, os.fsencode(b), RENAME_NOREPLACE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(b))
+
+
 def exchange(a: Path, b: Path) -> None:
     """Swap two paths atomically (``renameat2(RENAME_EXCHANGE)``)."""
     if _LIBC.renameat2(-100, os.fsencode(a), -100, os.fsencode(b), RENAME_EXCHANGE) != 0:
@@ -149,13 +159,19 @@ class World:
     def drop(self, data: bytes | None = None, name: str | None = None) -> None:
         data = data if data is not None else self.image_bytes()
         target = self.inbox / (name or self.rng.choice(NAMES))
-        while os.path.lexists(target):  # the user's own rename would replace it: not ours
-            self.counter += 1
-            target = target.with_name(f"n{self.counter}-{target.name}")
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.part")
         tmp.write_bytes(data)
-        os.rename(tmp, target)
+        while True:
+            # Never over a file there: the user's own rename would replace it, not ours. No
+            # replace, atomically: a file given back to the inbox (a stop, a full disk) can
+            # take the name between a check and a plain rename.
+            try:
+                rename_noreplace(tmp, target)
+                break
+            except FileExistsError:
+                self.counter += 1
+                target = target.with_name(f"n{self.counter}-{target.name}")
         self.ref.added(data, f"drop {target.relative_to(self.inbox)}")
 
     def write_in_place(self) -> None:
