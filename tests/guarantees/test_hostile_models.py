@@ -138,7 +138,7 @@ def test_a_batch_slower_than_the_watchdog_allows_is_said_at_start_up(tmp_path: P
     daemon = DaemonProcess(config, env={"WATCHDOG_USEC": "20000"})  # 20 ms: any batch is longer
     try:
         daemon.wait_for("ready", 180)
-        warnings = [line for line in daemon.records("watchdog") if "at warm-up" in line]
+        warnings = [line for line in daemon.records("watchdog_too_short") if "at warm-up" in line]
     finally:
         daemon.stop()
     assert warnings, daemon.output()

@@ -134,7 +134,7 @@ class Service:
         size, took_s = max(batch_seconds.items(), key=lambda entry: entry[1])
         if took_s < patience_s:
             return
-        logs.emit(logging.WARNING, "watchdog",
+        logs.emit(logging.WARNING, "watchdog_too_short",
                   f"a batch of {size} took {took_s:.1f} s at warm-up, longer than the "
                   f"{patience_s:.1f} s the watchdog allows a model call (half of WatchdogSec="
                   f"{2 * patience_s:.0f}s): systemd would restart inboxd at its first busy "
