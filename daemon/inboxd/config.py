@@ -361,6 +361,9 @@ class RetryPolicyConfig(Section):
     max_attempts: Positive = 5
     backoff_initial_ms: Annotated[float, Field(gt=0)] = 500
     backoff_max_ms: Annotated[float, Field(gt=0)] = 60_000
+    # A full or read-only output is probed from backoff_initial_ms on, doubling up to this:
+    # a probe is one small write, and the wait it ends holds back every photo, not one.
+    output_probe_max_ms: Annotated[float, Field(gt=0)] = 5_000
 
     @model_validator(mode="after")
     def _ordered(self) -> RetryPolicyConfig:

@@ -85,6 +85,11 @@ def test_a_batch_crosses_the_pipe_whole() -> None:
     assert again.filed == committed.filed and again.moves[0] is None and again.error is None
     assert isinstance(again.moves[1], OSError) and again.moves[1].errno == errno.ENOSPC
     assert again.moves[1].strerror == "No space left on device"
+    # A full disk's error names its file (the index's, say): the wait names and probes its
+    # folder, so the path crosses too, not UTF-8 or not.
+    full = Committed(error=OSError(errno.EROFS, "Read-only file system", f"/idx/{ODD_NAME}"))
+    back_full = committed_from(json.loads(json.dumps(reply_header(full))))
+    assert back_full.error is not None and back_full.error.filename == f"/idx/{ODD_NAME}"
 
 
 def test_a_result_filed_under_another_name_says_so(tmp_path: Path) -> None:

@@ -51,7 +51,7 @@ def test_results_disk_full_keeps_data_safe_and_resumes(tmp_path: Path, daemon_fa
         daemon = daemon_factory(config)
         daemon.wait_for("ready")
         names = flood(tmp_path / "inbox", 40)
-        daemon.wait_for("retry", 60)  # the disk filled up
+        daemon.wait_for("output_full", 60)  # the disk filled up: one warning, no retries
         assert len(result_names(results)) < 40
         subprocess.run(["mount", "-o", "remount,size=16m,nr_inodes=4096", str(results)],
                        check=True)

@@ -190,10 +190,19 @@ def committed_from(header: dict[str, Any]) -> Committed:
 
 
 def _error_fields(exc: OSError | None) -> list[Any] | None:
+    """errno, text and (as hex: it need not be UTF-8) the path it names: what a full disk's
+    wait needs to say, and probe, which folder is full."""
     if exc is None:
         return None
-    return [exc.errno or errno.EIO, exc.strerror or str(exc)]
+    where = exc.filename if isinstance(exc.filename, str | bytes) else None
+    return [exc.errno or errno.EIO, exc.strerror or str(exc),
+            None if where is None else os.fsencode(where).hex()]
 
 
 def _error(fields: list[Any] | None) -> OSError | None:
-    return None if fields is None else OSError(int(fields[0]), str(fields[1]))
+    if fields is None:
+        return None
+    where = fields[2] if len(fields) > 2 else None
+    if where is None:
+        return OSError(int(fields[0]), str(fields[1]))
+    return OSError(int(fields[0]), str(fields[1]), os.fsdecode(bytes.fromhex(where)))

@@ -40,6 +40,7 @@ from inboxd.models.model import Model
 from inboxd.os_threads import name_this_thread
 from inboxd.pipeline.batcher import Batcher
 from inboxd.pipeline.event_buffer import EventBuffer
+from inboxd.pipeline.full_outputs import FullOutputs
 from inboxd.pipeline.held_files import HeldFiles
 from inboxd.pipeline.intake import Intake
 from inboxd.pipeline.model_stage import ModelStage
@@ -84,8 +85,9 @@ class Pipeline:
         self.queue = PipelineQueue(capacity.queue)
         self.cache = PreprocessCache(capacity.preprocess_cache, capacity.preprocess_cache_mb)
         self.retry_list = RetryList(capacity.retry_list, self._requeue, clock)
+        self.outputs = FullOutputs(config, self.run_io, clock, self.lifecycle.tmp_dir_of)
         self.outcomes = Outcomes(config, self.lifecycle, self.stats, self.retry_list,
-                                 self.run_io, clock, held=self.held)
+                                 self.run_io, clock, held=self.held, outputs=self.outputs)
         self.watcher = Watcher(
             config.inbox.paths, config.inbox.recursive, NameFilter(config.inbox.include),
             self.buffer, self.stats, config.inbox.rescan_interval_s, clock, watch,
@@ -97,6 +99,7 @@ class Pipeline:
             config, self.buffer, self.queue, self.lifecycle, self.stats,
             on_enqueued=lambda item: self.outcomes.admitted(),
             on_refused=self.outcomes.refused, clock=clock, held=self.held,
+            outputs=self.outputs,
         )
         pre = config.preprocess
         # The model says what its input is; preprocess.resize says how exactly the workers
@@ -246,6 +249,8 @@ class Pipeline:
         down_since_s = self.worker.unavailable_since_s
         fields["MODEL_UNAVAILABLE_S"] = (round(self.clock() - down_since_s, 3)
                                          if down_since_s is not None else 0)
+        fields.update(OUTPUT_FULL_S=round(self.outputs.waited_s(), 3),
+                      OUTPUT_FULL_WAITS=self.outputs.waits, OUTPUT_PROBES=self.outputs.probes)
         return fields
 
     def log_stats(self) -> dict[str, Any]:
@@ -300,7 +305,9 @@ class Pipeline:
         down = ("" if down_since_s is None else
                 f"model unreachable for {self.clock() - down_since_s:.0f} s (reconnecting), ")
         stalled = "".join(f"; {stall}" for stall in self.stalls(patience_s) if stall.shown)
-        return (f"{down}queue {self.queue.qsize()}/{self.queue.maxsize}, "
+        full = self.outputs.status()
+        waiting = f"{down}{full}, " if full else down
+        return (f"{waiting}queue {self.queue.qsize()}/{self.queue.maxsize}, "
                 f"buffer {self.buffer.size}/{self.buffer.capacity}, "
                 f"{counters.completed} completed, {counters.failed} failed, "
                 f"{self.stats.recent_files_per_s():.1f} files/s{stalled}")
@@ -313,8 +320,10 @@ class Pipeline:
                     counters.released, self.decode_pool.answered, self.worker.batches_done,
                     self.commits.replies)
         active = self.outcomes.active()
-        # Waiting for a model cluster to come back is no stall: it is shown as unreachable.
-        waiting = active > 0 and self.worker.unavailable_since_s is None
+        # Waiting for a model cluster to come back, or for room in a full output folder, is no
+        # stall: each is shown as what it is.
+        waiting = (active > 0 and self.worker.unavailable_since_s is None
+                   and not self.outputs.full)
         clock = self.stall_clock
         now = clock.look(progress, waiting)
         found: list[Stall] = []
@@ -395,13 +404,17 @@ class Pipeline:
         self.buffer.clear()  # only names: the files are still in the inbox
         if self.crashed is not None:
             force.set()  # a crashed stage drains nothing: waiting on it would wait for ever
+        full = self.outputs.full  # nothing held for room can drain: it goes back now
+        if full:
+            grace_s = 0
         drain = asyncio.create_task(self._drain())
         forced = asyncio.create_task(_wait(force))
         await asyncio.wait({drain, forced}, timeout=grace_s,
                            return_when=asyncio.FIRST_COMPLETED)
         if not drain.done():
             why = ("a stage crashed" if self.crashed is not None else "second signal"
-                   if force.is_set() else f"grace period of {grace_s:g} s over")
+                   if force.is_set() else "an output folder is full" if full
+                   else f"grace period of {grace_s:g} s over")
             where = ("stay claimed for the next start-up" if self.crashed is not None
                      else "go back to the inbox")
             logs.emit(logging.WARNING, "stopping",
@@ -409,6 +422,7 @@ class Pipeline:
                       in_flight=self.outcomes.active())
         await _cancel([drain, forced])
         await _cancel(self._processing_tasks)
+        self.outputs.close()
         self.intake.close()
         self.preprocessor.close()
         self.worker.close()
