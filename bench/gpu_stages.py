@@ -3,8 +3,8 @@ each writing its figures to ``--result`` as JSON with a ``status``: passed, skip
 reason), or failed (with the error). ``--dry-run`` runs the same code on the CPU with tiny
 sizes; where a stage needs the GPU itself, the dry run says what it stood in for.
 
-All six stages of one script are here, each small and read against the issue's list (a-f):
-split, they would only scatter the sizes and verdicts.
+The stages of one script are here (gpu_decode and detection in their own modules), each small
+and read against the issue's list (a-f): split, they would only scatter the sizes and verdicts.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from typing import Any
 import yaml
 
 from bench.gpu_decode_check import gpu_decode
+from bench.gpu_detect_check import detection
+from bench.gpu_ocr_check import ocr
 
 REPO = Path(__file__).resolve().parent.parent
 Result = dict[str, Any]
@@ -411,7 +413,7 @@ def sandbox(dry_run: bool, out: Path) -> Result:
 STAGES: dict[str, Callable[[bool, Path], Result]] = {
     "gpu_tests": gpu_tests, "precision": precision, "gpu_decode": gpu_decode,
     "throughput": throughput, "flood_memory": flood_memory, "oom_split": oom_split,
-    "sandbox": sandbox,
+    "detection": detection, "sandbox": sandbox, "ocr": ocr,
 }
 
 

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,8 @@ def run_interleaved(targets: list[Callable[[], None]]) -> None:
 
 
 def write_config(root: Path, **sections: Any) -> Path:
-    """A config with every folder under ``root``; ``sections`` override keys (dicts merge)."""
+    """A config with every folder under ``root``; ``sections`` override keys (dicts merge;
+    None removes the key, e.g. ``model=None`` beside ``models=``)."""
     config: dict[str, Any] = {
         "inbox": {"paths": [str(root / "inbox")], "settle_ms": 50, "rescan_interval_s": 5},
         "results_dir": str(root / "results"),
@@ -61,7 +62,9 @@ def write_config(root: Path, **sections: Any) -> Path:
         "model": {"cache_dir": str(SHARED_MODEL_CACHE)},
     }
     for key, value in sections.items():
-        if isinstance(value, dict) and isinstance(config.get(key), dict):
+        if value is None:
+            config.pop(key, None)
+        elif isinstance(value, dict) and isinstance(config.get(key), dict):
             config[key] = {**config[key], **value}
         else:
             config[key] = value
@@ -96,12 +99,12 @@ class DaemonProcess:
     """``python -m inboxd run`` as a child process, its stderr collected line by line."""
 
     def __init__(self, config: Path, *extra: str, env: dict[str, str] | None = None,
-                 command: str = "run") -> None:
+                 command: str = "run", prefix: Sequence[str] = ()) -> None:
         self.config = config
         self.lines: list[str] = []
         self._lock = threading.Lock()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "inboxd", command, "-c", str(config), *extra],
+            [*prefix, sys.executable, "-m", "inboxd", command, "-c", str(config), *extra],
             cwd=config.parent,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

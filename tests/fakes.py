@@ -15,6 +15,7 @@ import watchfiles
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.files.commits import CommitEntry, Commits, Committed, commit
 from inboxd.files.lifecycle import Lifecycle
+from inboxd.item import DecodedImage
 from inboxd.models.model import Classification
 from inboxd.pipeline.wiring import Pipeline
 
@@ -49,6 +50,9 @@ class FakeModel:
                 for image in images]
 
     predict = classify
+
+    def input_of(self, image: DecodedImage) -> npt.NDArray[np.uint8]:
+        return image.pixels
 
     def warm_up_sizes(self, max_size: int) -> list[int]:
         return [max_size]
