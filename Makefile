@@ -17,16 +17,20 @@ test: setup-test lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The layers and the absence of import cycles are import-linter contracts in pyproject.toml.
-# The inner loop (about 4 minutes on 2 cores; the aim is 3): the unit tests and the quicker
-# end-to-end ones (real daemons included); the costlier ones are marked (pyproject's markers)
-# and left to `make test`, which CI runs.
+# The inner loop (the aim: 3 minutes on 2 cores): the unit tests and the quicker end-to-end
+# ones (real daemons included); the costlier ones are marked (pyproject's markers) and left to
+# `make test`, which CI runs. Two pytest-xdist workers, one test file each at a time (a file's
+# module fixtures are built once): much of a test is waiting (a settle time, a child's start),
+# which the other worker fills. TEST_FAST_WORKERS=0 runs them in one process.
 FAST_MARKERS := not (soak or slow or ray or nspawn or devicecheck)
+TEST_FAST_WORKERS ?= 2
 test-fast: setup-test
 	@bash .ci/journald.sh
-	$(BIN)/python -m pytest -m '$(FAST_MARKERS)' -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m '$(FAST_MARKERS)' -p no:cacheprovider \
+	  -n $(TEST_FAST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: setup-test
-	$(BIN)/ruff check daemon tests bench
+	$(BIN)/ruff check daemon support tests bench
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 

@@ -58,12 +58,12 @@ def matched(reference: Any, ours: Any) -> tuple[int, float]:
 def detection(dry_run: bool, out: Path) -> dict[str, Any]:
     import torch
     import torchvision
-    from inboxd.config import ModelConfig
+    from inboxd.config import DetectConfig, ModelConfig
     from inboxd.decode.pillow import decode_image
     from inboxd.models.detection import Detections
     from inboxd.models.loading import load_model
 
-    from bench.gpu_stages import jpegs
+    from bench.photos import jpegs
 
     if not dry_run and not torch.cuda.is_available():
         return {"status": "failed", "error": "no CUDA GPU"}
@@ -71,8 +71,9 @@ def detection(dry_run: bool, out: Path) -> dict[str, Any]:
     weights = calibrated_weights(out / "work" / "detection" / "ssdlite.pth",
                                  2 if dry_run else 8)
     model = load_model(ModelConfig(torchvision=ARCHITECTURE, weights=weights, output="detect",
-                                   device=device, detect={"score_threshold": THRESHOLD,
-                                                          "max_detections": MAX_DETECTIONS}))
+                                   device=device,
+                                   detect=DetectConfig(score_threshold=THRESHOLD,
+                                                       max_detections=MAX_DETECTIONS)))
     photos = jpegs(out)[: 1 if dry_run else 8]
     images = [decode_image(p.read_bytes(), model.spec, MAX_PIXELS) for p in photos]
     started = time.perf_counter()

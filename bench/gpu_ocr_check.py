@@ -29,7 +29,7 @@ def ocr(dry_run: bool, out: Path) -> dict[str, Any]:
     from inboxd.decode.pillow import decode_image
     from inboxd.models.ocr_model import load_ocr
 
-    from tests.text_images import TextImage, generated, receipt_total
+    from support.text_images import TextImage, generated, receipt_total
 
     device = torch.device("cuda" if torch.cuda.is_available() and not dry_run else "cpu")
     started = time.perf_counter()

@@ -2,7 +2,7 @@
 against RapidOCR's own API called in a loop (``bench/ocr_peer.py``: the same networks, 2
 threads, the same durable work), in turns, on generated text images: pages, receipts, signs
 and text on the sample photos, every fifth stored turned with an EXIF tag
-(``tests/text_images.py``, rendered once and cached under ``var/ocr-corpus``).
+(``support/text_images.py``, rendered once and cached under ``var/ocr-corpus``).
 
 Files/s: each side from the moment its files are there (after start-up and warm-up) to its
 last durable result. The corpus is split in two halves run in the order peer, inboxd, inboxd,
@@ -40,7 +40,7 @@ def corpus(count: int) -> tuple[list[Path], dict[str, list[str]]]:
     stamp = CORPUS / f"corpus-{count}-{SEED}.json"
     if not stamp.exists():
         sys.path.insert(0, str(REPO))
-        from tests.text_images import generated
+        from support.text_images import generated
 
         shutil.rmtree(CORPUS, ignore_errors=True)
         CORPUS.mkdir(parents=True)

@@ -27,6 +27,9 @@ from typing import Any
 
 from bench import report, scenarios
 from bench.photos import Photo, build_corpus
+from support.harness import logger
+
+log = logger("bench")
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -87,10 +90,6 @@ PROFILES = {
                      overhead_count=600, overhead_memory="300,3000", peer_scale="quick",
                      ocr_count=24),
 }
-
-
-def log(message: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def run_json(module: str, *args: str) -> dict[str, Any]:

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from support.photos import photo_paths
+from support.text_images import TextImage, dense_page, receipt_total
 from tests.conftest import last_stats, line_fields, read_json, wait_until, write_config
-from tests.photos import photo_paths
-from tests.text_images import TextImage, dense_page, receipt_total
 
 # A page of small print may hold this much more RSS than ordinary photos of its size.
 RSS_TOLERANCE = 0.10

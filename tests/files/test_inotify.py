@@ -9,7 +9,7 @@ from pathlib import Path
 from inboxd.files.inotify import ADDED, DELETED, TreeWatch
 from inboxd.files.names import folder_skipped
 
-from tests.waiting import wait_until
+from support.waiting import wait_until
 
 
 def gathered(watch: TreeWatch, wanted: set[tuple[int, str]]) -> set[tuple[int, str]]:

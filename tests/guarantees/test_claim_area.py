@@ -23,9 +23,9 @@ from inboxd.config import load_config
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.takeover import take_over_dead
 
+from support.waiting import wait_until
 from tests.conftest import DaemonProcess, make_image, write_config
 from tests.guarantees.test_planted_links import NEIGHBOUR_UID, as_neighbour, shared_inbox
-from tests.waiting import wait_until
 
 ROOT = os.geteuid() == 0
 pytestmark = pytest.mark.skipif(not ROOT, reason="acting as another uid needs root")

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from support.waiting import wait_until
 from tests.conftest import DaemonProcess, make_image, write_config
-from tests.waiting import wait_until
 
 RESCAN_S = 120  # far beyond the deadlines below: only the watcher (or polling) can be in time
 # The plain model: no background build of a fast path competing for the CPU meanwhile.

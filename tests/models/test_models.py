@@ -37,6 +37,7 @@ from inboxd.models.sources import TORCHVISION_INPUT, Source, last_linear
 from PIL import Image
 from torch import nn
 
+from support.photos import photo_paths
 from tests.byo_models import (
     NUM_CLASSES,
     TOLERANCE,
@@ -51,7 +52,6 @@ from tests.byo_models import (
     vector,
 )
 from tests.conftest import REPO, make_image, run_interleaved, write_config
-from tests.photos import photo_paths
 
 PHOTOS = ("chelsea", "rocket", "camera")  # PNG and JPEG, RGB and greyscale, three sizes
 
@@ -290,7 +290,8 @@ def test_cpu_batches_reuse_their_host_buffers_and_give_the_same_bits() -> None:
 # -- torch.export programs ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("max_size", [1, len(PHOTOS)])
+# Batches of one (a model call per photo) only in the full suite: the full batch shows the same.
+@pytest.mark.parametrize("max_size", [pytest.param(1, marks=pytest.mark.slow), len(PHOTOS)])
 def test_export_program_matches_the_program_called_directly(
     tmp_path: Path, files: dict[str, Path], photos: dict[str, Path], max_size: int
 ) -> None:
@@ -495,7 +496,7 @@ def test_readme_example_runs(title: str, tmp_path: Path, photos: dict[str, Path]
         else:
             tasks = {"": {**given["model"], "device": "cpu"}}
         if any(model.get("name") == "ocr" for model in tasks.values()):  # a photo with text
-            from tests.text_images import receipt_total
+            from support.text_images import receipt_total
 
             one = {"total": receipt_total().save(tmp_path)}
         if "models" in given:

@@ -17,8 +17,8 @@ from inboxd.models.loading import load_model
 from inboxd.models.ocr.reader import CropLayer, OcrReader, OcrReading, OcrSettings
 from inboxd.models.ocr_model import OcrModel, load_ocr
 
+from support.text_images import TextImage, dense_page, generated, receipt_total
 from tests.conftest import write_config
-from tests.text_images import TextImage, dense_page, generated, receipt_total
 
 MAX_PIXELS = 89_478_485
 # How far a detected polygon may lie outside a line's ink box: the detector grows each text

@@ -144,7 +144,7 @@ def tasks_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_one_result_holds_every_task_s_section_and_a_task_s_failure_leaves_the_rest(
         tasks_config: Path) -> None:
     root = tasks_config.parent
-    from tests.text_images import receipt_total
+    from support.text_images import receipt_total
 
     (root / "models").mkdir(exist_ok=True)
     photos = {"dark.png": png((640, 480), 20), "noisy.png": png((500, 800)),

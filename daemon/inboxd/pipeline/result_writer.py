@@ -270,7 +270,9 @@ class ResultWriter:
         if isinstance(outcome, Exception):
             # This task failed on this photo; the photo's other answers stand.
             return {**section, "error": str(outcome) or type(outcome).__name__,
-                    "reason_class": getattr(outcome, "reason_class", "model")}
+                    "reason_class": (outcome.reason_class
+                                     if isinstance(outcome, PermanentError | TransientError)
+                                     else "model")}
         return {**section, **self._output(outcome, item)}
 
     def _output(self, result: Prediction, item: WorkItem) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
-from tests.photos import photo_paths
+from support.photos import photo_paths
 
 WORDS = (
     "invoice", "total", "amount", "paid", "cash", "card", "change", "order", "table", "coffee",
@@ -86,7 +86,7 @@ def draw_lines(image: Image.Image, lines: list[str], origin: tuple[int, int], si
     for line in lines:
         draw.text((x, y), line, fill=fill, font=typeface)
         left, top, right, bottom = draw.textbbox((x, y), line, font=typeface)
-        boxes.append((left, top, right, bottom))
+        boxes.append((int(left), int(top), int(right), int(bottom)))
         y += int(size * spacing)
     return boxes
 
