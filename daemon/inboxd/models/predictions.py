@@ -97,6 +97,12 @@ def not_finite(prediction: Prediction) -> str | None:
     return f"{bad} of the top-{len(prediction.top_k)} scores" if bad else None
 
 
+class UnfitAnswer(ValueError):
+    """The network's answer does not fit the batch it was given: a row count other than the
+    batch's, another shape, NaN or infinite values. That batch's model error (split, then the
+    input that still fails alone fails), never a crash of the stage."""
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What was loaded, for ``inboxd models`` and the start-up log."""

@@ -27,6 +27,7 @@ from inboxd.models.preflight import problem
 from inboxd.models.runtimes.choice import cpu_flags
 from inboxd.models.runtimes.onnx_artifact import (
     ARTIFACT_FORMAT,
+    ARTIFACT_GRAPH_BYTES,
     INPUT_NAME,
     KEY_METADATA,
     MAX_ARTIFACT_BYTES,
@@ -45,11 +46,12 @@ from inboxd.models.runtimes.runner import Runner
 from inboxd.models.sources import TORCHVISION_INPUT, Source
 
 # The artifact's torch-free half lives in onnx_artifact; its names are this module's too.
-__all__ = ["ARTIFACT_FORMAT", "INPUT_NAME", "KEY_METADATA", "MAX_ARTIFACT_BYTES", "OUTPUT_NAME",
-           "STALE_TEMP_S", "ArtifactRefused", "OnnxNetwork", "artifact_path", "cache_key",
-           "check_self_contained", "cpu_identity", "expected_key", "export_bytes", "from_bytes",
-           "key_of", "onnx_program", "read_artifact", "runner", "session", "session_options",
-           "verified", "versions", "weights_digest", "with_metadata", "write_atomically"]
+__all__ = ["ARTIFACT_FORMAT", "ARTIFACT_GRAPH_BYTES", "INPUT_NAME", "KEY_METADATA",
+           "MAX_ARTIFACT_BYTES", "OUTPUT_NAME", "STALE_TEMP_S", "ArtifactRefused", "OnnxNetwork",
+           "artifact_limit_bytes", "artifact_path", "cache_key", "check_self_contained",
+           "cpu_identity", "expected_key", "export_bytes", "from_bytes", "key_of",
+           "onnx_program", "read_artifact", "runner", "session", "session_options", "verified",
+           "versions", "weights_digest", "with_metadata", "write_atomically"]
 
 
 
@@ -142,8 +144,16 @@ def expected_key(network: nn.Module, crop: int, max_batch: int | None) -> str:
     return key_of(cache_key(network, crop, max_batch))
 
 
-def verified(path: Path, key: str) -> bytes:
-    data = read_artifact(path)
+def artifact_limit_bytes(network: nn.Module) -> int:
+    """The largest artifact ``network`` can export to: its tensors, twice over for what the
+    exporter may keep beside them, and room for the graph. A file above it is refused
+    before a byte of it is read."""
+    tensors = sum(int(t.numel() * t.element_size()) for t in network.state_dict().values())
+    return min(MAX_ARTIFACT_BYTES, 2 * tensors + ARTIFACT_GRAPH_BYTES)
+
+
+def verified(path: Path, key: str, limit_bytes: int = MAX_ARTIFACT_BYTES) -> bytes:
+    data = read_artifact(path, limit_bytes)
     check_self_contained(data, key)
     return data
 
