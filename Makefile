@@ -67,7 +67,8 @@ system-deps:
 	fi
 
 # The metrics tests scrape a real node_exporter (Debian's prometheus-node-exporter); the test
-# starts it itself on 127.0.0.1, so its packaged service is not needed (or started here).
+# starts it itself on 127.0.0.1, so its packaged service is not needed (or started here). The
+# XMP tests read sidecars back with a real consumer, exiftool (libimage-exiftool-perl).
 test-system-deps:
 	@if ! command -v prometheus-node-exporter >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -77,6 +78,16 @@ test-system-deps:
 	  else \
 	    echo "the metrics tests need node_exporter (they skip without it, fail in CI):"; \
 	    echo "  sudo apt-get install prometheus-node-exporter"; \
+	  fi; \
+	fi
+	@if ! command -v exiftool >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing libimage-exiftool-perl (the XMP tests read sidecars back with exiftool)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends libimage-exiftool-perl >/dev/null; \
+	  else \
+	    echo "the XMP tests need exiftool (they skip without it, fail in CI):"; \
+	    echo "  sudo apt-get install libimage-exiftool-perl"; \
 	  fi; \
 	fi
 

@@ -13,7 +13,7 @@ import numpy.typing as npt
 import torch
 import watchfiles
 from inboxd.decode.spec import PreprocessSpec
-from inboxd.files.commits import CommitEntry, Committed, commit
+from inboxd.files.commits import CommitEntry, Committed, Outputs, commit
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.models.model import Classification
 from inboxd.pipeline.wiring import Pipeline
@@ -97,17 +97,19 @@ class InProcess:
 
     def __init__(self, lifecycle: Lifecycle) -> None:
         self.lifecycle = lifecycle
+        self.outputs = Outputs.of(lifecycle)
 
     def start(self) -> None:
-        pass
+        self.outputs.start()
 
     def send(self, entries: Sequence[CommitEntry]) -> Future[Committed]:
         future: Future[Committed] = Future()
-        future.set_result(commit(self.lifecycle, entries))
+        future.set_result(commit(self.lifecycle, entries, self.outputs.index,
+                                 self.outputs.sidecars))
         return future
 
     def close(self) -> None:
-        pass
+        self.outputs.close()
 
 
 def commit_in_this_process(pipeline: Pipeline) -> None:

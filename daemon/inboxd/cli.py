@@ -79,6 +79,21 @@ def build_parser() -> argparse.ArgumentParser:
     retry.add_argument("--all", action="store_true", help="every failed file of this instance")
     retry.add_argument("-n", "--dry-run", action="store_true",
                        help="only print what would be returned")
+    search = with_config("search", "find filed photos by their labels and the text in them, "
+                         "or by likeness to a photo (--like); reads the index")
+    search.add_argument("words", nargs="*", metavar="WORD",
+                        help="words every match holds (in a label or in its text)")
+    search.add_argument("--like", type=Path, metavar="PHOTO",
+                        help="rank photos by the cosine similarity of their embeddings to "
+                        "this photo's (needs a model that embeds)")
+    search.add_argument("--task", help="which task's embeddings --like compares (several "
+                        "tasks embed)")
+    search.add_argument("-n", "--limit", type=int, default=20, help="at most this many (20)")
+    search.add_argument("--json", action="store_true", help="a JSON list, for scripts")
+    index = with_config("index", "the search index: how many results it holds, repaired "
+                        "from the result files if a kill left it behind")
+    index.add_argument("--rebuild", action="store_true",
+                       help="remake it from the result files (the source of truth)")
     stats = sub.add_parser("stats", help="the latest stats record from the journal")
     report = sub.add_parser("report", help="a PNG of the journal's stats records over time")
     for reader in (stats, report):
@@ -300,6 +315,35 @@ def cmd_once(args: argparse.Namespace) -> int:
     return run_once(config)
 
 
+def cmd_search(args: argparse.Namespace) -> int:
+    from inboxd.files.index_search import SearchError
+    from inboxd.service.search import search
+
+    if not args.words and args.like is None:
+        print("inboxd search: give words to find, or --like PHOTO", file=sys.stderr)
+        return USAGE
+    if args.limit < 1:
+        print("inboxd search: --limit must be at least 1", file=sys.stderr)
+        return USAGE
+    try:
+        return search(read_config(args), args.words, args.like, args.task, args.limit,
+                      args.json)
+    except (SearchError, OSError) as exc:
+        print(logs.shown(f"inboxd search: {exc}"), file=sys.stderr)
+        return EX_CONFIG if isinstance(exc, SearchError) else EX_TEMPFAIL
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    from inboxd.files.index_search import SearchError
+    from inboxd.service.search import index_command
+
+    try:
+        return index_command(read_config(args), args.rebuild)
+    except (SearchError, OSError) as exc:
+        print(logs.shown(f"inboxd index: {exc}"), file=sys.stderr)
+        return EX_CONFIG if isinstance(exc, SearchError) else EX_TEMPFAIL
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from inboxd.models import listing as model_listing
     from inboxd.models.engines.choice import load_here
@@ -322,6 +366,8 @@ COMMANDS: dict[str, Any] = {
     "submit": cmd_submit,
     "recover": cmd_recover,
     "retry": cmd_retry,
+    "search": cmd_search,
+    "index": cmd_index,
     "stats": cmd_stats,
     "report": cmd_report,
 }

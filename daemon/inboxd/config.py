@@ -160,6 +160,9 @@ class ModelInputConfig(Section):
 ModelKind = Literal["builtin", "torchvision", "export", "onnx"]
 # The environment variable systemd sets for a unit's CacheDirectory= (several: colon-separated).
 CACHE_DIRECTORY_ENV = "CACHE_DIRECTORY"
+# The search index's file inside results_dir unless ``index:`` names another (hidden: never
+# taken for a result, whose files end in .json).
+INDEX_FILENAME = ".inboxd-index.sqlite3"
 
 
 class RayConfig(Section):
@@ -404,6 +407,11 @@ class MetricsConfig(Section):
         return listen
 
 
+class XmpConfig(Section):
+    # A label is a keyword (dc:subject) from this score up; detections become regions from it.
+    min_score: Annotated[float, Field(ge=0.0, le=1.0)] = 0.2
+
+
 class ShutdownConfig(Section):
     # How long SIGTERM waits for in-flight work; the unit's TimeoutStopSec must be longer.
     grace_s: NonNegative = 30
@@ -424,6 +432,17 @@ class Config(Section):
     shutdown: ShutdownConfig = ShutdownConfig()
     metrics: MetricsConfig = MetricsConfig()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # The search index (SQLite): its file, by default inside results_dir; null: none.
+    index: Path | None = None
+    # XMP sidecars beside each photo where it ends: true, or {min_score: …}; false: none.
+    xmp: XmpConfig | None = None
+
+    @field_validator("xmp", mode="before")
+    @classmethod
+    def _xmp_switch(cls, value: Any) -> Any:
+        if value is True:
+            return {}
+        return None if value is False else value
 
     @field_validator("instance")
     @classmethod
@@ -446,6 +465,9 @@ class Config(Section):
         metrics = self.metrics.model_copy(
             update={"textfile": absolute(textfile) if textfile is not None else None})
         results_dir = absolute(self.results_dir)
+        # Unset: inside results_dir. ``index: null`` sets it to None on purpose.
+        index = (absolute(self.index) if self.index is not None else None) if (
+            "index" in self.model_fields_set) else results_dir / INDEX_FILENAME
         model = self.model
         if model.cache_dir is None:
             from_systemd = os.environ.get(CACHE_DIRECTORY_ENV, "").split(":")[0]
@@ -458,6 +480,7 @@ class Config(Section):
                 "metrics": metrics,
                 "model": model,
                 "results_dir": results_dir,
+                "index": index,
                 "done_dir": absolute(self.done_dir),
                 "failed_dir": absolute(self.failed_dir),
             }

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import os
 import queue
 import subprocess
@@ -34,7 +35,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 
-from inboxd import wire
+from inboxd import logs, wire
 from inboxd.children import child_env, describe_exit, held_for_start, is_stopped
 from inboxd.config import Config
 from inboxd.files.commit_child import MAX_HEADER_BYTES
@@ -156,8 +157,11 @@ class CommitProcess:
         assert proc.stdout is not None
         reader = wire.Reader(proc.stdout.fileno(), MAX_HEADER_BYTES)
         try:
-            if reader.recv()[0].get("ready") is not True:
+            ready = reader.recv()[0]
+            if ready.get("ready") is not True:
                 raise wire.WireError("its first frame is not the ready one")
+            if ready.get("index"):
+                logs.emit(logging.INFO, "index", str(ready["index"]))
             while True:
                 header, _ = reader.recv()
                 with self._lock:
@@ -171,6 +175,8 @@ class CommitProcess:
                     self._raised = str(header["crash"])
                     raise wire.WireError("a commit raised")  # it exits now: fail the rest too
                 committed = committed_from(header)
+                for note in committed.notes:
+                    logs.emit(logging.WARNING, "output", note)
                 if committed.error is None and len(committed.filed) != files:
                     raise wire.WireError(f"{len(committed.filed)} outcomes for {files} files")
                 with self._lock:

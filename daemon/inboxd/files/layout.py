@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from inboxd.config import EX_CONFIG, EX_TEMPFAIL, Config, ConfigError, load_config
+from inboxd.files.filesystems import REMOTE_TYPES, statfs_type
 from inboxd.files.names import TEMP_SUFFIXES
 
 OUTPUTS = ("results_dir", "done_dir", "failed_dir")
@@ -78,11 +79,28 @@ def layout_problems(config: Config) -> list[str]:
         if output == other:
             problems.append(f"{other_key}: the same folder as {key} ({output}); give each "
                             "outcome its own folder")
+    if config.index is not None and (remote := _network_fs(config.index)) is not None:
+        problems.append(f"index: {config.index} is on {remote}, a network filesystem, where "
+                        "SQLite's locks do not hold (several hosts would damage it): give "
+                        "index: a path on a local disk (e.g. /var/lib/inboxd/index.sqlite3; "
+                        "the results may stay where they are), or turn it off with index: null")
     for n, pattern in enumerate(config.inbox.include or []):
         why = pattern_never_matches(pattern)
         if why:
             problems.append(f"inbox.include[{n}]: {pattern!r} can never match: {why}")
     return problems
+
+
+def _network_fs(path: Path) -> str | None:
+    """The network filesystem's name if ``path`` would be on one (judged by the nearest
+    folder that exists), else None."""
+    probe = path.parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return REMOTE_TYPES.get(statfs_type(probe))
+    except OSError:
+        return None
 
 
 def pattern_never_matches(pattern: str) -> str | None:
