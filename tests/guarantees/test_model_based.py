@@ -18,7 +18,8 @@ The reference model only tracks bytes (by sha256): every input must end exactly 
 (with ``results/<its name>.json`` describing those bytes, or — for a byte-identical re-drop — an
 earlier result of the same bytes) or in failed/ with its ``.error.json``; an input the *user*
 replaced or deleted before it was claimed may instead vanish. Nothing outside the inbox may
-change, and after the drain nothing is left in ``.processing/`` or in a temp folder.
+change, and after the drain nothing is left in ``.processing/`` or in a temp folder, and the
+search index holds exactly the result files (names and sha256s).
 
 CI runs ``STEPS_CI`` steps; ``make soak`` runs ``STEPS_SOAK`` with ≥ 20 kills. The seed is
 printed; replay with ``INBOXD_MODEL_SEED=N``.
@@ -46,6 +47,7 @@ from PIL import Image
 
 from tests.conftest import DaemonProcess, read_json, write_config
 from tests.guarantees.test_stuck_helpers import helper_pids
+from tests.index_check import assert_index_matches_results
 
 STEPS_CI = 320
 STEPS_SOAK = 2000
@@ -459,6 +461,8 @@ def run_model(tmp_path: Path, steps: int, seed: int) -> dict[str, int]:
         result_shas = {read_json(r)["sha256"] for r in (world.outputs / "results").rglob("*.json")
                        if ".tmp" not in r.parts}
         assert in_done <= result_shas, "bytes in done/ without any result"
+        # Kills, a full disk (the index shares it), stopped helpers: the index still follows.
+        assert_index_matches_results(world.outputs / "results")
         assert not (ref.corrupt & in_done), "a corrupt input was filed as a success"
         for path, digest in ref.outside.items():
             assert sha(path.read_bytes()) == digest, f"{path} outside the inbox changed"

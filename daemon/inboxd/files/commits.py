@@ -136,7 +136,8 @@ def commit(lifecycle: Lifecycle, entries: Sequence[CommitEntry],
             moves.append(None)
         document = filed_document(results, entry.key, entry.document, name)
         if index is not None:
-            rows.append(row_of(name, document, photo, functools.partial(_given, entry.vector)))
+            rows.append(row_of(index.stored_name(name), document, photo,
+                               functools.partial(_given, entry.vector)))
         if sidecars is not None and photo is not None and moves[-1] is None:
             note = sidecars.write(photo, document)
             if note:

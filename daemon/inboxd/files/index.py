@@ -242,11 +242,18 @@ class ResultIndex:
             return None
         if not isinstance(document, dict) or not isinstance(document.get("sha256"), str):
             return None
-        name = str(document.get("filed_as") or document.get("source") or "")
-        if not name:
-            return None
-        return row_of(name, document, self.photo_path(name, str(document.get("source")),
-                                                      inbox_path), npy_reader(json_file))
+        name = self.file_name(json_file)
+        key = str(document.get("source") or name)
+        return row_of(name, document, self.photo_path(str(document.get("filed_as") or key),
+                                                      key, inbox_path), npy_reader(json_file))
+
+    def file_name(self, json_file: str) -> str:
+        """A result's name in the index: its file's path under results_dir, less ``.json``
+        (what a kept photo's older result is renamed to, or a long name shortened to)."""
+        return os.path.relpath(json_file, self.config.results_dir)[:-len(JSON_SUFFIX)]
+
+    def stored_name(self, name: str) -> str:
+        return self.file_name(self.results.json_file(name))
 
     def photo_path(self, name: str, key: str, inbox_path: str | None = None) -> str | None:
         """Where ``after_success`` puts the photo of the result filed as ``name``."""
@@ -327,7 +334,8 @@ class ResultIndex:
             try:
                 yield
             except BaseException:
-                conn.execute("ROLLBACK")
+                if conn.in_transaction:  # a full disk has rolled it back already
+                    conn.execute("ROLLBACK")
                 raise
             conn.execute("COMMIT")
         finally:
@@ -344,6 +352,7 @@ class ResultIndex:
         if old is not None and old[1] != row.sha256:
             aside = f"{row.name}.{sha_token(old[1])}"
             if self.results.recorded_sha256(aside) == old[1]:
+                aside = self.stored_name(aside)
                 conn.execute("DELETE FROM results WHERE name = ?", (fsbytes(aside),))
                 conn.execute("UPDATE results SET name = ? WHERE id = ?",
                              (fsbytes(aside), old[0]))
