@@ -8,7 +8,10 @@ PYTEST_ARGS ?=
 
 .PHONY: run test test-fast setup setup-test system-deps test-system-deps lint soak fuzz clean
 
+# The default config's inbox is made here; a configured one that does not exist is an error
+# (check-config and run say so): a typo must not start a daemon watching the wrong folder.
 run: setup
+	@if [ "$(CONFIG)" = config/inboxd.yaml ]; then mkdir -p var/inbox; fi
 	$(BIN)/inboxd run -c $(CONFIG)
 
 # The house is kept clean by the same command that tests it: lint first (seconds), then the suite.
@@ -96,8 +99,9 @@ $(VENV)/bin/python:
 	  { echo "inboxd needs Python >= 3.11 (found $$($(PYTHON) --version))"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 
+# Without -q: torch and its friends take minutes to fetch, and pip's progress says so.
 $(VENV)/.runtime-installed: pyproject.toml | system-deps $(VENV)/bin/python
-	$(BIN)/python -m pip install -q -e .
+	$(BIN)/python -m pip install --progress-bar on -e .
 	touch $@
 
 $(VENV)/.test-installed: pyproject.toml | system-deps $(VENV)/bin/python

@@ -23,6 +23,9 @@ from inboxd.files.lifecycle import InstanceBusy
 from inboxd.files.names import NameFilter
 
 
+SIGPIPE_STATUS = 128 + 13  # what a shell reports for a program a SIGPIPE ended
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -386,6 +389,13 @@ def exit_now_if_stuck(status: int) -> None:
 
 
 def entry() -> None:
-    status = main()
+    try:
+        status = main()
+        sys.stdout.flush()  # here, where a reader that has gone can be told from a bug
+    except BrokenPipeError:
+        # `inboxd check-config | head`: the reader stopped reading, no fault of ours. Nothing
+        # more reaches it (the flush at exit would raise again), and the status is a SIGPIPE's.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        status = SIGPIPE_STATUS
     exit_now_if_stuck(status)
     sys.exit(status)

@@ -10,6 +10,7 @@ file is reading the whole configuration surface.
 
 from __future__ import annotations
 
+import difflib
 import os
 import stat
 from pathlib import Path
@@ -550,9 +551,7 @@ def parse_config(text: str, source: str, overrides: dict[str, Any] | None = None
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}: " if mark is not None else ""
-        raise ConfigError(source, [f"{where}invalid YAML: {exc}"]) from exc
+        raise ConfigError(source, [yaml_problem(exc)]) from exc
     except RecursionError as exc:  # the parser recurses once per level: "[[[[…" ends it
         raise ConfigError(source, ["invalid YAML: nested deeper than the parser can follow, "
                                    "which no configuration is"]) from exc
@@ -571,15 +570,46 @@ def parse_config(text: str, source: str, overrides: dict[str, Any] | None = None
     try:
         config = Config.model_validate(data)
     except ValidationError as exc:
-        problems = []
+        found = []
         for error in exc.errors():
             loc = tuple(error["loc"])
             key_path = ".".join(str(part) for part in loc) or "(top level)"
             line = _yaml_line(node, loc)
             where = f"line {line}: " if line else ""
-            problems.append(f"{where}{key_path}: {error['msg']}")
-        raise ConfigError(source, problems) from exc
+            hint = did_you_mean(loc) if error["type"] == "extra_forbidden" else ""
+            found.append((line or 0, f"{where}{key_path}: {error['msg']}{hint}"))
+        # In the file's order, as an editor shows it (pydantic's is the fields' order).
+        raise ConfigError(source, [problem for _, problem in
+                                   sorted(found, key=lambda pair: pair[0])]) from exc
     return config.resolved(Path.cwd())
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML syntax error on one line: where, what, and what it was in (PyYAML's own text
+    spans several lines, with the source quoted)."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    within = f" ({context})" if context else ""
+    return (f"{where}invalid YAML: {problem}{within}; check the indentation and the quoting "
+            "there")
+
+
+def did_you_mean(loc: tuple[str | int, ...]) -> str:
+    """For an unknown key: the known keys of its section that it is close to."""
+    section: Any = Config
+    for part in loc[:-1]:
+        field = getattr(section, "model_fields", {}).get(part)
+        annotation = getattr(field, "annotation", None)
+        candidates = [annotation, *getattr(annotation, "__args__", ())]
+        section = next((c for c in candidates if isinstance(c, type)
+                        and issubclass(c, BaseModel)), None)
+        if section is None:
+            return ""
+    known = list(getattr(section, "model_fields", {}))
+    close = difflib.get_close_matches(str(loc[-1]), known, n=2, cutoff=0.6)
+    return f"; did you mean {' or '.join(close)}?" if close else ""
 
 
 def _nul_in(value: Any, loc: tuple[str | int, ...],

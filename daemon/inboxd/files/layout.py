@@ -43,9 +43,20 @@ def load_checked_config(path: Path | None, overrides: dict[str, Any] | None = No
     """:func:`inboxd.config.load_config`, then the layout checks below."""
     config = load_config(path, overrides)
     problems = layout_problems(config)
+    if path is not None:  # the embedded default's var/ folders are made as they are needed
+        problems += missing_inboxes(config)
     if problems:
         raise ConfigError(str(path or "config/inboxd.yaml"), problems)
     return config
+
+
+def missing_inboxes(config: Config) -> list[str]:
+    """A configured inbox that does not exist is a typo far more often than a folder to make:
+    made silently, the daemon would watch a folder nobody drops into."""
+    return [f"inbox.paths[{n}]: {inbox} does not exist; create it (mkdir -p {inbox}, writable "
+            "by the daemon's user) or correct the path (make run and make install create "
+            "their own inbox)"
+            for n, inbox in enumerate(config.inbox.paths) if not os.path.lexists(inbox)]
 
 
 def _inside(inner: Path, outer: Path) -> bool:
