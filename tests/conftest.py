@@ -56,7 +56,8 @@ def write_config(root: Path, **sections: Any) -> Path:
         "results_dir": str(root / "results"),
         "done_dir": str(root / "done"),
         "failed_dir": str(root / "failed"),
-        "stats": {"interval_s": 1},
+        # Every interval, idle or not: tests wait for the next record after a change.
+        "stats": {"interval_s": 1, "heartbeat_s": 1},
         "shutdown": {"grace_s": 20},
         "model": {"cache_dir": str(SHARED_MODEL_CACHE)},
     }

@@ -22,7 +22,6 @@ from inboxd.files.layout import InboxUnusable, inbox_writable, load_checked_conf
 from inboxd.files.lifecycle import InstanceBusy
 from inboxd.files.names import NameFilter
 
-
 SIGPIPE_STATUS = 128 + 13  # what a shell reports for a program a SIGPIPE ended
 
 

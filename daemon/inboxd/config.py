@@ -375,6 +375,9 @@ class RetryPolicyConfig(Section):
 
 class StatsConfig(Section):
     interval_s: Annotated[float, Field(gt=0)] = 10
+    # While idle (nothing counted, every layer empty) a record only this often: one comes
+    # when work starts, each interval while it goes on, and one when it stops.
+    heartbeat_s: Annotated[float, Field(gt=0)] = 300
 
 
 class MetricsConfig(Section):
