@@ -96,11 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "from the result files if a kill left it behind")
     index.add_argument("--rebuild", action="store_true",
                        help="remake it from the result files (the source of truth)")
-    stats = sub.add_parser("stats", help="the latest stats record from the journal")
-    report = sub.add_parser("report", help="a PNG of the journal's stats records over time")
+    stats = sub.add_parser("stats", help="the latest stats record (the journal's, or with -c "
+                           "the daemon's own stats file)")
+    report = sub.add_parser("report", help="a PNG of the stats records over time: files "
+                            "completed and failed, latency, layers, memory, against the clock")
     for reader in (stats, report):
         reader.add_argument("-u", "--unit", help="systemd unit (default: any inboxd process)")
         reader.add_argument("--instance", help="only this instance's records")
+        reader.add_argument("-c", "--config", type=Path, default=None,
+                            help="the daemon of this config file, from the stats file it "
+                            "keeps (no journal needed: a daemon run in the foreground)")
     stats.add_argument("--json", action="store_true", help="one JSON object per record")
     stats.add_argument("-f", "--follow", action="store_true", help="print each new record")
     report.add_argument("--since", type=parse_since, default=None,
@@ -245,13 +250,15 @@ def submit_file(source: Path, inbox: Path) -> Path:
 def cmd_stats(args: argparse.Namespace) -> int:
     from inboxd.service.readback import print_stats
 
-    return print_stats(args.unit, args.instance, args.json, args.follow)
+    config = read_config(args) if args.config else None
+    return print_stats(args.unit, args.instance, args.json, args.follow, config)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     from inboxd.service.readback import write_report
 
-    return write_report(args.unit, args.instance, args.since, args.output)
+    config = read_config(args) if args.config else None
+    return write_report(args.unit, args.instance, args.since, args.output, config)
 
 
 def cmd_recover(args: argparse.Namespace) -> int:

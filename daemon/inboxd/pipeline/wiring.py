@@ -33,6 +33,7 @@ from inboxd.files.commits import Commits
 from inboxd.files.layout import inbox_writable
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.names import NameFilter
+from inboxd.files.stats_file import StatsFile
 from inboxd.item import WorkItem
 from inboxd.models.engines.interface import DeviceFault, ModelEngine
 from inboxd.models.engines.local import LocalEngine
@@ -142,6 +143,8 @@ class Pipeline:
         self._counters_seen: tuple[Any, ...] = dataclasses.astuple(self.stats.counters)
         self._was_busy = True  # the first record always comes
         self._stats_logged_s = -math.inf
+        # Each record logged, also where `inboxd stats -c` finds it without a journal.
+        self.stats_file = StatsFile(config)
         # Called after each stats record (every stats.interval_s and at shutdown): the
         # metrics textfile is written here, so it is exactly as fresh as the journal.
         self.on_stats: list[Callable[[], None]] = []
@@ -267,6 +270,7 @@ class Pipeline:
                 instance=self.config.instance,
                 **fields,
             )
+            self.stats_file.append(fields)
             self._stats_logged_s = now_s
         self._was_busy = busy
         for hook in self.on_stats:
