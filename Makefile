@@ -122,7 +122,7 @@ uninstall:
 	@PREFIX=$(PREFIX) bash systemd/install.sh uninstall
 
 # Benchmarks (bench/): one table + JSON + PNG under bench/out/. Not tests: figures, not asserts.
-.PHONY: bench bench-sweep bench-ray bench-overhead bench-peer bench-fidelity bench-decoders
+.PHONY: bench bench-sweep bench-ray bench-overhead bench-index bench-peer bench-fidelity bench-decoders
 bench: setup-test
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
@@ -131,6 +131,10 @@ bench: setup-test
 # saturated machine).
 bench-overhead: setup-test
 	$(BIN)/python -m bench.overhead $(BENCH_ARGS)
+
+# Only the search index's stage: the flood with and without it, search at 100,000 photos.
+bench-index: setup-test
+	$(BIN)/python -m bench.index_cost --emit $(BENCH_ARGS)
 
 # Only inboxd (default config) against the peer, bench/peer.py (libvips + ONNX Runtime, what a
 # user would write instead), in turns at 0.3-MP JPEG, 12-MP JPEG and 12-MP HEIC, with a profile

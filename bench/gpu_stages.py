@@ -57,7 +57,7 @@ def write_config(root: Path, **sections: Any) -> Path:
     config: dict[str, Any] = {
         "inbox": {"paths": [str(root / "inbox")], "settle_ms": 0, "rescan_interval_s": 1},
         "results_dir": str(root / "results"), "done_dir": str(root / "done"),
-        "failed_dir": str(root / "failed"), "stats": {"interval_s": 1},
+        "failed_dir": str(root / "failed"), "stats": {"interval_s": 1, "heartbeat_s": 1},
     }
     for key, value in sections.items():
         config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value

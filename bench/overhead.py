@@ -94,7 +94,7 @@ def write_config(root: Path, program: Path, labels: Path, instance: str = "defau
     config["inbox"]["paths"] = [str(root / "inbox")]
     config.update(results_dir=str(root / "results"), done_dir=str(root / "done"),
                   failed_dir=str(root / "failed"), instance=instance)
-    config["stats"]["interval_s"] = 1
+    config["stats"].update(interval_s=1, heartbeat_s=1)  # next_stats waits for one, idle too
     config["model"] = {"export": str(program), "labels": str(labels), "device": "cpu",
                        "input": {"resize": 32, "crop": 32}, "top_k": 5}
     config["batch"] = {"max_size": BATCH, "max_delay_ms": 10}

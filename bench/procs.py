@@ -47,7 +47,7 @@ def write_config(root: Path, overrides: dict[str, dict[str, Any]] | None = None)
     config["results_dir"] = str(root / "results")
     config["done_dir"] = str(root / "done")
     config["failed_dir"] = str(root / "failed")
-    config.setdefault("stats", {})["interval_s"] = 1
+    config.setdefault("stats", {}).update(interval_s=1, heartbeat_s=1)  # idle too
     for section, values in (overrides or {}).items():
         config.setdefault(section, {}).update(values)
     (root / "inbox").mkdir(parents=True, exist_ok=True)

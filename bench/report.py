@@ -203,6 +203,11 @@ def table(r: dict[str, Any]) -> str:
     if "overhead" in r:
         lines.append("")
         lines.extend(overhead_lines(r["overhead"]))
+    if "index" in r:
+        from bench import index_cost
+
+        lines.append("")
+        lines.extend(index_cost.table_lines(r["index"]))
     if "fidelity" in r:
         f = r["fidelity"]
         lines += ["", f"fidelity contract ({f['variants']} real-photo variants, {f['jpegs']} JPEG; "

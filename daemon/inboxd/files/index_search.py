@@ -50,23 +50,26 @@ def fts_query(words: list[str]) -> str:
 def by_words(conn: sqlite3.Connection, words: list[str],
              limit: int = DEFAULT_LIMIT) -> list[Hit]:
     """Photos whose labels or text hold every word. A label match scores its label's score
-    (0-1); a text match adds FTS5's bm25 relevance, squashed into 0-1."""
+    (0-1); a text match adds FTS5's bm25 relevance, squashed into 0-1. The best ``limit``
+    label matches and the best ``limit`` text matches are merged."""
     query = fts_query(words)
     if not query:
         raise SearchError("give a word to search for")
     hits: dict[int, Hit] = {}
     try:
+        # The best ``limit`` of each kind, merged: a word on every other photo must not
+        # cost a row object per photo.
         for result_id, score, label in conn.execute(
-                "SELECT l.result_id, max(l.score), l.label FROM "
-                "(SELECT rowid FROM label_words WHERE label_words MATCH ?) AS m "
-                "JOIN labels l ON l.id = m.rowid GROUP BY l.result_id", (query,)):
+                "SELECT l.result_id, max(l.score) AS best, l.label FROM labels l WHERE l.id IN "
+                "(SELECT rowid FROM label_words WHERE label_words MATCH ?) "
+                "GROUP BY l.result_id ORDER BY best DESC, l.result_id LIMIT ?", (query, limit)):
             hits[result_id] = Hit(result_id, float(score), f"label {label}")
         for result_id, rank, snip in conn.execute(
                 "SELECT t.result_id, m.rank, m.snip FROM "
                 "(SELECT rowid, bm25(text_words) AS rank, "
                 "snippet(text_words, 0, '[', ']', '…', 8) AS snip "
-                "FROM text_words WHERE text_words MATCH ?) AS m "
-                "JOIN texts t ON t.id = m.rowid", (query,)):
+                "FROM text_words WHERE text_words MATCH ? ORDER BY rank LIMIT ?) AS m "
+                "JOIN texts t ON t.id = m.rowid", (query, limit)):
             relevance = max(-float(rank), 0.0)
             text_score = relevance / (1.0 + relevance)
             hit = hits.get(result_id)
