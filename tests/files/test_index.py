@@ -274,3 +274,37 @@ def test_search_and_index_commands(tmp_path: Path) -> None:
     rebuilt = inboxd("index", "--rebuild")
     assert rebuilt.returncode == 0 and "rebuilt from 1 result files" in rebuilt.stdout
     assert assert_index_matches_results(tmp_path / "results") == 1
+
+
+@pytest.mark.daemon
+@pytest.mark.timeout(400)
+def test_like_finds_a_photos_own_picture_first_with_the_real_model(tmp_path: Path) -> None:
+    """The built-in model embedding (``model.output: embed``): ``search --like`` embeds a
+    re-encoded, smaller copy of one filed photo, which is not in the index, and ranks that
+    photo first; and says why not when the model classifies."""
+    from PIL import Image
+
+    from tests.photos import photo_paths
+
+    photos = dict(list(photo_paths().items())[:5])
+    assert len(photos) == 5
+    config = write_config(tmp_path, inbox={"settle_ms": 0},
+                          model={"output": "embed", "device": "cpu"})
+    for name, path in photos.items():
+        with Image.open(path) as image:
+            image.convert("RGB").save(tmp_path / "inbox" / f"{name}.jpg", quality=95)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "daemon")}
+    done = subprocess.run([sys.executable, "-m", "inboxd", "once", "-c", str(config)],
+                          capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    target = sorted(photos)[2]
+    with Image.open(tmp_path / "done" / f"{target}.jpg") as image:
+        image.resize((image.width * 2 // 3, image.height * 2 // 3)).save(
+            tmp_path / "copy.jpg", quality=70)
+    found = subprocess.run([sys.executable, "-m", "inboxd", "search", "--json", "--like",
+                            str(tmp_path / "copy.jpg"), "-c", str(config)],
+                           capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
+    assert found.returncode == 0, found.stderr[-3000:]
+    hits = json.loads(found.stdout)
+    assert hits[0]["photo"] == str(tmp_path / "done" / f"{target}.jpg"), hits
+    assert len(hits) == 5 and hits[0]["score"] > hits[1]["score"]
