@@ -9,6 +9,7 @@ may hold the plain name), and ``filed_document`` sets them once the name is know
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
@@ -103,14 +104,17 @@ def commit(lifecycle: Lifecycle, entries: Sequence[CommitEntry],
     results = lifecycle.results
     keys = [(entry.key, entry.sha256, entry.inbox_path) for entry in entries]
     try:
-        if index is not None:
-            index.begin(keys)
-        filed = results.write([
-            ResultEntry(entry.key, entry.sha256,
-                        functools.partial(filed_document, results, entry.key,
-                                          entry.document),
-                        entry.vector, output_mode(lifecycle.source_mode(entry.claimed)))
-            for entry in entries])
+        with contextlib.ExitStack() as log:
+            if index is not None:
+                index.begin(keys)
+            # The index's pending entries durable with the results, before any is placed.
+            also_sync = [] if index is None else [log.enter_context(index.log_descriptor())]
+            filed = results.write([
+                ResultEntry(entry.key, entry.sha256,
+                            functools.partial(filed_document, results, entry.key,
+                                              entry.document),
+                            entry.vector, output_mode(lifecycle.source_mode(entry.claimed)))
+                for entry in entries], also_sync)
     except OSError as exc:
         return Committed(error=exc)
     names: list[tuple[str, bool]] = []

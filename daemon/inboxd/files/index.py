@@ -5,15 +5,16 @@ The JSON files stay the source of truth; the index follows them, written by the 
 in the same group commit as the batch's result files, so a kill at any instant leaves the two
 agreeing (or agreeing after the start-up's repair, which looks only at what was in flight):
 
-1. ``begin``: the batch's (key, sha256) go into ``pending``, committed with a WAL fsync
-   (``synchronous=FULL``) before any result file exists;
+1. ``begin``: the batch's (key, sha256) go into ``pending``, committed before any result file
+   exists, its write-ahead log made durable in the same parallel fsync as the batch's result
+   files (``ResultFiles.write(also_sync=)``), so before any of them is placed;
 2. the result files are written and made durable, the sources moved (``files.commits``);
 3. ``record``: the batch's rows go in and its pending entries out, in one transaction.
 
 A kill between 1 and 3 leaves pending entries: ``resolve_pending`` (at start-up, and before the
 next batch after a failed step 3) looks each one up among the result files by its sha256 and
-indexes what it finds. Step 3 needs no fsync of its own: lost to a power cut, its pending
-entries are lost with it only if the fsync of step 1 was too, and that came first. A missing
+indexes what it finds. Step 3 needs no fsync of its own: lost to a power cut, it takes nothing
+with it that step 1 had not made durable (its pending entries are still there). A missing
 or older index (a deleted file, a new schema) is rebuilt from the JSON files at start-up, as
 ``inboxd index --rebuild`` does on demand.
 
@@ -44,7 +45,7 @@ from inboxd.files.layout import TMP_DIRNAME
 from inboxd.files.names import output_str
 from inboxd.files.results import JSON_SUFFIX, ResultFiles, sha_token
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"
 BUSY_S = 60.0  # another instance's transaction on a shared index: waited for, not an error
 
 SCHEMA = """
@@ -64,20 +65,24 @@ CREATE TABLE IF NOT EXISTS results(
     completed_at TEXT NOT NULL,
     indexed_at REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS results_sha256 ON results(sha256);
-CREATE TABLE IF NOT EXISTS labels(
+-- Each label string once (a model's vocabulary), searched by FTS5; a photo's labels point at
+-- them, so a label costs its photo one plain row, and a word finds its labels in the small
+-- vocabulary, then their photos best score first through labels_name.
+CREATE TABLE IF NOT EXISTS label_names(
     id INTEGER PRIMARY KEY,
+    label TEXT NOT NULL UNIQUE);
+CREATE VIRTUAL TABLE IF NOT EXISTS label_words USING fts5(
+    label, content='label_names', content_rowid='id', tokenize='unicode61 remove_diacritics 2');
+CREATE TRIGGER IF NOT EXISTS label_names_in AFTER INSERT ON label_names BEGIN
+    INSERT INTO label_words(rowid, label) VALUES (new.id, new.label); END;
+CREATE TABLE IF NOT EXISTS labels(
     result_id INTEGER NOT NULL REFERENCES results(id) ON DELETE CASCADE,
     task TEXT NOT NULL,
     kind TEXT NOT NULL,                 -- class (top-k) or detection
-    label TEXT NOT NULL,
+    name_id INTEGER NOT NULL REFERENCES label_names(id),
     score REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS labels_result ON labels(result_id);
-CREATE VIRTUAL TABLE IF NOT EXISTS label_words USING fts5(
-    label, content='labels', content_rowid='id', tokenize='unicode61 remove_diacritics 2');
-CREATE TRIGGER IF NOT EXISTS labels_in AFTER INSERT ON labels BEGIN
-    INSERT INTO label_words(rowid, label) VALUES (new.id, new.label); END;
-CREATE TRIGGER IF NOT EXISTS labels_out AFTER DELETE ON labels BEGIN
-    INSERT INTO label_words(label_words, rowid, label) VALUES ('delete', old.id, old.label); END;
+CREATE INDEX IF NOT EXISTS labels_name ON labels(name_id, score);
 CREATE TABLE IF NOT EXISTS detections(
     id INTEGER PRIMARY KEY,
     result_id INTEGER NOT NULL REFERENCES results(id) ON DELETE CASCADE,
@@ -159,6 +164,7 @@ class ResultIndex:
         self._conn: sqlite3.Connection | None = None
         self.unresolved = False  # a batch's ``record`` failed: its pending entries wait
         self.started = False  # ``start`` has run (a failed one is tried again by ``begin``)
+        self._label_ids: dict[str, int] = {}
 
     @property
     def conn(self) -> sqlite3.Connection:
@@ -190,10 +196,11 @@ class ResultIndex:
             self.close()
             aside = self.path.with_name(f"{self.path.name}.damaged-{int(time.time())}")
             os.replace(self.path, aside)
-            for extra in ("-wal", "-shm"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(f"{self.path}{extra}")
+            self._remove_files()
             meta = {}
+        if meta.get("schema") not in (None, SCHEMA_VERSION):
+            # Another schema's tables would stay under the new names: made again, empty.
+            self._remove_files()
         want: dict[str, str | bytes] = {"schema": SCHEMA_VERSION,
                                         "results_dir": os.fsencode(self.config.results_dir)}
         if any(meta.get(key) != value for key, value in want.items()):
@@ -205,6 +212,12 @@ class ResultIndex:
         return f"{self.count()} results" + (f", {resolved} in flight at a kill resolved"
                                             if resolved else "")
 
+    def _remove_files(self) -> None:
+        self.close()
+        for extra in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{self.path}{extra}")
+
     def count(self) -> int:
         with as_os_error(self.path):
             return int(self.conn.execute("SELECT count(*) FROM results").fetchone()[0])
@@ -215,9 +228,12 @@ class ResultIndex:
         with as_os_error(self.path), self._transaction():
             conn = self.conn
             for table in ("pending", "labels", "texts", "detections", "embeddings", "results"):
+                # (label_names too, below: the FTS rows of the vocabulary go with a rebuild)
                 conn.execute(f"DELETE FROM {table}")
-            for row in rows:
-                self._insert(row)
+            conn.execute("INSERT INTO label_words(label_words) VALUES ('delete-all')")
+            conn.execute("DELETE FROM label_names")
+            self._label_ids.clear()
+            self._insert_rows(rows)
             conn.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", [
                 ("schema", SCHEMA_VERSION),
                 ("results_dir", os.fsencode(self.config.results_dir))])
@@ -273,25 +289,37 @@ class ResultIndex:
     # -- the group commit --------------------------------------------------------------------
 
     def begin(self, keys: Sequence[tuple[str, str, str]]) -> None:
-        """Step 1: (key, sha256, inbox path) of a batch about to be filed, durably pending."""
+        """Step 1: (key, sha256, inbox path) of a batch about to be filed, pending. Written,
+        not yet durable: the caller makes the write-ahead log (``log_descriptor``) durable in
+        the same parallel sync as the batch's result files, before any is placed — one fsync
+        of its own would cost each batch a disk round trip more."""
         if not self.started:
             self.start()
         elif self.unresolved:
             self.resolve_pending()
         instance = self.config.instance
-        with as_os_error(self.path), self._transaction(durable=True):
+        with as_os_error(self.path), self._transaction(synchronous="OFF"):
             self.conn.executemany(
                 "INSERT INTO pending(instance, key, sha256, inbox_path) VALUES (?, ?, ?, ?)",
                 [(instance, fsbytes(key), sha, fsbytes(inbox_path))
                  for key, sha, inbox_path in keys])
+
+    @contextlib.contextmanager
+    def log_descriptor(self) -> Iterator[int]:
+        """A descriptor of the write-ahead log, for the caller's fsync of ``begin``'s entries."""
+        with as_os_error(self.path):
+            fd = os.open(f"{self.path}-wal", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
 
     def record(self, rows: Sequence[IndexRow], keys: Sequence[tuple[str, str, str]]) -> None:
         """Step 3: the batch's rows in, its pending entries out. On failure the entries stay
         pending, and are resolved before the next batch (or at the next start)."""
         try:
             with as_os_error(self.path), self._transaction():
-                for row in rows:
-                    self._insert(row)
+                self._insert_rows(rows)
                 self._forget(keys)
         except OSError:
             self.unresolved = True
@@ -312,8 +340,7 @@ class ResultIndex:
                 if row is not None:
                     rows.append(row)
         with as_os_error(self.path), self._transaction():
-            for row in rows:
-                self._insert(row)
+            self._insert_rows(rows)
             self.conn.execute("DELETE FROM pending WHERE instance = ?", (instance,))
         self.unresolved = False
         return len(keys)
@@ -325,63 +352,91 @@ class ResultIndex:
             [(self.config.instance, fsbytes(key), sha) for key, sha, _ in keys])
 
     @contextlib.contextmanager
-    def _transaction(self, durable: bool = False) -> Iterator[None]:
+    def _transaction(self, synchronous: str = "NORMAL") -> Iterator[None]:
         conn = self.conn
-        if durable:
-            conn.execute("PRAGMA synchronous=FULL")
+        if synchronous != "NORMAL":
+            conn.execute(f"PRAGMA synchronous={synchronous}")
         try:
             conn.execute("BEGIN IMMEDIATE")
             try:
                 yield
             except BaseException:
+                self._label_ids.clear()  # ids made in it are gone (or another's rebuild's)
                 if conn.in_transaction:  # a full disk has rolled it back already
                     conn.execute("ROLLBACK")
                 raise
             conn.execute("COMMIT")
         finally:
-            if durable:
+            if synchronous != "NORMAL":
                 conn.execute("PRAGMA synchronous=NORMAL")
 
     def _insert(self, row: IndexRow) -> None:
-        """``row`` in place of any row of that name. Another bytes' row there was moved aside
-        with its result (after_success: keep files the kept photo's result under the plain
-        name, its predecessor under ``name.<sha>``), or is gone with it."""
+        self._insert_rows([row])
+
+    def _insert_rows(self, rows: Sequence[IndexRow]) -> None:
+        """Each row in place of any row of its name; a batch's labels, texts and vectors each
+        in one statement. Another bytes' row of that name was moved aside with its result
+        (after_success: keep files the kept photo's result under the plain name, its
+        predecessor under ``name.<sha>``), or is gone with it."""
+        conn = self.conn
+        labels, detections, texts, vectors = [], [], [], []
+        now = time.time()
+        for row in rows:
+            self._make_room(row)
+            result_id = conn.execute(
+                "INSERT INTO results(name, sha256, source, photo, model, model_sha256, "
+                "instance, size_bytes, width, height, completed_at, indexed_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (fsbytes(row.name), row.sha256, fsbytes(row.source),
+                 None if row.photo is None else fsbytes(row.photo), row.model,
+                 row.model_sha256, row.instance, row.size_bytes, row.width, row.height,
+                 row.completed_at, now)).lastrowid
+            labels += [(result_id, label.task, label.kind, self._label_id(label.label),
+                        label.score) for label in row.labels]
+            detections += [(result_id, d.task, d.label, d.score, *d.box) for d in row.detections]
+            texts += [(result_id, task, text) for task, text in row.texts]
+            vectors += [(result_id, task, int(vector.size),
+                         np.ascontiguousarray(vector, dtype=np.float32).tobytes())
+                        for task, vector in row.embeddings]
+        if labels:
+            conn.executemany("INSERT INTO labels(result_id, task, kind, name_id, score) "
+                             "VALUES (?, ?, ?, ?, ?)", labels)
+        if detections:
+            conn.executemany("INSERT INTO detections(result_id, task, label, score, x0, y0, "
+                             "x1, y1) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", detections)
+        if texts:
+            conn.executemany("INSERT INTO texts(result_id, task, text) VALUES (?, ?, ?)", texts)
+        if vectors:
+            conn.executemany("INSERT INTO embeddings(result_id, task, dim, vector) "
+                             "VALUES (?, ?, ?, ?)", vectors)
+
+    def _make_room(self, row: IndexRow) -> None:
         conn = self.conn
         old = conn.execute("SELECT id, sha256 FROM results WHERE name = ?",
                            (fsbytes(row.name),)).fetchone()
-        if old is not None and old[1] != row.sha256:
+        if old is None:
+            return
+        if old[1] != row.sha256:
             aside = f"{row.name}.{sha_token(old[1])}"
             if self.results.recorded_sha256(aside) == old[1]:
                 aside = self.stored_name(aside)
                 conn.execute("DELETE FROM results WHERE name = ?", (fsbytes(aside),))
                 conn.execute("UPDATE results SET name = ? WHERE id = ?",
                              (fsbytes(aside), old[0]))
-                old = None
-        if old is not None:
-            conn.execute("DELETE FROM results WHERE id = ?", (old[0],))
-        result_id = conn.execute(
-            "INSERT INTO results(name, sha256, source, photo, model, model_sha256, instance, "
-            "size_bytes, width, height, completed_at, indexed_at) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (fsbytes(row.name), row.sha256, fsbytes(row.source),
-             None if row.photo is None else fsbytes(row.photo), row.model, row.model_sha256,
-             row.instance, row.size_bytes, row.width, row.height, row.completed_at,
-             time.time())).lastrowid
-        conn.executemany(
-            "INSERT INTO labels(result_id, task, kind, label, score) VALUES (?, ?, ?, ?, ?)",
-            [(result_id, label.task, label.kind, label.label, label.score)
-             for label in row.labels])
-        conn.executemany(
-            "INSERT INTO detections(result_id, task, label, score, x0, y0, x1, y1) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            [(result_id, d.task, d.label, d.score, *d.box) for d in row.detections])
-        conn.executemany("INSERT INTO texts(result_id, task, text) VALUES (?, ?, ?)",
-                         [(result_id, task, text) for task, text in row.texts])
-        conn.executemany(
-            "INSERT INTO embeddings(result_id, task, dim, vector) VALUES (?, ?, ?, ?)",
-            [(result_id, task, int(vector.size),
-              np.ascontiguousarray(vector, dtype=np.float32).tobytes())
-             for task, vector in row.embeddings])
+                return
+        conn.execute("DELETE FROM results WHERE id = ?", (old[0],))
+
+    def _label_id(self, label: str) -> int:
+        """The id of ``label`` in the vocabulary, added when new (cached: a model has a few
+        thousand labels at most, and a rollback only loses ids that are made again)."""
+        found = self._label_ids.get(label)
+        if found is None:
+            conn = self.conn
+            conn.execute("INSERT OR IGNORE INTO label_names(label) VALUES (?)", (label,))
+            found = int(conn.execute("SELECT id FROM label_names WHERE label = ?",
+                                     (label,)).fetchone()[0])
+            self._label_ids[label] = found
+        return found
 
 
 def fsbytes(path: str) -> bytes:

@@ -60,7 +60,8 @@ def by_words(conn: sqlite3.Connection, words: list[str],
         # The best ``limit`` of each kind, merged: a word on every other photo must not
         # cost a row object per photo.
         for result_id, score, label in conn.execute(
-                "SELECT l.result_id, max(l.score) AS best, l.label FROM labels l WHERE l.id IN "
+                "SELECT l.result_id, max(l.score) AS best, n.label FROM labels l "
+                "JOIN label_names n ON n.id = l.name_id WHERE l.name_id IN "
                 "(SELECT rowid FROM label_words WHERE label_words MATCH ?) "
                 "GROUP BY l.result_id ORDER BY best DESC, l.result_id LIMIT ?", (query, limit)):
             hits[result_id] = Hit(result_id, float(score), f"label {label}")
@@ -144,6 +145,6 @@ def describe(conn: sqlite3.Connection, hits: list[Hit], labels: int = 3) -> list
         hit.photo = None if row[1] is None else os.fsdecode(row[1])
         hit.sha256 = str(row[2])
         hit.labels = [(str(label), float(score)) for label, score in conn.execute(
-            "SELECT label, score FROM labels WHERE result_id = ? ORDER BY score DESC LIMIT ?",
-            (hit.result_id, labels))]
+            "SELECT n.label, l.score FROM labels l JOIN label_names n ON n.id = l.name_id "
+            "WHERE l.result_id = ? ORDER BY l.score DESC LIMIT ?", (hit.result_id, labels))]
     return [hit for hit in hits if hit.name]

@@ -176,10 +176,12 @@ class ResultFiles:
                 continue
             yield name
 
-    def write(self, entries: Sequence[ResultEntry]) -> list[tuple[str, bool] | OSError]:
+    def write(self, entries: Sequence[ResultEntry],
+              also_sync: Sequence[int] = ()) -> list[tuple[str, bool] | OSError]:
         """Durably file every entry's result. Returns, per entry, the name it is filed under
         and whether that result was already there (the same bytes, filed earlier) — or why it
-        can never be filed (that file's own problem: its batch is filed all the same)."""
+        can never be filed (that file's own problem: its batch is filed all the same).
+        ``also_sync``: descriptors made durable with the batch's JSON, before any is placed."""
         outcome: list[tuple[str, bool] | OSError | None] = []
         todo: list[tuple[int, ResultEntry, str]] = []
         # The names this call gave out: none goes to two entries, though no JSON is there yet.
@@ -216,7 +218,7 @@ class ResultFiles:
         # All durable together, or (a full disk part-way) none left behind.
         temps = write_tmps(self._tmp, [json_bytes(entry.document(name))
                                           for _, entry, name in todo], JSON_SUFFIX,
-                           [entry.mode for _, entry, _ in todo])
+                           [entry.mode for _, entry, _ in todo], also_sync)
         commit_pause()
         placed = 0
         try:
