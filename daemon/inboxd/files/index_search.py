@@ -17,6 +17,7 @@ import numpy.typing as npt
 
 CHUNK_ROWS = 4096
 DEFAULT_LIMIT = 20
+LABEL_ROWS_READ = 8  # label rows read per photo shown
 
 
 @dataclass(slots=True)
@@ -59,12 +60,19 @@ def by_words(conn: sqlite3.Connection, words: list[str],
     try:
         # The best ``limit`` of each kind, merged: a word on every other photo must not
         # cost a row object per photo.
-        for result_id, score, label in conn.execute(
-                "SELECT l.result_id, max(l.score) AS best, n.label FROM labels l "
-                "JOIN label_names n ON n.id = l.name_id WHERE l.name_id IN "
-                "(SELECT rowid FROM label_words WHERE label_words MATCH ?) "
-                "GROUP BY l.result_id ORDER BY best DESC, l.result_id LIMIT ?", (query, limit)):
-            hits[result_id] = Hit(result_id, float(score), f"label {label}")
+        # Each matching label's photos best score first through labels_name (name, score),
+        # merged: no pass over every photo a common label is on. A photo with several
+        # matching labels takes several rows: a margin of them is read.
+        names = [(int(name_id), str(label)) for name_id, label in conn.execute(
+            "SELECT rowid, label FROM label_words WHERE label_words MATCH ?", (query,))]
+        found: list[tuple[float, int, str]] = []
+        for name_id, label in names:
+            found += [(float(score), int(result_id), label) for result_id, score in conn.execute(
+                "SELECT result_id, score FROM labels WHERE name_id = ? "
+                "ORDER BY score DESC LIMIT ?", (name_id, limit * LABEL_ROWS_READ))]
+        for score, result_id, label in sorted(found, key=lambda f: (-f[0], f[1])):
+            if result_id not in hits and len(hits) < limit:
+                hits[result_id] = Hit(result_id, score, f"label {label}")
         for result_id, rank, snip in conn.execute(
                 "SELECT t.result_id, m.rank, m.snip FROM "
                 "(SELECT rowid, bm25(text_words) AS rank, "
