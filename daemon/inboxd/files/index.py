@@ -134,6 +134,8 @@ def as_os_error(path: Path) -> Iterator[None]:
     """SQLite's errors as OSErrors naming the index file."""
     try:
         yield
+    except (sqlite3.ProgrammingError, sqlite3.InterfaceError):
+        raise  # a bug of ours, not a disk's: a traceback, not a retry
     except sqlite3.Error as exc:
         code = getattr(exc, "sqlite_errorcode", None)
         number = _SQLITE_ERRNO.get((code or 0) & 0xFF, errno.EIO)
@@ -148,7 +150,10 @@ def connect(path: Path, read_only: bool = False) -> sqlite3.Connection:
                                    check_same_thread=False)
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
-            conn = sqlite3.connect(os.fsencode(path), timeout=BUSY_S, isolation_level=None)
+            # One thread at a time, not always the one that opened it (a test's in-process
+            # commit opens it on one thread and commits on the io thread).
+            conn = sqlite3.connect(os.fsencode(path), timeout=BUSY_S, isolation_level=None,
+                                   check_same_thread=False)
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA foreign_keys=ON")
