@@ -93,6 +93,16 @@ test-system-deps:
 	    echo "  sudo apt-get install libimage-exiftool-perl"; \
 	  fi; \
 	fi
+	@if ! command -v mount.exfat-fuse >/dev/null || ! command -v mkfs.exfat >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing exfat-fuse and exfatprogs (outputs on a real exFAT are tested)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends exfat-fuse exfatprogs >/dev/null; \
+	  else \
+	    echo "the exFAT output tests need exfat-fuse and exfatprogs (they fail as root without):"; \
+	    echo "  sudo apt-get install exfat-fuse exfatprogs"; \
+	  fi; \
+	fi
 
 $(VENV)/bin/python:
 	$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \

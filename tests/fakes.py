@@ -13,7 +13,7 @@ import numpy.typing as npt
 import torch
 import watchfiles
 from inboxd.decode.spec import PreprocessSpec
-from inboxd.files.commits import CommitEntry, Committed, Outputs, commit
+from inboxd.files.commits import CommitEntry, Commits, Committed, Outputs, commit
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.models.model import Classification
 from inboxd.pipeline.wiring import Pipeline
@@ -91,7 +91,7 @@ class ScriptedWatch:
                 get.cancel()
 
 
-class InProcess:
+class InProcess(Commits):
     """The commit in the calling thread, on this process's ``lifecycle``: where a test fakes a
     full or failing disk at the filesystem boundary (a monkeypatched ``Lifecycle``)."""
 

@@ -1,9 +1,12 @@
-"""The daemon's helper processes (decode workers, the commit process, the Ray bridge): each a
-fresh ``python -m inboxd.…`` interpreter, never a fork of the daemon (which has threads and
-torch), with the daemon's own inboxd on its path, and killed by the kernel when the daemon dies,
-however it dies. The decode workers and the commit process talk ``inboxd.wire`` frames over
-their pipes; the Ray bridge's protocol is pickled over a ``multiprocessing.connection``
-socket instead (``models/engines/ray_bridge_child.py`` says what it sends).
+"""The daemon's helper processes (decode workers, the commit process, the Ray bridge, the ONNX
+exporter): each a fresh ``python -m inboxd.…`` interpreter, never a fork of the daemon (which has
+threads and torch), with the daemon's own inboxd on its path, and killed by the kernel when the
+daemon dies, however it dies. ``HelperProcess`` is the one way the daemon starts one (this is
+the only module that starts processes); each owner keeps its own protocol and restart policy.
+The decode workers and the commit process talk ``inboxd.wire`` frames over their pipes; the Ray
+bridge's protocol is pickled over a ``multiprocessing.connection`` socket instead
+(``models/engines/ray_bridge_child.py`` says what it sends); the exporter reads one JSON request
+and answers with its exit status.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import ctypes
 import os
 import signal
 import site
-from collections.abc import Iterator
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
 
 import inboxd
 
@@ -111,3 +116,120 @@ def process_state(pid: int) -> str | None:
 
 def is_stopped(pid: int) -> bool:
     return process_state(pid) in STOPPED_STATES
+
+
+class HelperProcess:
+    """One helper, ``python <command>``, as its owner sees it: started with this inboxd on its
+    path (``child_env``) and the stop signals held until it ignores them (``held_for_start``),
+    inheriting only ``pass_fds``; its liveness, whether it is stopped from outside, its end
+    (EOF, wait, SIGKILL, reap, pipes closed) and its exit status in words. What is said over
+    its pipes, and whether a dead one is replaced, are its owner's.
+
+    ``pipes``: its stdin and stdout are pipes to the daemon (the requests and the replies);
+    else stdin is /dev/null and stdout the daemon's (the owner hands it a socket in
+    ``pass_fds``). ``capture_stderr``: its stderr is a pipe too (``communicate`` reads it).
+    ``OSError`` when it cannot start (fork refused, no descriptors)."""
+
+    def __init__(self, command: Sequence[str], *, env: dict[str, str] | None = None,
+                 pipes: bool = True, capture_stderr: bool = False,
+                 pass_fds: Sequence[int] = ()) -> None:
+        with held_for_start():
+            self.popen = subprocess.Popen(
+                [sys.executable, *command],
+                stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
+                stdout=subprocess.PIPE if pipes else None,
+                stderr=subprocess.PIPE if capture_stderr else None,
+                env=child_env() if env is None else env, pass_fds=tuple(pass_fds),
+                close_fds=True)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def requests_fd(self) -> int:
+        """Its stdin (``pipes``), the daemon's end."""
+        assert self.popen.stdin is not None, "started without pipes"
+        return self.popen.stdin.fileno()
+
+    @property
+    def replies_fd(self) -> int:
+        """Its stdout (``pipes``), the daemon's end."""
+        assert self.popen.stdout is not None, "started without pipes"
+        return self.popen.stdout.fileno()
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def exit_code(self) -> int | None:
+        """Its exit status once it has gone (negative: the signal that ended it), else None."""
+        return self.popen.poll()
+
+    def stopped(self) -> bool:
+        """Whether it is stopped (SIGSTOP, Ctrl-Z, a debugger): it cannot run until continued."""
+        return is_stopped(self.popen.pid)
+
+    def describe_exit(self) -> str:
+        code = self.popen.poll()
+        return "still running" if code is None else describe_exit(code)
+
+    def wait(self, timeout_s: float | None = None) -> int | None:
+        """Its exit status, waiting up to ``timeout_s`` (None: as long as it takes); None if it
+        is still running then."""
+        try:
+            return self.popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def signal_kill(self) -> None:
+        """SIGKILL, not waiting for it (a thread reading its replies then sees EOF)."""
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.popen.send_signal(signal.SIGKILL)
+
+    def end_requests(self) -> None:
+        """EOF on its requests: every helper exits on it once it has answered what it has."""
+        if self.popen.stdin is not None:
+            with contextlib.suppress(OSError):  # it has gone: the pipe is broken
+                self.popen.stdin.close()
+
+    def close_replies(self) -> None:
+        if self.popen.stdout is not None:
+            self.popen.stdout.close()
+
+    def reap(self) -> int:
+        """Wait for its exit (as long as it takes), then close the daemon's ends of its pipes."""
+        code = self.popen.wait()
+        for stream in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+        return code
+
+    def kill(self) -> int:
+        """SIGKILL, reaped, pipes closed."""
+        self.signal_kill()
+        return self.reap()
+
+    def stop(self, timeout_s: float, *, send_eof: bool = True,
+             close_pipes: bool = True) -> int:
+        """EOF on its requests, up to ``timeout_s`` to exit, then SIGKILL; reaped. An owner
+        whose own threads write the EOF or read the replies says so (``send_eof``,
+        ``close_pipes`` False): closing a descriptor under a thread blocked on it would hand
+        the thread whatever file takes its number next."""
+        if send_eof:
+            self.end_requests()
+        if self.wait(timeout_s) is None:
+            self.signal_kill()
+        return self.reap() if close_pipes else self.popen.wait()
+
+    def communicate(self, request: bytes, timeout_s: float) -> tuple[bytes, bytes]:
+        """Write ``request`` to its stdin, close it, and read its stdout and stderr until it
+        exits; ``TimeoutError`` (after SIGKILL and reaping) when it takes longer than
+        ``timeout_s``."""
+        try:
+            out, err = self.popen.communicate(request, timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise TimeoutError(f"pid {self.pid} ran past {timeout_s:g} s") from None
+        return out or b"", err or b""

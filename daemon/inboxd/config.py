@@ -102,7 +102,7 @@ class PreprocessConfig(Section):
     # uncompressed 8-bit RGB; a JPEG header followed by gigabytes of junk is refused.
     max_file_mb: Positive = 256
     # Address space a worker may add for one decode (RLIMIT_AS above its warmed-up size): room
-    # for an RGBA PNG of max_image_pixels, the largest legitimate decode (bench/RESULTS.md).
+    # for an RGBA PNG of max_image_pixels, the largest legitimate decode (docs/decisions.md).
     decode_memory_mb: Positive = 1536
     # Hashing and decoding one file; past it the worker is killed and replaced, the file fails.
     # A few times the slowest legitimate decode (a max_image_pixels RGBA PNG on a busy CPU).
@@ -365,6 +365,9 @@ class RetryPolicyConfig(Section):
     max_attempts: Positive = 5
     backoff_initial_ms: Annotated[float, Field(gt=0)] = 500
     backoff_max_ms: Annotated[float, Field(gt=0)] = 60_000
+    # A full or read-only output is probed from backoff_initial_ms on, doubling up to this:
+    # a probe is one small write, and the wait it ends holds back every photo, not one.
+    output_probe_max_ms: Annotated[float, Field(gt=0)] = 5_000
 
     @model_validator(mode="after")
     def _ordered(self) -> RetryPolicyConfig:

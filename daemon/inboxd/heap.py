@@ -3,8 +3,8 @@
 A full collection (generation 2) walks every container object the process has, with the GIL
 held, so no thread of the process runs Python meanwhile. torch, numpy and the model leave
 hundreds of thousands of such objects in the daemon, and they live as long as it does: each full
-collection then stalls every result for a visible pause under a flood (bench/RESULTS.md, "Full
-garbage collections"), in the commit process too.
+collection then stalls every result for a visible pause under a flood (docs/decisions.md,
+"Full garbage collections frozen out"), in the commit process too.
 
 ``gc.freeze()`` moves every object there is to a permanent generation that no collection walks;
 later collections walk only what was made after. What the

@@ -11,7 +11,7 @@ stats record carries the exact counts anyway.
 
 The same budget holds on stderr: a terminal reads no more than the journal does. And it is
 checked before a record is made: a record made and then dropped by a handler still costs most
-of what writing it would, one held back here almost nothing (bench/RESULTS.md).
+of what writing it would, one held back here almost nothing (docs/decisions.md).
 """
 
 from __future__ import annotations

@@ -182,6 +182,15 @@ OTHER_FIELDS = (
     StatsField("MODEL_UNAVAILABLE_S", "gauge", "s", "timing",
                "Seconds the model has been unreachable (0 while it answers).",
                "inboxd_model_unavailable_seconds"),
+    StatsField("OUTPUT_FULL_S", "gauge", "s", "timing",
+               "Seconds an output folder has been full or read-only, the daemon waiting for "
+               "room (0 while every output takes writes).", "inboxd_output_full_seconds"),
+    StatsField("OUTPUT_FULL_WAITS", "counter", "waits", "timing",
+               "Times an output folder was found full or read-only and the daemon began to "
+               "wait for room.", "inboxd_output_full_waits"),
+    StatsField("OUTPUT_PROBES", "counter", "probes", "timing",
+               "Probes of full output folders (one small durable write each).",
+               "inboxd_output_probes"),
     StatsField("RSS_BYTES", "gauge", "bytes", "memory", "Resident set size of the daemon.",
                "inboxd_rss_bytes"),
     # On a GPU only (models.memory), as of the last stats record: reading them resets the peak.
@@ -207,7 +216,7 @@ OTHER_FIELDS = (
     StatsField("CUDA_PINNED_HOST_BYTES", "gauge", "bytes", "cuda",
                "Pinned host memory allocated for copies to the device.",
                "inboxd_cuda_pinned_host_bytes"),
-    # engine: ray only (models.ray_engine.stats_fields).
+    # engine: ray only (models.engines.ray_serve.RayEngine.stats_fields).
     StatsField("RAY_CONNECTED", "gauge", "bool", "ray",
                "1 while the Ray cluster is connected.", "inboxd_ray_connected"),
     StatsField("RAY_CONNECTS", "counter", "connections", "ray",

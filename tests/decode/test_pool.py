@@ -2,7 +2,7 @@
 one file, with a reason, and the pool carries on with a fresh worker.
 
 Faults a real file cannot be relied on to cause (a segfault, an abort, a hang, any exception
-type) are injected inside the worker by ``INBOXD_DECODE_FAULTS``, keyed by file name; the real
+type) are injected inside the worker by ``INBOXD_TEST_DECODE_FAULTS``, keyed by file name; the real
 bombs (tests/decode/bombs.py) are real files.
 """
 
@@ -50,12 +50,12 @@ def settings(spec: PreprocessSpec = SPEC, **overrides: float) -> WorkerSettings:
 @pytest.fixture(scope="module")
 def pool() -> Iterator[DecodePool]:
     """One pool for the module (workers take ~1 s to start), faults armed by file name."""
-    os.environ["INBOXD_DECODE_FAULTS"] = FAULTS
+    os.environ["INBOXD_TEST_DECODE_FAULTS"] = FAULTS
     try:
         decode_pool = DecodePool(2, settings(decode_timeout_s=3))
         decode_pool.start()
     finally:
-        del os.environ["INBOXD_DECODE_FAULTS"]
+        del os.environ["INBOXD_TEST_DECODE_FAULTS"]
     yield decode_pool
     decode_pool.close()
 
@@ -72,12 +72,12 @@ def balloon_pool(tmp_path: Path) -> Iterator[DecodePool]:
 
 def faulty_pool(tmp_path: Path, faults: str, **overrides: float) -> DecodePool:
     """A one-worker pool, started, whose workers have ``faults`` armed (read at their start)."""
-    os.environ["INBOXD_DECODE_FAULTS"] = faults
+    os.environ["INBOXD_TEST_DECODE_FAULTS"] = faults
     try:
         pool = DecodePool(1, settings(**overrides))
         pool.decode(make_image(tmp_path / "warm.png"))
     finally:
-        del os.environ["INBOXD_DECODE_FAULTS"]
+        del os.environ["INBOXD_TEST_DECODE_FAULTS"]
     return pool
 
 
@@ -323,7 +323,7 @@ def test_no_worker_outlives_a_killed_parent(tmp_path: Path) -> None:
     """PR_SET_PDEATHSIG: a daemon killed with SIGKILL, even mid-decode, takes its workers."""
     script = textwrap.dedent(f"""
         import os, sys
-        os.environ["INBOXD_DECODE_FAULTS"] = "hang=hang"
+        os.environ["INBOXD_TEST_DECODE_FAULTS"] = "hang=hang"
         from tests.decode.test_pool import settings
         from inboxd.decode.pool import DecodePool
         pool = DecodePool(2, settings())

@@ -30,9 +30,9 @@ from inboxd.files.commits import (
     reply_header,
     request_frame,
 )
-from inboxd.files.durable import COMMIT_PAUSE_ENV
 from inboxd.files.layout import processing_dir
 from inboxd.files.lifecycle import InstanceBusy, Lifecycle
+from inboxd.testing import COMMIT_PAUSE_MS
 
 from tests.conftest import wait_until, write_config
 from tests.fakes import InProcess
@@ -85,6 +85,11 @@ def test_a_batch_crosses_the_pipe_whole() -> None:
     assert again.filed == committed.filed and again.moves[0] is None and again.error is None
     assert isinstance(again.moves[1], OSError) and again.moves[1].errno == errno.ENOSPC
     assert again.moves[1].strerror == "No space left on device"
+    # A full disk's error names its file (the index's, say): the wait names and probes its
+    # folder, so the path crosses too, not UTF-8 or not.
+    full = Committed(error=OSError(errno.EROFS, "Read-only file system", f"/idx/{ODD_NAME}"))
+    back_full = committed_from(json.loads(json.dumps(reply_header(full))))
+    assert back_full.error is not None and back_full.error.filename == f"/idx/{ODD_NAME}"
 
 
 def test_a_result_filed_under_another_name_says_so(tmp_path: Path) -> None:
@@ -200,7 +205,7 @@ def test_a_large_batch_waits_on_its_own_thread_not_on_the_caller(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch larger than the pipe, sent while the one before is still being committed, is
     handed over at once: the io thread that sends it has other files to move meanwhile."""
-    monkeypatch.setenv(COMMIT_PAUSE_ENV, "500")  # each step of each commit: 2 s a commit
+    monkeypatch.setenv(COMMIT_PAUSE_MS, "500")  # each step of each commit: 2 s a commit
     lifecycle = lifecycle_for(tmp_path)
     commits = CommitProcess(lifecycle.config, lifecycle)
     commits.start()
@@ -294,7 +299,7 @@ def test_the_commit_process_dies_with_the_daemon_even_mid_commit(tmp_path: Path)
         "commits.send([entry])\n"
         "print(commits.pid, flush=True); time.sleep(60)\n")
     daemon = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, COMMIT_PAUSE_ENV: "30000"})
+                              env={**os.environ, COMMIT_PAUSE_MS: "30000"})
     assert daemon.stdout is not None
     pid = int(daemon.stdout.readline())
     processing = Path(processing_dir(load_config(config), tmp_path / "inbox"))

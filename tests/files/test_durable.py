@@ -57,3 +57,18 @@ def test_rename_into_makes_a_missing_folder_and_reports_a_missing_source(tmp_pat
     other.write_text("{}")
     with pytest.raises(FileExistsError):
         rename_into(other, target)  # never over an existing result
+
+
+def test_a_probe_of_room_leaves_nothing_and_never_writes_through_a_link(tmp_path: Path) -> None:
+    from inboxd.files.durable import TmpDir, probe_room
+    from inboxd.files.safe_paths import LinkedFolder
+    (tmp_path / "results").mkdir()
+    probe_room(TmpDir(tmp_path / "results", (".tmp", "default")))
+    assert list((tmp_path / "results" / ".tmp" / "default").iterdir()) == []
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "inbox" / ".processing" / ".tmp").mkdir(parents=True)
+    (tmp_path / "inbox" / ".processing" / ".tmp" / "default").symlink_to(elsewhere)
+    with pytest.raises(LinkedFolder):
+        probe_room(TmpDir(tmp_path / "inbox", (".processing", ".tmp", "default"), own=True))
+    assert list(elsewhere.iterdir()) == []

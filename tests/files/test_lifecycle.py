@@ -301,3 +301,48 @@ def test_a_claimed_name_whose_guessed_original_is_unsafe_is_looked_up_as_nothing
     assert lifecycle.results.recorded_sha256(".") is None
     assert lifecycle.finish_if_done(Path(claimed), inbox, "..t1", sha) is False
     assert os.path.exists(claimed)
+
+
+def test_a_full_disk_part_way_takes_back_the_vectors_it_placed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch is sent again once there is room: its vectors must not be left behind, or
+    every retried result would land on a variant name (``photo.<sha>.jpg``)."""
+    lifecycle = lifecycle_for(tmp_path)
+    real = results_module.write_tmps
+    calls = {"n": 0}
+
+    def full_once(*args: object, **kwargs: object) -> object:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(results_module, "write_tmps", full_once)
+    batch = [embedding("photo.jpg", b"one", [1.0, 2.0])]
+    with pytest.raises(OSError):
+        lifecycle.results.write(batch)
+    assert not list((tmp_path / "results").glob("*.npy")), "the placed vector was taken back"
+    [(name, known)] = lifecycle.results.write(batch)
+    assert (name, known) == ("photo.jpg", False)
+    assert_filed_with_its_vector(tmp_path / "results", "photo.jpg", b"one", [1.0, 2.0])
+
+
+def test_a_name_the_results_filesystem_refuses_is_filed_under_its_portable_form(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fake at the filesystem boundary (exFAT's refusal of ``?``); test_exfat_outputs.py
+    has the real one."""
+    from inboxd.files import portable_names
+    lifecycle = lifecycle_for(tmp_path)
+    real_open = os.open
+
+    def exfat_open(path: object, *args: object, **kwargs: object) -> int:
+        if "?" in os.fsdecode(path):  # type: ignore[arg-type]
+            raise FileNotFoundError(2, "No such file or directory")
+        return real_open(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(portable_names.os, "open", exfat_open)
+    [(name, known)] = lifecycle.results.write([entry("what?.jpg", b"q")])
+    assert (name, known) == ("what%3F.jpg", False)
+    filed = json.loads((tmp_path / "results" / "what%3F.jpg.json").read_text())
+    assert (filed["source"], filed["filed_as"]) == ("what?.jpg", "what%3F.jpg")
+    assert lifecycle.results.find("what?.jpg", filed["sha256"]) == "what%3F.jpg"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from inboxd.decode import formats
-from inboxd.files.names import NameFilter, folder_skipped
+from inboxd.files.names import NameFilter, folder_skipped, portable_key, portable_name
 
 
 def test_the_default_takes_every_decodable_format_in_any_case() -> None:
@@ -45,3 +45,20 @@ def test_litter_and_hidden_folders_are_not_entered() -> None:
     for name in ("@eaDir", ".stfolder", "__MACOSX", "#recycle", ".processing"):
         assert folder_skipped(name), name
     assert not folder_skipped("holiday")
+
+
+@pytest.mark.parametrize(("name", "portable"), [
+    ("plain.jpg", "plain.jpg"),
+    ("what?.jpg", "what%3F.jpg"),
+    ("c:d.jpg", "c%3Ad.jpg"),
+    ("caf\udce9.jpg", "caf%E9.jpg"),  # the byte 0xE9, not UTF-8 (os.fsdecode's stand-in)
+    ("café.jpg", "café.jpg"),  # UTF-8 is held everywhere: kept
+    ("50%.jpg", "50%25.jpg"),  # the escape itself, so no two names meet
+    ('a*b"c<d>e|f\\g.jpg', "a%2Ab%22c%3Cd%3Ee%7Cf%5Cg.jpg"),
+    ("tab\tname.jpg", "tab%09name.jpg"),
+    ("trailing. ", "trailing%2E%20"),
+])
+def test_a_portable_name_encodes_only_what_some_filesystem_refuses(name: str,
+                                                                   portable: str) -> None:
+    assert portable_name(name) == portable
+    assert portable_key(f"q?dir/{name}") == f"q%3Fdir/{portable}"

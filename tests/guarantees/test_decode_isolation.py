@@ -3,7 +3,7 @@ and 3), in the real daemon: one ``inboxd once`` over one file per class of hosti
 one plain test per class reading that file's outcome.
 
 Real files where a real file does it (the bombs, Pillow decoders that raise unexpected types);
-``INBOXD_DECODE_FAULTS`` inside the decode workers for what no file reliably does on this
+``INBOXD_TEST_DECODE_FAULTS`` inside the decode workers for what no file reliably does on this
 Pillow (a segfault, an abort, a runaway allocation, a given exception type).
 """
 
@@ -53,7 +53,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     shutil.copy(photos[0], inbox / "zz-after.jpg")
     done = subprocess.run([sys.executable, "-m", "inboxd", "once", "-c", str(config)], cwd=root,
                           capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "INBOXD_DECODE_FAULTS": FAULTS})
+                          env={**os.environ, "INBOXD_TEST_DECODE_FAULTS": FAULTS})
     return {"root": root, "done": done}
 
 

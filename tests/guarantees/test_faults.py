@@ -51,7 +51,7 @@ def test_results_disk_full_keeps_data_safe_and_resumes(tmp_path: Path, daemon_fa
         daemon = daemon_factory(config)
         daemon.wait_for("ready")
         names = flood(tmp_path / "inbox", 40)
-        daemon.wait_for("retry", 60)  # the disk filled up
+        daemon.wait_for("output_full", 60)  # the disk filled up: one warning, no retries
         assert len(result_names(results)) < 40
         subprocess.run(["mount", "-o", "remount,size=16m,nr_inodes=4096", str(results)],
                        check=True)
@@ -126,7 +126,8 @@ def test_cuda_oom_halves_the_batch_in_the_real_daemon(tmp_path: Path) -> None:
     config = write_config(tmp_path, batch={"max_size": 8, "max_delay_ms": 500},
                           inbox={"settle_ms": 0})
     names = flood(tmp_path / "inbox", 16)
-    once = DaemonProcess(config, command="once", env={"INBOXD_FAULTS": "oom_above_batch=2"})
+    once = DaemonProcess(config, command="once",
+                         env={"INBOXD_TEST_MODEL_FAULTS": "oom_above_batch=2"})
     assert once.proc.wait(300) == 0, once.output()
     assert "FAULT INJECTION ACTIVE" in once.output()
     assert "retrying as" in once.output(), "the OOM split was logged"
@@ -140,7 +141,7 @@ def test_a_poisoned_cuda_context_returns_the_files_and_exits_for_a_restart(
     """After an illegal address every CUDA call fails; no file may be blamed for that."""
     config = write_config(tmp_path, batch={"max_size": 4, "max_delay_ms": 200},
                           inbox={"settle_ms": 0})
-    daemon = daemon_factory(config, env={"INBOXD_FAULTS": "device_error_from_batch=2"})
+    daemon = daemon_factory(config, env={"INBOXD_TEST_MODEL_FAULTS": "device_error_from_batch=2"})
     daemon.wait_for("ready")
     names = flood(tmp_path / "inbox", 12)
     assert daemon.proc.wait(60) == 76, daemon.output()  # Restart=on-failure restarts 76

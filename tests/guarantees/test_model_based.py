@@ -17,7 +17,9 @@ the temp names ``inboxd submit`` used to use) and ``inboxd submit`` beside them,
 The reference model only tracks bytes (by sha256): every input must end exactly once in done/
 (with ``results/<its name>.json`` describing those bytes, or — for a byte-identical re-drop — an
 earlier result of the same bytes) or in failed/ with its ``.error.json``; an input the *user*
-replaced or deleted before it was claimed may instead vanish. Nothing outside the inbox may
+replaced or deleted before it was claimed may instead vanish. A good photo (one that decodes,
+under a name that can be filed) never ends in failed/: not for a full disk, a kill, a stopped
+helper or anything else that is not its own problem. Nothing outside the inbox may
 change, and after the drain nothing is left in ``.processing/`` or in a temp folder, and the
 search index holds exactly the result files (names and sha256s).
 
@@ -79,6 +81,10 @@ class Reference:
     must_end: collections.Counter[str] = field(default_factory=collections.Counter)
     may_vanish: collections.Counter[str] = field(default_factory=collections.Counter)
     corrupt: set[str] = field(default_factory=set)
+    # Good photos that may still fail: their name can never be filed (a folder named like an
+    # outcome). Any other good photo in failed/ is a guarantee broken.
+    unfileable: set[str] = field(default_factory=set)
+    unfileable_folders: set[Path] = field(default_factory=set)  # what is dropped there, too
     outside: dict[Path, str] = field(default_factory=dict)  # files that must not change
     origin: dict[str, str] = field(default_factory=dict)  # sha256 → how it came, for a report
 
@@ -180,6 +186,8 @@ class World:
             tmp.write_bytes(data)
             os.replace(tmp, victim)  # the user's own overwrite
             self.ref.added(data, f"replaced {victim.relative_to(self.inbox)}")
+            if victim.parent in self.ref.unfileable_folders:
+                self.ref.unfileable.add(sha(data))
         else:
             with contextlib.suppress(FileNotFoundError):  # claimed in between
                 victim.unlink()
@@ -230,13 +238,21 @@ class World:
         self.ref.corrupt.add(sha(data))
 
     def fill_or_free_disk(self) -> None:
+        """The output disk full for a while: filled to its last page now, freed some steps
+        later (this action again). The daemon must wait, failing no good photo."""
         if self.ballast is None:
             ballast = self.outputs / "ballast"
             # Full is the point: ENOSPC ends the filling (also at the open, if the daemon's
-            # own files filled the disk first).
-            with contextlib.suppress(OSError), open(ballast, "wb") as handle:
-                while True:
-                    handle.write(b"\0" * 65536)
+            # own files filled the disk first), chunk by smaller chunk down to one page.
+            with contextlib.suppress(OSError):
+                fd = os.open(ballast, os.O_WRONLY | os.O_CREAT, 0o600)
+                try:
+                    for chunk in (1 << 16, 1 << 12):
+                        with contextlib.suppress(OSError):
+                            while True:
+                                os.write(fd, bytes(chunk))
+                finally:
+                    os.close(fd)
             self.ballast = ballast if ballast.exists() else None
         else:
             self.ballast.unlink()
@@ -259,6 +275,8 @@ class World:
         (folder / "p.png").write_bytes(data)
         os.rename(folder, self.inbox / name)
         self.ref.added(data, f"folder like an outcome {name}/p.png")
+        self.ref.unfileable.add(sha(data))
+        self.ref.unfileable_folders.add(self.inbox / name)
 
     def _outside_file(self, what: str) -> Path:
         target = self.elsewhere / f"{what}{self.counter}.png"
@@ -391,13 +409,15 @@ class World:
         return action.__name__
 
 
-def outcomes(out: Path) -> tuple[collections.Counter[str], set[str], dict[str, str]]:
+def outcomes(out: Path) -> tuple[collections.Counter[str], set[str], dict[str, str],
+                                 dict[str, str]]:
     """sha256 → how many times those bytes ended in done/ or failed/; the sha256s in done/;
-    failed name → its reason. Checks on the way that every done file's result, found by its
-    name, describes its bytes."""
+    failed name → its reason; sha256 → its name in failed/. Checks on the way that every done
+    file's result, found by its name, describes its bytes."""
     ended: collections.Counter[str] = collections.Counter()
     in_done: set[str] = set()
     failed_reasons = {}
+    failed_shas = {}
     for folder in ("done", "failed"):
         for path in (out / folder).rglob("*"):
             if not path.is_file() and not path.is_symlink():
@@ -411,12 +431,14 @@ def outcomes(out: Path) -> tuple[collections.Counter[str], set[str], dict[str, s
                     continue  # a refused link: not an input's bytes
             digest = sha(path.read_bytes())
             ended[digest] += 1
+            if folder == "failed":
+                failed_shas[digest] = name
             if folder == "done":
                 in_done.add(digest)
                 by_name = out / "results" / f"{name}.json"
                 if by_name.exists():
                     assert read_json(by_name)["sha256"] == digest, f"done/{name}: other bytes"
-    return ended, in_done, failed_reasons
+    return ended, in_done, failed_reasons, failed_shas
 
 
 def where_are(root: Path, digest: str) -> list[str]:
@@ -450,7 +472,7 @@ def run_model(tmp_path: Path, steps: int, seed: int) -> dict[str, int]:
                                   str(world.config)], cwd=tmp_path, capture_output=True,
                                  text=True, timeout=600)
         assert drained.returncode in (0, 1), drained.stderr[-3000:]
-        ended, in_done, failed_reasons = outcomes(world.outputs)
+        ended, in_done, failed_reasons, failed_shas = outcomes(world.outputs)
         ref = world.ref
         lost = {d: (n, ref.origin.get(d), where_are(tmp_path, d))
                 for d, n in ref.must_end.items() if ended[d] < n}
@@ -464,6 +486,9 @@ def run_model(tmp_path: Path, steps: int, seed: int) -> dict[str, int]:
         # Kills, a full disk (the index shares it), stopped helpers: the index still follows.
         assert_index_matches_results(world.outputs / "results")
         assert not (ref.corrupt & in_done), "a corrupt input was filed as a success"
+        good_failed = {failed_shas[d]: failed_reasons[failed_shas[d]] for d in ref.must_end
+                       if d in failed_shas and d not in ref.corrupt | ref.unfileable}
+        assert good_failed == {}, f"good photos failed: {good_failed}"
         for path, digest in ref.outside.items():
             assert sha(path.read_bytes()) == digest, f"{path} outside the inbox changed"
         processing = tmp_path / "inbox" / ".processing" / "default"
@@ -476,6 +501,7 @@ def run_model(tmp_path: Path, steps: int, seed: int) -> dict[str, int]:
                    "broken_reloads": world.broken_reloads,
                    "inputs": sum(ref.must_end.values()),
                    "vanishable": sum(ref.may_vanish.values()), "lost": 0, "doubled": 0,
+                   "good_failed": 0,
                    "failed": len(failed_reasons), **{f"op_{k}": v for k, v in
                                                      done_actions.items()}}
         print("model-based figures:", figures)

@@ -83,25 +83,31 @@ def _called_name(call: ast.Call) -> str:
 # paths, as JSON), and with `model.engine: ray` the Ray bridge (models/engines/ray_bridge.py), whose
 # replies are unpickled by multiprocessing's Connection: it is our own child, and Ray itself
 # unpickles whatever the cluster sends, so trusting the cluster is the premise of that engine
-# (README, "Running on a Ray cluster").
-FIXED_COMMANDS = {Path("decode/worker_process.py"): ["sys.executable", "'-m'",
-                                                    "'inboxd.decode.worker_child'"],
-                  Path("files/commit_process.py"): ["sys.executable", "'-m'",
-                                                    "'inboxd.files.commit_child'"],
-                  Path("models/engines/ray_bridge.py"): ["sys.executable", "*BRIDGE_COMMAND"],
-                  Path("models/onnx_export.py"): ["sys.executable", "'-m'",
-                                                  "'inboxd.models.onnx_export'"]}
+# (README, "Running on a Ray cluster"). Each is a ``HelperProcess`` (children.py, the one module
+# that calls Popen: ``python`` and the command, nothing else).
+FIXED_COMMANDS = {Path("decode/worker_process.py"): ["'-m'", "'inboxd.decode.worker_child'"],
+                  Path("files/commit_process.py"): ["'-m'", "'inboxd.files.commit_child'"],
+                  Path("models/engines/ray_bridge.py"): ["*BRIDGE_COMMAND"],
+                  Path("models/onnx_export.py"): ["'-m'", "'inboxd.models.onnx_export'"]}
+SPAWNER = Path("children.py")
 
 
-def _is_fixed_popen(call: ast.Call, where: Path) -> bool:
-    start = FIXED_COMMANDS.get(where)
-    if start is None or _called_name(call) not in ("subprocess.Popen", "subprocess.run") \
-            or not call.args:
+def _is_the_spawners_popen(call: ast.Call, where: Path) -> bool:
+    if where != SPAWNER or _called_name(call) != "subprocess.Popen" or not call.args:
         return False
     argv = call.args[0]
-    fixed = isinstance(argv, ast.List) and [
-        ast.unparse(e) for e in argv.elts[:len(start)]] == start
+    fixed = isinstance(argv, ast.List) and [ast.unparse(e) for e in argv.elts] == [
+        "sys.executable", "*command"]
     return fixed and not any(k.arg in ("shell", "executable") for k in call.keywords)
+
+
+def _is_fixed_helper(call: ast.Call, where: Path) -> bool:
+    start = FIXED_COMMANDS.get(where)
+    if start is None or not call.args:
+        return False
+    command = call.args[0]
+    return isinstance(command, ast.Tuple | ast.List) and [
+        ast.unparse(e) for e in command.elts[:len(start)]] == start
 
 
 def test_no_shell_or_unpickling_anywhere_in_the_daemon() -> None:
@@ -116,13 +122,15 @@ def test_no_shell_or_unpickling_anywhere_in_the_daemon() -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import | ast.ImportFrom):
                 names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
-                if "pickle" in names or ("subprocess" in names and where not in FIXED_COMMANDS):
+                if "pickle" in names or ("subprocess" in names and where != SPAWNER):
                     offenders.append(f"{where}:{node.lineno} imports {names}")
             if not isinstance(node, ast.Call):
                 continue
             name = _called_name(node)
-            if name in FORBIDDEN_CALLS and not _is_fixed_popen(node, where):
+            if name in FORBIDDEN_CALLS and not _is_the_spawners_popen(node, where):
                 offenders.append(f"{where}:{node.lineno} calls {name}")
+            if name == "HelperProcess" and not _is_fixed_helper(node, where):
+                offenders.append(f"{where}:{node.lineno} starts a helper by another command")
             if name == "torch.load" and not any(
                 k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value
                 is True for k in node.keywords

@@ -126,7 +126,7 @@ def _slow_daemon(tmp_path: Path, timeout_s: float, **sections: Any) -> tuple[Pat
                           retry={"max_attempts": 5, "backoff_initial_ms": 100,
                                  "backoff_max_ms": 200},
                           shutdown={"grace_s": 5}, **sections)
-    return config, {"INBOXD_DECODE_FAULTS": f"slow:{SLOW_S}=slow,hang=hang"}
+    return config, {"INBOXD_TEST_DECODE_FAULTS": f"slow:{SLOW_S}=slow,hang=hang"}
 
 
 @pytest.mark.timeout(300)

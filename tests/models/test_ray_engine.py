@@ -240,7 +240,7 @@ def test_a_slowed_pool_makes_the_producer_wait_and_memory_stays_flat(
     # series needs enough points to say "flat".
     config = ray_config(tmp_path, program, cluster.address, "inboxd",
                         inbox={"rescan_interval_s": 3600}, stats={"interval_s": 0.25})
-    proc = daemon(config, INBOXD_RAY_REPLICA_DELAY_S="0.15")
+    proc = daemon(config, INBOXD_TEST_RAY_REPLICA_DELAY_S="0.15")
     try:
         proc.wait_for("ready", 180)
         names = drop_files(tmp_path / "inbox", tmp_path / "seeds", 0, total)
@@ -296,7 +296,7 @@ def test_a_node_dying_mid_flood_costs_a_retry_not_a_file(
     # keeps fewer than 4 batches out, and a node that dies between two of its replica's batches
     # loses nothing (at 0.3 s in 2 local runs of 4; at 1.0 s in the CI run of 12-02). So a kill
     # that lost nothing is followed by another, once Serve has replaced the replica it took.
-    proc = daemon(config, INBOXD_RAY_REPLICA_DELAY_S="1.0")
+    proc = daemon(config, INBOXD_TEST_RAY_REPLICA_DELAY_S="1.0")
     started_s = time.monotonic()
     try:
         proc.wait_for("ready", 180)
@@ -400,8 +400,8 @@ def test_two_daemons_share_one_serve_app_and_b_returns_a_killed_a_s_files(
     for name in ("a", "b"):
         configs[name] = tmp_path / f"{name}.yaml"
         configs[name].write_text(yaml.safe_dump({**base, "instance": name}))
-    a = daemon(configs["a"], INBOXD_RAY_REPLICA_DELAY_S="0.1")
-    b = daemon(configs["b"], INBOXD_RAY_REPLICA_DELAY_S="0.1")
+    a = daemon(configs["a"], INBOXD_TEST_RAY_REPLICA_DELAY_S="0.1")
+    b = daemon(configs["b"], INBOXD_TEST_RAY_REPLICA_DELAY_S="0.1")
     a.wait_for("ready", 180)
     b.wait_for("ready", 180)
     names = drop_files(tmp_path / "inbox", tmp_path / "seeds", 0, 400)

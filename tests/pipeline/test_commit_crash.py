@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from inboxd.config import load_config
 from inboxd.files.commit_process import CommitProcess, CommitProcessFailed
-from inboxd.files.durable import COMMIT_PAUSE_ENV
 from inboxd.pipeline.wiring import Pipeline
+from inboxd.testing import COMMIT_PAUSE_MS
 
 from tests.conftest import make_image, write_config
 from tests.fakes import FakeModel
@@ -86,7 +86,7 @@ def test_a_stop_past_the_grace_period_still_counts_what_the_commit_process_commi
     but the process still commits them (their results durable, their sources in done/): each
     of those files is counted as completed, and every file claimed is completed or handed
     back, none unaccounted for."""
-    monkeypatch.setenv(COMMIT_PAUSE_ENV, "300")  # each of a commit's 4 steps: 1.2 s a batch
+    monkeypatch.setenv(COMMIT_PAUSE_MS, "300")  # each of a commit's 4 steps: 1.2 s a batch
     names = {f"f{n:03}.png" for n in range(24)}
     for n, name in enumerate(sorted(names)):
         make_image(tmp_path / "inbox" / name, size=(8, 8), color=(n + 20, 0, 0))
@@ -119,7 +119,7 @@ def test_the_index_equals_the_result_files_after_kills_inside_commits(
     """The commit process killed while a batch's results are placed and its rows not yet
     written (the window widened): the next run's start-up resolves what was pending, and the
     index holds exactly the result files, with their sha256s."""
-    monkeypatch.setenv(COMMIT_PAUSE_ENV, "150")
+    monkeypatch.setenv(COMMIT_PAUSE_MS, "150")
     names = {f"f{n:03}.png" for n in range(24)}
     for n, name in enumerate(sorted(names)):
         make_image(tmp_path / "inbox" / name, size=(8, 8), color=(n + 20, 0, 0))

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from inboxd.config import ConfigError, load_config, parse_config
 from inboxd.item import WorkItem
-from inboxd.models.engines.interface import EngineUnavailable, Outcome
+from inboxd.models.engines.interface import EngineUnavailable, ModelEngine, Outcome
 from inboxd.models.engines.local import LocalEngine
 from inboxd.models.model import Classification
 from inboxd.pipeline.model_stage import ModelStage
@@ -24,7 +24,7 @@ from tests.conftest import make_image, write_config
 from tests.fakes import FakeModel
 
 
-class ParallelEngine:
+class ParallelEngine(ModelEngine):
     """Answers every call after ``delay_s``; the first ``unavailable_calls`` calls raise
     ``EngineUnavailable`` instead (a cluster that is gone, then back)."""
 
@@ -143,7 +143,7 @@ def test_the_watchdog_waits_out_an_engine_s_own_call_limit(
     remote node's lost batch could come back as a retry. The oldest of several calls counts."""
     engine = ParallelEngine()
     if call_limit_s is not None:
-        engine.call_limit_s = call_limit_s  # type: ignore[attr-defined]
+        engine.call_limit_s = call_limit_s
     clock = Clock()
     worker = ModelStage(engine, None, None, clock, in_flight=4)  # type: ignore[arg-type]
     assert worker.overdue_s(30) is None, "idle"

@@ -33,8 +33,9 @@ def outcome_names(root: Path) -> tuple[set[str], set[str]]:
 
 def fail_writes(pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch,
                 times: int | None = None) -> None:
-    """The results disk is full for the next ``times`` batches (None: for ever). A fake at
-    the filesystem boundary; tests/guarantees/test_faults.py fills a real tmpfs."""
+    """The results disk fails writes (EIO) for the next ``times`` batches (None: for ever): a
+    fault of the write, retried per file. A fake at the filesystem boundary. A *full* disk is
+    no file's failure at all: tests/guarantees/test_full_disk.py fills real filesystems."""
     commit_in_this_process(pipeline)
     real_write = pipeline.lifecycle.results.write
     left = {"n": times}
@@ -43,7 +44,7 @@ def fail_writes(pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch,
         if left["n"] is None or left["n"] > 0:
             if left["n"] is not None:
                 left["n"] -= 1
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise OSError(errno.EIO, "Input/output error")
         return real_write(entries, *more)
 
     monkeypatch.setattr(pipeline.lifecycle.results, "write", write)
@@ -125,7 +126,7 @@ def test_exhausted_retries_go_to_failed_with_every_reason(
     asyncio.run(pipeline.process_backlog())
     report = read_json(tmp_path / "failed" / "a.png.error.json")
     assert report["permanent"] is False
-    assert report["attempts"] == ["cannot write the result: No space left on device"] * 2
+    assert report["attempts"] == ["cannot write the result: Input/output error"] * 2
 
 
 def test_a_full_retry_list_releases_files_to_disk(

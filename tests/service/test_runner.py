@@ -104,7 +104,7 @@ def test_a_hung_model_call_stops_the_watchdog(tmp_path: Path) -> None:
     config = write_config(tmp_path, shutdown={"grace_s": 1})
     daemon = DaemonProcess(config, env={"NOTIFY_SOCKET": notify.address,
                                         "WATCHDOG_USEC": "1000000",
-                                        "INBOXD_FAULTS": "hang_on_batch=1"})
+                                        "INBOXD_TEST_MODEL_FAULTS": "hang_on_batch=1"})
     try:
         notify.wait_for("READY=1")
         notify.wait_for("WATCHDOG=1")
@@ -132,7 +132,7 @@ def test_the_watchdog_s_sigabrt_prints_every_stack_and_ends_the_daemon_by_sigabr
     config = write_config(tmp_path)
     daemon = DaemonProcess(config, env={"NOTIFY_SOCKET": notify.address,
                                         "WATCHDOG_USEC": "1000000",
-                                        "INBOXD_FAULTS": "hang_on_batch=1"})
+                                        "INBOXD_TEST_MODEL_FAULTS": "hang_on_batch=1"})
     try:
         notify.wait_for("READY=1")
         drop(make_image(tmp_path / "a.png"), tmp_path / "inbox")

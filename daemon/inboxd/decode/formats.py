@@ -25,7 +25,7 @@ with contextlib.suppress(ImportError):  # a runtime dependency; without it HEIC 
     # stream's wavefronts), as Pillow's AVIF plugin does with one per usable core; a worker
     # decodes on one thread otherwise, and HEIC is the slowest format it takes. Measured with
     # two workers decoding at once on two cores, 4 threads were not slower than 2 or 1
-    # (bench/RESULTS.md): pillow-heif's default, set here so that a new default is a choice.
+    # (docs/decisions.md): pillow-heif's default, set here so that a new default is a choice.
     pillow_heif.options.DECODE_THREADS = HEIC_DECODE_THREADS
 with contextlib.suppress(ImportError):  # registers the JXL opener on import
     from pillow_jxl import JpegXLImagePlugin

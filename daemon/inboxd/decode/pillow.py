@@ -109,7 +109,7 @@ def decode_resized(data: bytes | BinaryIO, spec: PreprocessSpec, max_pixels: int
                 # Let libjpeg decode at 1/2, 1/4 or 1/8 scale, but only down to a margin above
                 # the resize target, so that the antialiased resize after it still sees enough
                 # pixels: drafting right down to the target (DCT scaling in place of the
-                # antialiased resize) moves scores past the contract (bench/RESULTS.md).
+                # antialiased resize) moves scores past the contract (docs/decisions.md).
                 scale = min(1.0, resizing.draft_margin * spec.resize / min(width, height))
                 opened.draft("RGB", (max(1, round(width * scale)), max(1, round(height * scale))))
             opened.load()

@@ -29,11 +29,10 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from inboxd import logs, wire
+from inboxd import logs, testing, wire
 from inboxd.children import describe_exit
 from inboxd.decode.replies import DecodeResult, DecodeTimedOut, death_error, result_from
 from inboxd.decode.time_budget import DecodeBudget
-from inboxd.decode.worker_child import FAULTS_ENV
 from inboxd.decode.worker_process import WorkerProcess, WorkerSettings, worker_env
 from inboxd.item import PermanentError, TransientError
 from inboxd.os_threads import name_this_thread
@@ -67,9 +66,9 @@ class DecodePool:
             if self.started or self.closed:
                 return
             self.started = True
-        if self.env.get(FAULTS_ENV):
-            logs.emit(logging.WARNING, "faults", f"DECODE FAULT INJECTION ACTIVE: {FAULTS_ENV}="
-                      f"{self.env[FAULTS_ENV]}", faults=self.env[FAULTS_ENV])
+        if faults := self.env.get(testing.DECODE_FAULTS):
+            logs.emit(logging.WARNING, "faults", f"DECODE FAULT INJECTION ACTIVE: "
+                      f"{testing.DECODE_FAULTS}={faults}", faults=faults)
         for _ in range(self.workers):
             try:
                 self._idle.put(self._start())

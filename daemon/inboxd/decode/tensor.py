@@ -11,7 +11,7 @@ shorter side, the centre crop with ``decode/pillow.py``'s arithmetic. The result
 torchcodec's. We still call torchvision's: it is installed wherever torch is, its batched
 ``decode_jpeg(list, device="cuda")`` has run nvJPEG since 0.19, and the same call decodes on
 the CPU for the tests; torchcodec is a native extension built per torch release, one more ABI
-pairing to ship (the versions weighed are in bench/RESULTS.md). The call sits in
+pairing to ship (the versions weighed: docs/decisions.md). The call sits in
 ``_decode_many`` alone: moving to ``torchcodec.decoders.decode_jpeg`` is that function.
 pyproject pins ``torchvision<0.31`` so the removal cannot arrive unannounced; a torchvision
 without ``decode_jpeg`` turns GPU decoding off with a warning, it never breaks the daemon.

@@ -29,7 +29,7 @@ import numpy as np
 from PIL import Image
 
 import inboxd
-from inboxd import wire
+from inboxd import testing, wire
 from inboxd.children import die_with_parent, protocol_fds
 from inboxd.decode.pillow import decode_image
 from inboxd.decode.spec import PreprocessSpec, resize_mode
@@ -37,10 +37,10 @@ from inboxd.files.reading import classify, hash_stream, open_input
 from inboxd.files.settling import held_open_for_writing, identity, survive_lease_breaks
 from inboxd.item import PermanentError, TooLargeError, TransientError
 
-# Test-only fault injection, read only here: "abort=crash,hang=slow,raise:RuntimeError=rt"
-# makes a file whose name contains "crash" abort this process, and so on; "slow:2.5=name" sleeps
-# 2.5 s before decoding it (a decode that takes a while, then succeeds). Unset in production.
-FAULTS_ENV = "INBOXD_DECODE_FAULTS"
+# Test-only fault injection (``testing.DECODE_FAULTS``), read only here:
+# "abort=crash,hang=slow,raise:RuntimeError=rt" makes a file whose name contains "crash" abort
+# this process, and so on; "slow:2.5=name" sleeps 2.5 s before decoding it (a decode that takes
+# a while, then succeeds). Unset in production.
 # A request names up to preprocess.files_per_request paths (each up to PATH_MAX, hex-encoded).
 REQUEST_HEADER_BYTES = 1 << 20
 FAULT_KINDS = {"abort", "segv", "hang", "spin", "alloc", "exit", "raise", "slow"}
@@ -59,8 +59,9 @@ def parse_faults(spec: str) -> list[tuple[str, str]]:
         bad_detail = ((name == "raise" and detail not in RAISABLE)
                       or (name == "slow" and not _seconds(detail)))
         if name not in FAULT_KINDS or not needle or bad_detail:
-            raise ValueError(f"{FAULTS_ENV}: cannot parse {part!r} (kinds: {sorted(FAULT_KINDS)},"
-                             f" raise:<one of {sorted(RAISABLE)}>, slow:<seconds>)")
+            raise ValueError(f"{testing.DECODE_FAULTS}: cannot parse {part!r} (kinds: "
+                             f"{sorted(FAULT_KINDS)}, raise:<one of {sorted(RAISABLE)}>, "
+                             "slow:<seconds>)")
         faults.append((kind, needle))
     return faults
 
@@ -95,7 +96,7 @@ def inject(faults: list[tuple[str, str]], path: str) -> None:
         elif kind.startswith("slow:"):
             time.sleep(float(kind.partition(":")[2]))
         else:
-            raise RAISABLE[kind.partition(":")[2]](f"injected by {FAULTS_ENV}")
+            raise RAISABLE[kind.partition(":")[2]](f"injected by {testing.DECODE_FAULTS}")
 
 
 class Worker:
@@ -107,7 +108,7 @@ class Worker:
         self.max_pixels: int = init["max_image_pixels"]
         self.max_file_bytes: int = init["max_file_bytes"]
         self.decode_memory_bytes: int = init["decode_memory_bytes"]
-        self.faults = parse_faults(os.environ.get(FAULTS_ENV, ""))
+        self.faults = parse_faults(testing.hook(testing.DECODE_FAULTS))
         Image.MAX_IMAGE_PIXELS = self.max_pixels
 
     def warm_up(self) -> None:
@@ -253,7 +254,8 @@ def main() -> None:
     limit_error = worker.limit_memory()
     wire.send(replies, {"ready": True, "pid": os.getpid(), "limit_error": limit_error,
                         "heavy_modules": [m for m in ("torch", "torchvision") if m in sys.modules],
-                        "faults": os.environ.get(FAULTS_ENV, ""), "inboxd_path": inboxd.__file__,
+                        "faults": testing.hook(testing.DECODE_FAULTS),
+                        "inboxd_path": inboxd.__file__,
                         "peak_rss_bytes": peak_rss_bytes()})
     reset_peak_rss()  # the first file's peak is its own, not the warm-up's
     while True:

@@ -6,14 +6,11 @@ what the pool asks of it, ``decode/pool.py``.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from inboxd import wire
-from inboxd.children import child_env, held_for_start
+from inboxd.children import HelperProcess, child_env
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.decode.time_budget import DecodeBudget
 
@@ -40,15 +37,9 @@ class WorkerProcess:
     """One ``python -m inboxd.decode.worker_child``: its pipes, its reader, its request numbers."""
 
     def __init__(self, settings: WorkerSettings, env: dict[str, str]) -> None:
-        with held_for_start():
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "inboxd.decode.worker_child"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
-                env=env,
-            )
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.requests = self.proc.stdin.fileno()
-        self.reader = wire.Reader(self.proc.stdout.fileno())
+        self.proc = HelperProcess(("-m", "inboxd.decode.worker_child"), env=env)
+        self.requests = self.proc.requests_fd
+        self.reader = wire.Reader(self.proc.replies_fd)
         self.ready: dict[str, Any] | None = None
         self.budget: DecodeBudget | None = None  # the time of the file it is on, if any
         # Numbers this worker's requests; its receipt and every reply echo it (and a reply its
@@ -66,31 +57,22 @@ class WorkerProcess:
             raise
 
     def signal_kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
+        self.proc.signal_kill()
 
     def kill(self) -> None:
-        self.signal_kill()
-        self.reap()
+        self.proc.kill()
 
     def reap(self) -> int:
-        code = self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
-            if stream is not None:
-                stream.close()
-        return code
+        return self.proc.reap()
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.proc.alive()
 
     def exit_status(self) -> int | None:
         """Its exit status once it has gone, waiting up to ``EXIT_WAIT_S``; None: still alive
         (its reply pipe closed, yet running: broken)."""
-        try:
-            return self.proc.wait(EXIT_WAIT_S)
-        except subprocess.TimeoutExpired:
-            return None
+        return self.proc.wait(EXIT_WAIT_S)

@@ -5,8 +5,8 @@
 Why a process: a group commit is a few hundred short syscalls (per file a create, a write, a
 rename, a move, a few lookups), and CPython lets go of the GIL around every one. Inside the
 daemon each of those handed the GIL to another of its threads, and the commit waited to get it
-back, many times longer than the syscalls themselves took (bench/RESULTS.md). Here it has an
-interpreter to itself.
+back, many times longer than the syscalls themselves took (docs/decisions.md, "The group
+commit in a process of its own"). Here it has an interpreter to itself.
 
 It runs the very functions the daemon would, in the same order (every result durable before
 any source moves), so a kill at any instant leaves what a kill of the daemon always left. It

@@ -24,23 +24,21 @@ exits, and its restart returns what was claimed to the inbox, where each file's 
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import os
 import queue
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 
 from inboxd import logs, wire
-from inboxd.children import child_env, describe_exit, held_for_start, is_stopped
+from inboxd.children import HelperProcess, describe_exit
 from inboxd.config import Config
 from inboxd.files.commit_child import MAX_HEADER_BYTES
 from inboxd.files.commits import (
     CommitEntry,
+    Commits,
     Committed,
     committed_from,
     config_json,
@@ -60,11 +58,11 @@ class CommitRaised(RuntimeError):
     """The commit of a batch raised in the commit process (the traceback is the message)."""
 
 
-class CommitProcess:
+class CommitProcess(Commits):
     def __init__(self, config: Config, lifecycle: Lifecycle) -> None:
         self.config = config
         self.lifecycle = lifecycle  # its instance locks go with the process
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: HelperProcess | None = None
         self.request_id = 0
         # Batches sent and not answered, oldest first: (request number, files, their future).
         self._waiting: collections.deque[tuple[int, int, Future[Committed]]] = (
@@ -88,12 +86,8 @@ class CommitProcess:
         if self.proc is not None:
             return
         init = {"parent_pid": os.getpid(), "config": config_json(self.config)}
-        with held_for_start():
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "inboxd.files.commit_child"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env(),
-                pass_fds=self.lifecycle.lock_fds(),
-            )
+        self.proc = HelperProcess(("-m", "inboxd.files.commit_child"),
+                                  pass_fds=self.lifecycle.lock_fds())
         self._outbox.put(wire.frame(init))
         self._sender = threading.Thread(target=self._write_requests, args=(self.proc,),
                                         name="inboxd-commit-requests", daemon=True)
@@ -112,7 +106,7 @@ class CommitProcess:
 
     def stopped(self) -> bool:
         """Whether the process is stopped (SIGSTOP, a debugger): for STATUS to say so."""
-        return self.proc is not None and is_stopped(self.proc.pid)
+        return self.proc is not None and self.proc.stopped()
 
     def send(self, entries: Sequence[CommitEntry]) -> Future[Committed]:
         """Hand ``entries`` over to be filed and moved; the outcome arrives on the future."""
@@ -137,25 +131,22 @@ class CommitProcess:
             self._outbox.put(views)
         return future
 
-    def _write_requests(self, proc: subprocess.Popen[bytes]) -> None:
+    def _write_requests(self, proc: HelperProcess) -> None:
         """The outbox down the pipe, until ``close`` puts None; then EOF. Once the process has
         gone the rest is dropped: the reply thread fails their batches."""
         name_this_thread()
-        assert proc.stdin is not None
         gone = False
         while (views := self._outbox.get()) is not None:
             if not gone:
                 try:
-                    wire.write(proc.stdin.fileno(), views)
+                    wire.write(proc.requests_fd, views)
                 except OSError:
                     gone = True
-        with contextlib.suppress(OSError):
-            proc.stdin.close()
+        proc.end_requests()
 
-    def _read_replies(self, proc: subprocess.Popen[bytes]) -> None:
+    def _read_replies(self, proc: HelperProcess) -> None:
         name_this_thread()
-        assert proc.stdout is not None
-        reader = wire.Reader(proc.stdout.fileno(), MAX_HEADER_BYTES)
+        reader = wire.Reader(proc.replies_fd, MAX_HEADER_BYTES)
         try:
             ready = reader.recv()[0]
             if ready.get("ready") is not True:
@@ -189,9 +180,9 @@ class CommitProcess:
         except Exception as exc:
             self._fail(proc, exc)
         finally:
-            proc.stdout.close()
+            proc.close_replies()
 
-    def _fail(self, proc: subprocess.Popen[bytes], exc: BaseException) -> None:
+    def _fail(self, proc: HelperProcess, exc: BaseException) -> None:
         failure: RuntimeError
         if self._raised is not None:
             # A bug a batch met, with what came after it: counted against the files in flight
@@ -199,10 +190,9 @@ class CommitProcess:
             failure = CommitRaised(f"the commit process raised on a batch:\n{self._raised}")
         else:
             if isinstance(exc, EOFError | OSError):
-                try:
-                    how = f"ended with {describe_exit(proc.wait(EXIT_WAIT_S))}"
-                except subprocess.TimeoutExpired:
-                    how = f"closed its pipes ({exc!r})"
+                code = proc.wait(EXIT_WAIT_S)
+                how = (f"closed its pipes ({exc!r})" if code is None
+                       else f"ended with {describe_exit(code)}")
             else:
                 how = f"sent what is not a reply ({exc!r})"
             failure = CommitProcessFailed(
@@ -225,11 +215,8 @@ class CommitProcess:
                 return
             self._closing = True
             self._outbox.put(None)
-        proc = self.proc
-        try:
-            proc.wait(EXIT_WAIT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        # Its threads own the pipes: the writer sends the EOF after the last batch, the reader
+        # closes the replies once it has read them all.
+        self.proc.stop(EXIT_WAIT_S, send_eof=False, close_pipes=False)
         if self._sender is not None:
             self._sender.join()

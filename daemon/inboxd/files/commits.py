@@ -58,9 +58,26 @@ class Committed:
 
 class Commits(Protocol):
     """Where a batch's commit runs: the commit process (``files/commit_process.py``); tests
-    put one running in their own process where they fake a disk (``tests/fakes.py``)."""
+    put one running in their own process where they fake a disk (``tests/fakes.py``). What the
+    watchdog reads has defaults, for one that subclasses this to inherit (no process: nothing
+    to stall or stop)."""
+
+    replies: int = 0  # batches answered (the watchdog's progress)
 
     def start(self) -> None: ...
+
+    @property
+    def pid(self) -> int | None:
+        """Its process, if it has one."""
+        return None
+
+    def stalled_s(self) -> float | None:
+        """Seconds the oldest unanswered batch has waited for its reply; None: none waits."""
+        return None
+
+    def stopped(self) -> bool:
+        """Whether its process is stopped (SIGSTOP, a debugger)."""
+        return False
 
     def send(self, entries: Sequence[CommitEntry]) -> Future[Committed]: ...
 
@@ -245,10 +262,19 @@ def committed_from(header: dict[str, Any]) -> Committed:
 
 
 def _error_fields(exc: OSError | None) -> list[Any] | None:
+    """errno, text and (as hex: it need not be UTF-8) the path it names: what a full disk's
+    wait needs to say, and probe, which folder is full."""
     if exc is None:
         return None
-    return [exc.errno or errno.EIO, exc.strerror or str(exc)]
+    where = exc.filename if isinstance(exc.filename, str | bytes) else None
+    return [exc.errno or errno.EIO, exc.strerror or str(exc),
+            None if where is None else os.fsencode(where).hex()]
 
 
 def _error(fields: list[Any] | None) -> OSError | None:
-    return None if fields is None else OSError(int(fields[0]), str(fields[1]))
+    if fields is None:
+        return None
+    where = fields[2] if len(fields) > 2 else None
+    if where is None:
+        return OSError(int(fields[0]), str(fields[1]))
+    return OSError(int(fields[0]), str(fields[1]), os.fsdecode(bytes.fromhex(where)))

@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from inboxd import testing
 from inboxd.files.layout import TMP_DIRNAME
 from inboxd.files.renames import place_inside
 from inboxd.files.safe_paths import open_inside
@@ -37,11 +38,16 @@ from inboxd.os_threads import name_this_thread
 RESULT_MODE = 0o644  # before the umask (the unit's 0027 makes it 0640): see output_mode
 SYNC_THREADS = 16  # parallel fdatasync calls of one group commit (8-16: 5-10x a loop here)
 # Test-only: a pause (ms) at each step of a group commit, so that kills land inside commits.
-COMMIT_PAUSE_ENV = "INBOXD_TEST_COMMIT_PAUSE_MS"
-_COMMIT_PAUSE_S = float(os.environ.get(COMMIT_PAUSE_ENV) or 0) / 1000
+_COMMIT_PAUSE_S = float(testing.hook(testing.COMMIT_PAUSE_MS) or 0) / 1000
 # No extended attributes here (the filesystem has none, or this one is not ours to copy).
 _NO_XATTRS = {errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM, errno.EACCES, errno.ENODATA,
               errno.E2BIG, errno.ERANGE}
+# An output that cannot take more (full, over quota, read-only): a condition of the folder that
+# passes once somebody frees space or remounts it, never a fact about the file being written.
+OUTPUT_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+# What a probe of a full output writes: room for a batch's results, so that a filesystem with a
+# few blocks left does not pass the probe only to refuse the batch that follows.
+PROBE_BYTES = 64 << 10
 _sync_pool: ThreadPoolExecutor | None = None
 _sync_pool_lock = threading.Lock()
 
@@ -90,6 +96,29 @@ def ensure_dir(folder: str | Path) -> None:
             raise
     except FileNotFoundError:
         os.makedirs(folder, 0o755, exist_ok=True)
+
+
+def output_full(exc: BaseException) -> bool:
+    """Whether ``exc`` says its folder cannot take more now (``OUTPUT_FULL_ERRNOS``)."""
+    return isinstance(exc, OSError) and exc.errno in OUTPUT_FULL_ERRNOS
+
+
+def probe_room(tmp_dir: TmpDir) -> None:
+    """Raise what a write to ``tmp_dir``'s filesystem raises now: ``PROBE_BYTES`` written to a
+    temp file there, made durable (a full disk may refuse only the flush) and removed. The
+    folder is walked without following links (it may be the inbox's ``.processing/.tmp``)."""
+    with tmp_dir.open() as folder:
+        name = tmp_name("", ".probe")
+        fd = create_excl(name, folder, 0o600)
+        try:
+            view = memoryview(bytes(PROBE_BYTES))
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=folder)
 
 
 def unlink_quietly(path: str | Path) -> None:

@@ -36,6 +36,7 @@ from inboxd.files.durable import (
 from inboxd.files.instances import LEDGER_SUFFIX, LOCK_WAIT_S, flock_within
 from inboxd.files.layout import PROCESSING_DIRNAME, TMP_DIRNAME, processing_dir
 from inboxd.files.names import fit_name, relative_inside
+from inboxd.files.portable_names import filing_key
 from inboxd.files.renames import (
     name_variants,
     no_free_name,
@@ -78,6 +79,14 @@ class Lifecycle:
         """The temp folder on an inbox's filesystem, inside ``.processing/``: a folder the group
         can replace, so each part of it is checked to be ours."""
         return TmpDir(inbox, (PROCESSING_DIRNAME, TMP_DIRNAME, self.config.instance), own=True)
+
+    def tmp_dir_of(self, folder: str) -> TmpDir:
+        """Our temp folder in ``folder`` (an output, or an inbox's ``.processing``: then the
+        one whose every part is checked to be ours), where a full folder is probed."""
+        parent, name = os.path.split(os.fspath(folder))
+        if name == PROCESSING_DIRNAME:
+            return self.processing_tmp(Path(parent))
+        return tmp_dir_in(Path(folder), self.config.instance)
 
     def tmp_dirs(self) -> list[TmpDir]:
         """Our temp folders, on the filesystem of each destination (emptied at start-up)."""
@@ -377,6 +386,9 @@ class Lifecycle:
         sha = report.get("sha256")
         token = sha_token(sha) if isinstance(sha, str) else time_token()
         mode = output_mode(None if claimed is None else self.source_mode(claimed))
+        filing = filing_key(key, self._failed_tmp.path)
+        if filing != key:  # failed/'s filesystem cannot hold the name: its portable form
+            report, key = {**report, "filed_as": filing}, filing
         tmp = write_tmp(self._failed_tmp.path, json_bytes(report), ERROR_SUFFIX, mode)
         try:
             try:

@@ -19,6 +19,10 @@ TEMP_SUFFIXES = (".tmp", ".part", ".crdownload", ".partial", ".swp", "~")
 NAME_MAX_BYTES = 255
 # A name of this many characters fits NAME_MAX in any encoding (4 bytes a character at most).
 SHORT_NAME_CHARS = NAME_MAX_BYTES // 4
+# Characters exFAT, FAT, NTFS and SMB refuse in a name, and "%", the escape itself
+# (files/portable_names.py says when they are encoded).
+UNPORTABLE_CHARS = frozenset('"*:<>?\\|%')
+_SURROGATES = range(0xDC80, 0xDD00)  # os.fsdecode's stand-ins for bytes that are not UTF-8
 # What operating systems and NAS boxes leave beside photos: never an input, never worth a word.
 OS_LITTER_FILES = frozenset({".ds_store", "thumbs.db", "desktop.ini", "ehthumbs.db"})
 OS_LITTER_PREFIX = "._"  # macOS AppleDouble resource forks on non-Apple filesystems
@@ -126,3 +130,26 @@ def fit_name(name: str, suffix: str) -> str:
         return fit_name(full, "")
     head = os.fsencode(name)[:keep].decode("utf-8", "ignore")
     return f"{head}~{digest}{suffix}"
+
+
+def portable_name(name: str) -> str:
+    """``name`` with every character some filesystem refuses as ``%XX`` of its bytes: the
+    characters above, control characters, bytes that are not UTF-8, and trailing dots and
+    spaces (which some drivers drop). Any other character, accents included, stays."""
+    out = []
+    for char in name:
+        code = ord(char)
+        if code in _SURROGATES:
+            out.append(f"%{code - 0xDC00:02X}")
+        elif code < 0x20 or code == 0x7F or char in UNPORTABLE_CHARS:
+            out.append("".join(f"%{byte:02X}" for byte in char.encode()))
+        else:
+            out.append(char)
+    encoded = "".join(out)
+    kept = encoded.rstrip(". ")
+    return fit_name(kept + "".join(f"%{ord(c):02X}" for c in encoded[len(kept):]), "")
+
+
+def portable_key(key: str) -> str:
+    """:func:`portable_name` of each part of ``key``."""
+    return "/".join(portable_name(part) for part in key.split("/"))

@@ -25,8 +25,15 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from inboxd.files.names import fit_name
-from inboxd.files.safe_paths import ForeignFolder, LinkedFolder, open_inside, split_rel
+from inboxd.files.names import fit_name, portable_name
+from inboxd.files.safe_paths import (
+    NAME_ERRNOS,
+    ForeignFolder,
+    LinkedFolder,
+    NameRefused,
+    open_inside,
+    split_rel,
+)
 
 RENAME_NOREPLACE = 1
 AT_FDCWD = -100
@@ -50,7 +57,7 @@ def path_problem(exc: OSError) -> bool:
     that is not one, no free name left), not a condition that may clear (a full disk)."""
     if isinstance(exc, ForeignFolder):  # the layout (.processing swapped), not the path
         return False
-    return isinstance(exc, LinkedFolder | NoFreeName) or exc.errno in PATH_ERRNOS
+    return isinstance(exc, LinkedFolder | NoFreeName | NameRefused) or exc.errno in PATH_ERRNOS
 
 
 def rename_noreplace(source: Path | str, target: Path | str,
@@ -66,24 +73,54 @@ def rename_noreplace(source: Path | str, target: Path | str,
                       RENAME_NOREPLACE) == 0:
             return
         err = ctypes.get_errno()
+        if err in (errno.EILSEQ, errno.ENAMETOOLONG):
+            raise NameRefused(err, os.strerror(err), str(target))
         if err not in _FLAG_UNSUPPORTED:
             raise OSError(err, os.strerror(err), str(source), None, str(target))
     try:
         os.link(source, target, src_dir_fd=source_dir_fd, dst_dir_fd=target_dir_fd,
                 follow_symlinks=False)
     except OSError as exc:
+        if exc.errno in NAME_ERRNOS - {errno.EINVAL}:
+            raise NameRefused(exc.errno, exc.strerror, str(target)) from None
         if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
             raise
-        # No hard links here either (vfat, some FUSE): the best left is check, then rename.
+        # No hard links here either (vfat, exFAT, some FUSE): the best left is check, then
+        # rename.
         try:
             os.stat(target, dir_fd=target_dir_fd, follow_symlinks=False)
         except FileNotFoundError:
             pass
+        except OSError as refused:
+            if refused.errno not in NAME_ERRNOS:
+                raise
         else:
             raise FileExistsError(errno.EEXIST, "File exists", str(target)) from None
-        os.rename(source, target, src_dir_fd=source_dir_fd, dst_dir_fd=target_dir_fd)
+        try:
+            os.rename(source, target, src_dir_fd=source_dir_fd, dst_dir_fd=target_dir_fd)
+        except OSError as failed:
+            if failed.errno in NAME_ERRNOS or (
+                    isinstance(failed, FileNotFoundError)
+                    and _exists(source, source_dir_fd) and _folder_there(target, target_dir_fd)):
+                raise NameRefused(failed.errno if failed.errno in NAME_ERRNOS else errno.EINVAL,
+                                  "this filesystem cannot hold the name", str(target)) from None
+            raise
         return
     os.unlink(source, dir_fd=source_dir_fd)
+
+
+def _exists(path: Path | str, dir_fd: int | None) -> bool:
+    try:
+        os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return True
+
+
+def _folder_there(target: Path | str, dir_fd: int | None) -> bool:
+    """Whether the folder ``target`` goes into is there (a descriptor we hold always is): then
+    a rename's ENOENT is about the new name (exfat-fuse's answer to ``?`` or ``:``)."""
+    return dir_fd is not None or os.path.isdir(os.path.dirname(target) or ".")
 
 
 def rename_into(source: Path | str, target: Path | str,
@@ -104,6 +141,10 @@ def rename_into(source: Path | str, target: Path | str,
             # "the target is taken", which would send the caller on to the next name for ever.
             raise LinkedFolder(errno.ENOTDIR, f"{folder} (or a folder above it) is not a "
                                "folder", str(folder)) from None
+        except OSError as exc:  # ENOENT making a folder under one that is there: its name
+            if exc.errno in NAME_ERRNOS or isinstance(exc, FileNotFoundError):
+                raise NameRefused(exc.errno or errno.EINVAL, exc.strerror, str(folder)) from None
+            raise
         rename_noreplace(source, target, source_dir_fd)
 
 
@@ -180,6 +221,17 @@ def place_inside(source: str | Path, source_dir_fd: int | None, root: str | Path
     file can never hold it (``LinkedFolder`` both, and nothing moves). ``own``: they must be
     the daemon's own folders, too."""
     folders, leaf = split_rel(rel)
+    try:
+        return _place_inside(source, source_dir_fd, root, folders, leaf, token, own)
+    except NameRefused:
+        # The destination's filesystem cannot hold the name: its portable form, every time.
+        return _place_inside(source, source_dir_fd, root,
+                             [portable_name(part) for part in folders], portable_name(leaf),
+                             token, own)
+
+
+def _place_inside(source: str | Path, source_dir_fd: int | None, root: str | Path | int,
+                  folders: list[str], leaf: str, token: str, own: bool) -> str:
     folders = [fit_name(part, "") for part in folders]
     with open_inside(root, folders, create=True, own=own) as target_dir:
         placed = first_free(fit_name(leaf, ""), token, lambda name: rename_noreplace(

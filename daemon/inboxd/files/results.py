@@ -23,6 +23,7 @@ taken, and the result goes to the next name.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -44,6 +45,7 @@ from inboxd.files.durable import (
     write_tmps,
 )
 from inboxd.files.names import fit_name, output_path, output_str
+from inboxd.files.portable_names import filing_key
 from inboxd.files.renames import (
     MAX_NAME_VARIANTS,
     NoFreeName,
@@ -52,7 +54,12 @@ from inboxd.files.renames import (
     place,
     rename_into,
 )
-from inboxd.files.safe_paths import LinkedFolder, open_inside, split_rel
+from inboxd.files.safe_paths import (
+    NAME_ERRNOS,
+    LinkedFolder,
+    open_inside,
+    split_rel,
+)
 
 JSON_SUFFIX = ".json"
 VECTOR_SUFFIX = ".npy"
@@ -122,12 +129,18 @@ class ResultFiles:
             # result of a.jpg, for the key a.jpg.json/b.jpg): no result there, nor under any
             # variant of the name. Read as "says none", the lookup would try variants for ever.
             return None
-        except (OSError, ValueError, AttributeError):
+        except OSError as exc:
+            # A name this filesystem cannot hold (exFAT: not UTF-8): no result is filed under
+            # it, nor under any variant of it (read as "says none", find would try them all).
+            return None if exc.errno in NAME_ERRNOS else ""
+        except (ValueError, AttributeError):
             return ""
         return sha if isinstance(sha, str) else ""
 
     def find(self, key: str, sha256: str) -> str | None:
-        """The name under which these bytes' result already exists, if it does."""
+        """The name under which these bytes' result already exists, if it does (under the
+        portable form of ``key`` where this filesystem cannot hold ``key``)."""
+        key = filing_key(key, self._tmp)
         for name in key_variants(key, sha_token(sha256)):
             recorded = self.recorded_sha256(name)
             if recorded is None:
@@ -182,6 +195,18 @@ class ResultFiles:
         and whether that result was already there (the same bytes, filed earlier) — or why it
         can never be filed (that file's own problem: its batch is filed all the same).
         ``also_sync``: descriptors made durable with the batch's JSON, before any is placed."""
+        # Vectors this call placed, by name: taken back if their JSON is not placed (a full
+        # disk part-way), or the batch's retry would find the names taken and use variants.
+        ours: dict[str, str] = {}
+        try:
+            return self._file_all(entries, ours, also_sync)
+        except OSError:
+            for vector in ours.values():
+                unlink_quietly(vector)
+            raise
+
+    def _file_all(self, entries: Sequence[ResultEntry], ours: dict[str, str],
+                  also_sync: Sequence[int]) -> list[tuple[str, bool] | OSError]:
         outcome: list[tuple[str, bool] | OSError | None] = []
         todo: list[tuple[int, ResultEntry, str]] = []
         # The names this call gave out: none goes to two entries, though no JSON is there yet.
@@ -190,6 +215,9 @@ class ResultFiles:
         vector_folders: set[str] = set()
         folders: set[str] = set()  # fsynced at the end: every result returned is durable
         for index, entry in enumerate(entries):
+            filing = filing_key(entry.key, self._tmp)
+            if filing != entry.key:  # a name this filesystem cannot hold: its portable form
+                entry = dataclasses.replace(entry, key=filing)
             known = None if self.replace_kept else self.find(entry.key, entry.sha256)
             outcome.append(None if known is None else (known, True))
             if known is not None:
@@ -207,7 +235,7 @@ class ResultFiles:
                     outcome[-1] = refused
                     continue
                 if entry.vector is not None:
-                    name = self._write_vector(entry, name, taken)
+                    name = self._write_vector(entry, name, taken, ours)
                     vector_folders.add(os.path.dirname(self.vector_file(name)))
                 given[(entry.key, entry.sha256)] = name
                 taken.add(name)
@@ -223,8 +251,9 @@ class ResultFiles:
         placed = 0
         try:
             for (index, entry, name), tmp in zip(todo, temps, strict=True):
-                filed = self._place_json(tmp, entry, name, taken)
+                filed = self._place_json(tmp, entry, name, taken, ours)
                 outcome[index] = (filed, False)
+                ours.pop(filed, None)  # its JSON names it now: no longer ours to take back
                 folders.add(self.json_folder(filed))
                 placed += 1
         except OSError:
@@ -255,7 +284,8 @@ class ResultFiles:
             if os.path.lexists(current):
                 place(current, output_str(self._results, key + "." + token, suffix), token)
 
-    def _write_vector(self, entry: ResultEntry, name: str, taken: Set[str]) -> str:
+    def _write_vector(self, entry: ResultEntry, name: str, taken: Set[str],
+                      ours: dict[str, str]) -> str:
         """Place ``entry``'s vector as ``name``'s, or — that vector already there — the next
         free name's; returns the name it got (not yet durable: its folder wants an fsync).
         Never replaces: a vector there may be another writer's, whose JSON is still to come.
@@ -271,6 +301,7 @@ class ResultFiles:
             for _ in range(MAX_NAME_VARIANTS):
                 try:
                     rename_into(tmp, self.vector_file(name))
+                    ours[name] = self.vector_file(name)
                     return name
                 except FileExistsError:
                     if self.recorded_sha256(name) == entry.sha256:
@@ -284,7 +315,8 @@ class ResultFiles:
             unlink_quietly(tmp)
             raise
 
-    def _place_json(self, tmp: str, entry: ResultEntry, name: str, taken: set[str]) -> str:
+    def _place_json(self, tmp: str, entry: ResultEntry, name: str, taken: set[str],
+                    ours: dict[str, str]) -> str:
         """Rename ``tmp`` to ``name``'s JSON; if another writer took that name meanwhile, the
         next free one (rewriting the JSON, and the vector, for it)."""
         for _ in range(MAX_NAME_VARIANTS):
@@ -299,7 +331,7 @@ class ResultFiles:
             unlink_quietly(tmp)
             name = self._next_free(entry.key, entry.sha256, taken)
             if entry.vector is not None:
-                name = self._write_vector(entry, name, taken)
+                name = self._write_vector(entry, name, taken, ours)
                 fsync_dir(os.path.dirname(self.vector_file(name)))  # durable before its JSON
             taken.add(name)
             tmp = write_tmp(self._tmp, json_bytes(entry.document(name)), JSON_SUFFIX,

@@ -35,6 +35,16 @@ class ForeignFolder(LinkedFolder):
     """A folder that should be the daemon's own is somebody else's, or writable by others."""
 
 
+class NameRefused(OSError):
+    """The destination's filesystem cannot hold this name (exFAT: ``?``, ``:``, a name that is
+    not UTF-8): the same for every variant of it and on every try, so the caller files it
+    under its portable form (``names.portable_key``) instead."""
+
+
+# What a filesystem answers for a name it cannot hold (exfat-fuse answers ENOENT: callers
+# that know the folder is there read that as a refused name too).
+NAME_ERRNOS = frozenset({errno.EINVAL, errno.EILSEQ, errno.ENAMETOOLONG})
+
 # Folders the daemon makes for its own state: never writable by the group, whatever the umask.
 OWN_FOLDER_MODE = 0o755
 
@@ -94,10 +104,17 @@ def _open_part(fd: int, part: str, create: bool, mode: int) -> int:
                 raise
         # Open first, make only when missing: one syscall per part in the common case. Made
         # by someone else meanwhile is fine; what it is, is checked by the open that follows.
-        with contextlib.suppress(FileExistsError):
+        try:
             os.mkdir(part, mode, dir_fd=fd)
+        except FileExistsError:
+            pass
+        except FileNotFoundError:  # in a folder we hold open: the name is what is refused
+            raise NameRefused(errno.EINVAL, "this filesystem cannot hold the name",
+                              part) from None
         return os.open(part, DIR_FLAGS, dir_fd=fd)
     except OSError as exc:
+        if exc.errno in NAME_ERRNOS and not isinstance(exc, LinkedFolder):
+            raise NameRefused(exc.errno, exc.strerror, part) from None
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
             what = ("a symbolic link, not a folder; links are never followed"
                     if _is_link(fd, part) else "not a folder (a file has that name)")

@@ -1,6 +1,6 @@
 """Fault injection for the fault tests, through one environment variable.
 
-``INBOXD_FAULTS="oom_above_batch=2,hang_on_batch=5"`` makes the real model, in the real
+``INBOXD_TEST_MODEL_FAULTS="oom_above_batch=2,hang_on_batch=5"`` makes the real model, in the real
 daemon, raise ``torch.cuda.OutOfMemoryError`` for batches larger than 2, or block for ever on
 the 5th model call; ``device_error_from_batch=3`` makes the 3rd and every later call raise
 ``torch.AcceleratorError`` (a poisoned CUDA context). It is the only way to show on a CPU
@@ -12,15 +12,14 @@ it does nothing; when set, the daemon says so loudly at start-up.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from typing import Any
 
 import torch
 
-from inboxd import logs
+from inboxd import logs, testing
 
-ENV = "INBOXD_FAULTS"
+ENV = testing.MODEL_FAULTS
 KNOWN = {"oom_above_batch", "hang_on_batch", "device_error_from_batch"}
 
 
@@ -35,7 +34,7 @@ def parse(spec: str) -> dict[str, int]:
 
 
 def install(model: Any) -> None:
-    spec = os.environ.get(ENV, "")
+    spec = testing.hook(ENV)
     if not spec:
         return
     faults = parse(spec)

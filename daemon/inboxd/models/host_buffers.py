@@ -56,7 +56,7 @@ class HostStaging(threading.local):
     """A batch's host buffers on the CPU path, kept and reused: the stacked crops (uint8
     N×H×W×3) and the network's input (float32 N×3×H×W, channels_last). Made afresh for every
     batch, these blocks of hundreds of KB stayed in malloc's arenas and grew the daemon's peak
-    RSS with the length of a flood (``bench/RESULTS.md``, the tenth session). Per thread, so
+    RSS with the length of a flood (``docs/decisions.md``). Per thread, so
     concurrent callers never share one; each
     call's outputs are consumed before the thread's next call reuses them."""
 

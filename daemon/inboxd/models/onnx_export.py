@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from inboxd.children import HelperProcess, die_with_parent, ignore_stop_signals
 from inboxd.config import ModelConfig
 
 EXPORT_TIMEOUT_S = 900.0
@@ -34,43 +34,37 @@ class ExportFailed(Exception):
 
 
 def request(config: ModelConfig, path: Path, key: str) -> str:
-    return json.dumps({"model": config.model_dump(mode="json"), "path": str(path), "key": key})
+    return json.dumps({"model": config.model_dump(mode="json"), "path": str(path), "key": key,
+                       "parent_pid": os.getpid()})
 
 
 def export_in_child(config: ModelConfig, path: Path, key: str,
                     timeout_s: float = EXPORT_TIMEOUT_S) -> None:
     """Run the exporter process; ``ExportFailed`` with its reason when it wrote nothing."""
     try:
-        done = subprocess.run([sys.executable, "-m", "inboxd.models.onnx_export"],
-                              input=request(config, path, key), capture_output=True, text=True,
-                              errors="replace", timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired as exc:
-        raise ExportFailed(f"the exporter took more than {timeout_s:.0f} s and was killed"
-                           ) from exc
+        exporter = HelperProcess(("-m", "inboxd.models.onnx_export"), capture_stderr=True)
     except OSError as exc:
         raise ExportFailed(f"the exporter could not start: {exc.strerror or exc}") from exc
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1][-_TAIL_CHARS:]
-        raise ExportFailed(f"the exporter exited {done.returncode}: {last}")
-
-
-def die_with_parent() -> None:
-    """The exporter must not outlive the daemon (``inboxd once`` exits without waiting for it):
-    the kernel kills it when the thread that started it ends."""
-    import ctypes
-    import signal
-
-    pr_set_pdeathsig = 1
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    except (OSError, AttributeError):
-        return  # not Linux: the exporter may finish its one file after the daemon is gone
-    if os.getppid() == 1:  # the parent died before prctl: nobody is waiting for this
-        sys.exit(1)
+        _, stderr = exporter.communicate(request(config, path, key).encode(), timeout_s)
+    except TimeoutError as exc:
+        raise ExportFailed(f"the exporter took more than {timeout_s:.0f} s and was killed"
+                           ) from exc
+    finally:
+        exporter.reap()
+    code = exporter.exit_code()
+    if code != 0:
+        text = stderr.decode(errors="replace")
+        last = (text.strip().splitlines() or ["(no output)"])[-1][-_TAIL_CHARS:]
+        raise ExportFailed(f"the exporter exited with {exporter.describe_exit()}: {last}")
 
 
 def main() -> int:
-    die_with_parent()
+    asked: dict[str, Any] = json.loads(sys.stdin.read())
+    # It must not outlive the daemon (``inboxd once`` exits without waiting for it); like every
+    # helper it is ended by the daemon, not by a Ctrl-C or a stop signal to the whole group.
+    die_with_parent(asked["parent_pid"])
+    ignore_stop_signals()
     os.nice(EXPORTER_NICE)
     import torch
 
@@ -79,7 +73,6 @@ def main() -> int:
     from inboxd.models.runtimes import onnx as onnx_runtime
 
     torch.set_num_threads(1)
-    asked: dict[str, Any] = json.loads(sys.stdin.read())
     config = ModelConfig.model_validate(asked["model"])
     labels = read_labels(config.labels) if config.labels is not None else None
     source, spec, _ = network_for(config, torch.device("cpu"), labels)

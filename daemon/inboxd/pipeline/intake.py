@@ -29,6 +29,8 @@ from pathlib import Path
 
 from inboxd import logs
 from inboxd.config import Config
+from inboxd.files.durable import output_full
+from inboxd.files.layout import PROCESSING_DIRNAME
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.names import relative_inside
 from inboxd.files.safe_paths import LinkedFolder
@@ -36,6 +38,7 @@ from inboxd.files.settling import identity
 from inboxd.item import WorkItem
 from inboxd.os_threads import name_this_thread
 from inboxd.pipeline.event_buffer import Candidate, EventBuffer
+from inboxd.pipeline.full_outputs import FullOutputs
 from inboxd.pipeline.held_files import HeldFiles
 from inboxd.pipeline.queue import PipelineQueue
 from inboxd.pipeline.skipped import SkippedPaths
@@ -54,6 +57,9 @@ class Effects:
 
     ignored: int = 0
     later: list[tuple[Candidate, float]] = field(default_factory=list)
+    # A claim refused because the processing folder cannot take more (the inbox's filesystem
+    # full or read-only): its folder and error. The intake then waits for room.
+    full: tuple[str, OSError] | None = None
 
 
 class Intake:
@@ -69,8 +75,12 @@ class Intake:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         held: HeldFiles | None = None,
+        outputs: FullOutputs | None = None,
     ) -> None:
         self.config = config
+        # A full output folder: nothing more is claimed until there is room (the files wait in
+        # the inbox, untouched, instead of joining the ones held in flight).
+        self.outputs = outputs
         self.buffer = buffer
         self.queue = queue
         self.lifecycle = lifecycle
@@ -89,6 +99,9 @@ class Intake:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            if self.outputs is not None and self.outputs.full:
+                await self.outputs.wait_for_room()
+                continue
             due = self.buffer.pop_due(self.clock())
             if due is None:
                 await self.buffer.wait_changed(None)
@@ -110,6 +123,8 @@ class Intake:
                 await self._enqueue(claims)
             finally:
                 self.busy = False
+            if effects.full is not None and self.outputs is not None:
+                await self.outputs.hold(*effects.full)
 
     def _more_due(self, first: Candidate) -> list[Candidate]:
         """``first`` and further due candidates, as many as the queue has room for."""
@@ -203,6 +218,11 @@ class Intake:
             self.skipped.note(path, f"refused: {exc.strerror}; it stays where it is")
             return _ignored(effects)
         except OSError as exc:
+            if output_full(exc) and self.outputs is not None:
+                # The folder's condition, not the file's: it is tried again once there is room.
+                effects.full = (os.path.join(inbox, PROCESSING_DIRNAME), exc)
+                effects.later.append((candidate, self.clock()))
+                return None
             self.skipped.note(path, claim_problem(exc))
             return _ignored(effects)
         if claimed is None:

@@ -56,7 +56,7 @@ class ModelStage:
         self.deliver = deliver
         self.clock = clock
         self.batches_done = 0
-        self.max_in_flight = in_flight if getattr(engine, "parallel_calls", False) else 1
+        self.max_in_flight = in_flight if engine.parallel_calls else 1
         self.high_water = 0
         self._calls: set[asyncio.Task[None]] = set()
         # When each call now on the engine started. The watchdog reads the oldest: a model call
@@ -83,7 +83,7 @@ class ModelStage:
         """How long one call may be out before it is a stall: ``patience_s``, or the engine's
         own limit on a call (``call_limit_s``, for an engine that times its calls out itself)
         when that is longer."""
-        return max(patience_s, getattr(self.engine, "call_limit_s", 0.0))
+        return max(patience_s, self.engine.call_limit_s)
 
     def overdue_s(self, patience_s: float) -> float | None:
         """Seconds the oldest call has been out, once that is past ``call_limit_s``; None while
@@ -96,7 +96,7 @@ class ModelStage:
 
     def resize(self, in_flight: int) -> None:
         """SIGHUP: a new bound; calls already out finish, the next wait for a free slot."""
-        if getattr(self.engine, "parallel_calls", False):
+        if self.engine.parallel_calls:
             self.max_in_flight = in_flight
 
     async def run(self) -> None:

@@ -16,10 +16,12 @@ from typing import Any, TypeVar
 
 from inboxd import __version__, logs
 from inboxd.config import Config
+from inboxd.files.durable import output_full
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.renames import path_problem
 from inboxd.files.settling import still_being_written
 from inboxd.item import PermanentError, RefusedError, WorkItem
+from inboxd.pipeline.full_outputs import FullOutputs
 from inboxd.pipeline.held_files import HeldFiles
 from inboxd.pipeline.retry_list import RetryList, backoff_s
 from inboxd.stats import Stats, classify_failure
@@ -43,8 +45,10 @@ class Outcomes:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         held: HeldFiles | None = None,
+        outputs: FullOutputs | None = None,
     ) -> None:
         self.config = config
+        self.outputs = outputs or FullOutputs(config, run_io, clock)
         self.held = held  # files given back still open for writing: claimed again later
         self.lifecycle = lifecycle
         self.stats = stats
@@ -101,22 +105,37 @@ class Outcomes:
 
     async def finish(self, item: WorkItem, duplicate: bool = False) -> None:
         """The outcome is decided and recorded; move the source. A full or read-only done/ or
-        failed/ is waited out with backoff like any transient error, and never turns a
-        success into a failure: every input ends with exactly one outcome.
+        failed/ holds the file here until a probe finds room (``pipeline/full_outputs.py``);
+        other errors are waited out with backoff like any transient error. Neither ever turns
+        a success into a failure: every input ends with exactly one outcome.
 
         A success finished here did not just come from the result writer (a duplicate, or a
         move retried): the result it names may be another commit's, renamed in and its folder
         not fsynced yet, so that fsync comes first (and is retried with the move)."""
         assert item.finishing is not None and item.name is not None
-        name = item.name
+        while (problem := await self._try_finish(item)) is not None:
+            exc, folder, doing = problem
+            if not output_full(exc):
+                await self.finish_later(item, exc, doing)
+                return
+            await self.outputs.hold(folder, exc)
+        self.outputs.wrote()
+        if item.finishing == "success":
+            self.completed(item, duplicate=duplicate)
+        else:
+            self._failed(item)
+
+    async def _try_finish(self, item: WorkItem) -> tuple[OSError, str, str | None] | None:
+        """One try at ``finish``'s moves: None, or what went wrong, in which folder, doing
+        what (None: the move itself)."""
+        name = item.name or item.key
         if item.finishing == "success":
             try:
                 await self.run_io(lambda: self.lifecycle.results.make_durable(name))
             except OSError as exc:
                 folder = self.lifecycle.results.json_folder(name)
-                await self.finish_later(item, exc, f"cannot fsync {folder}, the folder of "
-                                        f"{item.key}'s result, before its source moves")
-                return
+                return exc, folder, (f"cannot fsync {folder}, the folder of {item.key}'s "
+                                     "result, before its source moves")
         try:
             if item.finishing == "success":
                 await self.run_io(lambda: self.lifecycle.finish_success(
@@ -126,14 +145,22 @@ class Outcomes:
                 await self.run_io(lambda: self.lifecycle.finish_failure(
                     item.claimed_path, item.key, report))
         except OSError as exc:
-            await self.finish_later(item, exc)
-            return
-        if item.finishing == "success":
-            self.completed(item, duplicate=duplicate)
-        else:
-            self._failed(item)
+            return exc, self.destination(item), None
+        return None
+
+    def destination(self, item: WorkItem) -> str:
+        """The folder a decided file's source moves to (what a full-disk wait names)."""
+        if item.finishing != "success":
+            return str(self.config.failed_dir)
+        if self.config.inbox.after_success == "move":
+            return str(self.config.done_dir)
+        return str(item.inbox)
 
     async def finish_later(self, item: WorkItem, exc: OSError, doing: str | None = None) -> None:
+        if output_full(exc):  # the folder's condition, not the file's: held until there is room
+            await self.outputs.hold(self.destination(item), exc)
+            await self.finish(item)
+            return
         where = "done/" if item.finishing == "success" else "failed/"
         doing = doing or f"cannot move {item.key} to {where}"
         reason = f"{doing}: {exc.strerror or exc}"
@@ -143,7 +170,7 @@ class Outcomes:
             return
         item.finish_attempts += 1
         if item.finish_attempts >= self.config.retry.max_attempts:
-            # Still no room after every backoff: the file waits on disk, its outcome not lost
+            # Still failing after every backoff: the file waits on disk, its outcome not lost
             # (a durable result is found again by sha256; a failure is decided again).
             await self.release(item, f"{reason}, after {item.finish_attempts} attempts")
             return

@@ -51,7 +51,7 @@ class Prepared(enum.Enum):
 # Two decoders per worker: while one request is decoded, the next is ready behind it (its files'
 # earlier results looked up, its thread waiting for the worker), and the worker starts on it the
 # moment it has answered its last file. With one, the worker idled meanwhile, while the event
-# loop handed the outcomes on (the overhead bench's gain: bench/RESULTS.md; three lost to two).
+# loop handed the outcomes on (docs/decisions.md, "Two decoders per decode worker").
 REQUESTS_PER_WORKER = 2
 
 

@@ -15,6 +15,7 @@ in-flight slots, so the model stage's bound still counts them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -23,8 +24,10 @@ from typing import Any
 from inboxd import __version__
 from inboxd.config import Config
 from inboxd.files.commits import CommitEntry, Commits, Committed
+from inboxd.files.durable import output_full
 from inboxd.files.index_rows import top_outcome
 from inboxd.files.lifecycle import Lifecycle
+from inboxd.files.names import relative_inside
 from inboxd.item import ModelError, PermanentError, TransientError, WorkItem
 from inboxd.models.engines.interface import Outcome
 from inboxd.models.model import Embedding, Model, Prediction, not_finite
@@ -141,24 +144,13 @@ class ResultWriter:
                 good.append((item, outcome))
         if not good:
             return
-        entries = [CommitEntry(item.key, item.sha256 or "", self.document(item, result),
-                               item.claimed_path, item.inbox_path,
-                               result.vector if isinstance(result, Embedding) else None)
-                   for item, result in good]
-        sent: list[Future[Committed]] = []  # filled by the io thread, even if we are cancelled
-        try:
-            await self.run_io(lambda: sent.append(self.commits.send(entries)))
-            committed = await asyncio.wrap_future(sent[0])
-        except asyncio.CancelledError:
-            # A stop past its grace period: the commit process still commits what it was sent
-            # (cancelling cannot stop it); ``count_abandoned`` counts it afterwards.
-            self.abandoned.append((good, sent))
-            raise
+        committed = await self._commit(good)
         if committed.error is not None:
             why = committed.error.strerror or str(committed.error)
             for item, _ in good:
                 await self.outcomes.error(item, TransientError(f"cannot write the result: {why}"))
             return
+        self.outcomes.outputs.wrote()
         said = {id(item): top_outcome(self._output(result, item.key)) for item, result in good}
         for item, existed, problem in _filed(good, committed):
             if problem is None:
@@ -169,6 +161,39 @@ class ResultWriter:
             else:
                 # The result is durable: only the move is retried, never the work.
                 await self.outcomes.finish_later(item, problem)
+
+    async def _commit(self, good: list[tuple[WorkItem, Prediction]]) -> Committed:
+        """``good``'s results filed and their sources moved, by the commit process. A results
+        folder that cannot take more holds the batch here, its predictions kept, until a probe
+        finds room (``pipeline/full_outputs.py``); then it is sent again, its documents made
+        anew (they say when they were filed)."""
+        while True:
+            entries = [CommitEntry(item.key, item.sha256 or "", self.document(item, result),
+                                   item.claimed_path, item.inbox_path,
+                                   result.vector if isinstance(result, Embedding) else None)
+                       for item, result in good]
+            sent: list[Future[Committed]] = []  # filled by the io thread, even if cancelled
+            try:
+                await self.run_io(functools.partial(_send, self.commits, entries, sent))
+                committed = await asyncio.wrap_future(sent[0])
+            except asyncio.CancelledError:
+                # A stop past its grace period: the commit process still commits what it was
+                # sent (cancelling cannot stop it); ``count_abandoned`` counts it afterwards.
+                self.abandoned.append((good, sent))
+                raise
+            if committed.error is None or not output_full(committed.error):
+                return committed
+            await self.outcomes.outputs.hold(self._full_folder(committed.error),
+                                             committed.error)
+
+    def _full_folder(self, error: OSError) -> str:
+        """The folder a commit's full-disk error is about: results/ (its temp folder is in
+        it), or the folder of another file the commit writes (the index)."""
+        results = os.fspath(self.config.results_dir)
+        where = error.filename if isinstance(error.filename, str) else None
+        if where is None or relative_inside(where, results) is not None or where == results:
+            return results
+        return os.path.dirname(where) or results
 
     def count_abandoned(self) -> None:
         """Once the io thread and the commit process have ended: the files of batches a stop
@@ -196,7 +221,7 @@ class ResultWriter:
             "model": self.model.name,
             "model_sha256": self.model_sha256,
             "device": str(self.model.device),
-            "runtime": item.runtime or getattr(self.model, "runtime", "torch"),
+            "runtime": item.runtime or self.model.runtime,
             "precision": item.precision or self.model.precision,
             **self._output(result, item.key),
             "image": image,
@@ -216,6 +241,10 @@ class ResultWriter:
                 "dtype": str(result.vector.dtype),
             }}
         return {"top_k": result.top_k}
+
+
+def _send(commits: Commits, entries: list[CommitEntry], sent: list[Future[Committed]]) -> None:
+    sent.append(commits.send(entries))
 
 
 def _filed(good: list[tuple[WorkItem, Prediction]],

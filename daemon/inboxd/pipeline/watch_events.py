@@ -14,7 +14,7 @@ import watchfiles
 # pipeline idles until the first set comes). It also bounds one change set during a flood
 # (before the watcher pauses, ``pipeline/watcher.py``): a long one lets a single set, and the
 # daemon's RSS, grow with the flood. A single drop is handed over WATCH_STEP_MS after it,
-# whatever this says. The figures behind 20 ms are in bench/RESULTS.md.
+# whatever this says. The figures behind 20 ms: docs/decisions.md, "Watch debounce 20 ms".
 WATCH_DEBOUNCE_MS = 20
 WATCH_STEP_MS = 20
 ChangeSet = set[tuple[watchfiles.Change, str]]

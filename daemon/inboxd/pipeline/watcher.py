@@ -292,7 +292,7 @@ class Watcher:
 
 def _out_of_watches(exc: BaseException) -> bool:
     """inotify_add_watch's ENOSPC, as the notify crate words it, or as a plain OSError."""
-    return "watch limit" in str(exc) or getattr(exc, "errno", None) == errno.ENOSPC
+    return "watch limit" in str(exc) or (isinstance(exc, OSError) and exc.errno == errno.ENOSPC)
 
 
 def _identity(folder: Path) -> tuple[int, int]:

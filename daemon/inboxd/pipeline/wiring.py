@@ -41,6 +41,7 @@ from inboxd.models.model import Model
 from inboxd.os_threads import name_this_thread
 from inboxd.pipeline.batcher import Batcher
 from inboxd.pipeline.event_buffer import EventBuffer
+from inboxd.pipeline.full_outputs import FullOutputs
 from inboxd.pipeline.held_files import HeldFiles
 from inboxd.pipeline.intake import Intake
 from inboxd.pipeline.model_stage import ModelStage
@@ -85,8 +86,9 @@ class Pipeline:
         self.queue = PipelineQueue(capacity.queue)
         self.cache = PreprocessCache(capacity.preprocess_cache, capacity.preprocess_cache_mb)
         self.retry_list = RetryList(capacity.retry_list, self._requeue, clock)
+        self.outputs = FullOutputs(config, self.run_io, clock, self.lifecycle.tmp_dir_of)
         self.outcomes = Outcomes(config, self.lifecycle, self.stats, self.retry_list,
-                                 self.run_io, clock, held=self.held)
+                                 self.run_io, clock, held=self.held, outputs=self.outputs)
         self.watcher = Watcher(
             config.inbox.paths, config.inbox.recursive, NameFilter(config.inbox.include),
             self.buffer, self.stats, config.inbox.rescan_interval_s, clock, watch,
@@ -98,6 +100,7 @@ class Pipeline:
             config, self.buffer, self.queue, self.lifecycle, self.stats,
             on_enqueued=lambda item: self.outcomes.admitted(),
             on_refused=self.outcomes.refused, clock=clock, held=self.held,
+            outputs=self.outputs,
         )
         pre = config.preprocess
         # The model says what its input is; preprocess.resize says how exactly the workers
@@ -239,13 +242,12 @@ class Pipeline:
                       PREPROCESS_CACHE_CAPACITY_BYTES=self.cache.capacity_bytes,
                       PREPROCESS_CACHE_HIGH_WATER_BYTES=self.cache.high_water_bytes)
         # A remote engine's own figures (engine: ray: per-replica latency, lost batches).
-        engine_fields: Callable[[], dict[str, Any]] | None = getattr(self.engine,
-                                                                      "stats_fields", None)
-        if engine_fields is not None:
-            fields.update(engine_fields())
+        fields.update(self.engine.stats_fields())
         down_since_s = self.worker.unavailable_since_s
         fields["MODEL_UNAVAILABLE_S"] = (round(self.clock() - down_since_s, 3)
                                          if down_since_s is not None else 0)
+        fields.update(OUTPUT_FULL_S=round(self.outputs.waited_s(), 3),
+                      OUTPUT_FULL_WAITS=self.outputs.waits, OUTPUT_PROBES=self.outputs.probes)
         return fields
 
     def log_stats(self, quiet_when_idle: bool = False) -> dict[str, Any]:
@@ -314,7 +316,9 @@ class Pipeline:
         down = ("" if down_since_s is None else
                 f"model unreachable for {self.clock() - down_since_s:.0f} s (reconnecting), ")
         stalled = "".join(f"; {stall}" for stall in self.stalls(patience_s) if stall.shown)
-        return (f"{down}queue {self.queue.qsize()}/{self.queue.maxsize}, "
+        full = self.outputs.status()
+        waiting = f"{down}{full}, " if full else down
+        return (f"{waiting}queue {self.queue.qsize()}/{self.queue.maxsize}, "
                 f"buffer {self.buffer.size}/{self.buffer.capacity}, "
                 f"{counters.completed} completed, {counters.failed} failed, "
                 f"{self.stats.recent_files_per_s():.1f} files/s{stalled}")
@@ -323,13 +327,14 @@ class Pipeline:
         """Every stage holding work that has not moved (``pipeline.stalls``); ``patience_s``:
         the watchdog's ping interval, the least time any stage is given."""
         counters = self.stats.counters
-        commit_replies: int = getattr(self.commits, "replies", 0)
         progress = (counters.enqueued, counters.completed, counters.failed, counters.retried,
                     counters.released, self.decode_pool.answered, self.worker.batches_done,
-                    commit_replies)
+                    self.commits.replies)
         active = self.outcomes.active()
-        # Waiting for a model cluster to come back is no stall: it is shown as unreachable.
-        waiting = active > 0 and self.worker.unavailable_since_s is None
+        # Waiting for a model cluster to come back, or for room in a full output folder, is no
+        # stall: each is shown as what it is.
+        waiting = (active > 0 and self.worker.unavailable_since_s is None
+                   and not self.outputs.full)
         clock = self.stall_clock
         now = clock.look(progress, waiting)
         found: list[Stall] = []
@@ -337,11 +342,11 @@ class Pipeline:
         if busy_since_s is not None:
             found.append(Stall("model", now - clock.since(busy_since_s),
                                self.worker.call_limit_s(patience_s), " (on one batch)"))
-        commit_waits_s: float | None = getattr(self.commits, "stalled_s", lambda: None)()
+        commit_waits_s = self.commits.stalled_s()
         if commit_waits_s is not None:
-            stopped = getattr(self.commits, "stopped", lambda: False)()
+            stopped = self.commits.stopped()
             found.append(Stall("commit", now - clock.since(now - commit_waits_s), patience_s,
-                               f" (its process, pid {getattr(self.commits, 'pid', '?')}, is "
+                               f" (its process, pid {self.commits.pid}, is "
                                "stopped: SIGCONT it, or restart inboxd)" if stopped else ""))
         timeout_s = self.config.preprocess.decode_timeout_s
         for pid, stopped_s in self.decode_pool.stopped_workers():
@@ -410,13 +415,17 @@ class Pipeline:
         self.buffer.clear()  # only names: the files are still in the inbox
         if self.crashed is not None:
             force.set()  # a crashed stage drains nothing: waiting on it would wait for ever
+        full = self.outputs.full  # nothing held for room can drain: it goes back now
+        if full:
+            grace_s = 0
         drain = asyncio.create_task(self._drain())
         forced = asyncio.create_task(_wait(force))
         await asyncio.wait({drain, forced}, timeout=grace_s,
                            return_when=asyncio.FIRST_COMPLETED)
         if not drain.done():
             why = ("a stage crashed" if self.crashed is not None else "second signal"
-                   if force.is_set() else f"grace period of {grace_s:g} s over")
+                   if force.is_set() else "an output folder is full" if full
+                   else f"grace period of {grace_s:g} s over")
             where = ("stay claimed for the next start-up" if self.crashed is not None
                      else "go back to the inbox")
             logs.emit(logging.WARNING, "stopping",
@@ -424,6 +433,7 @@ class Pipeline:
                       in_flight=self.outcomes.active())
         await _cancel([drain, forced])
         await _cancel(self._processing_tasks)
+        self.outputs.close()
         self.intake.close()
         self.preprocessor.close()
         self.worker.close()

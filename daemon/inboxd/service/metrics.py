@@ -33,7 +33,7 @@ from inboxd.config import Config, ConfigError
 from inboxd.files.durable import unlink_quietly, write_tmp
 from inboxd.pipeline.wiring import Pipeline
 from inboxd.service.metrics_http import MetricsServer
-from inboxd.stats import FIELDS, MS, REASON_CLASSES, StatsField, declared
+from inboxd.stats import FIELDS, MS, REASON_CLASSES, Stats, StatsField, Window, declared
 
 # Buckets in base units, spanning what the journal's percentiles show on a CPU and a GPU.
 PUT_WAIT_BUCKETS_S = (0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60)
@@ -42,11 +42,11 @@ INFERENCE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Histograms, fed sample by sample: (metric, Stats window attribute, buckets). Help and scale
 # come from the record's fields that summarise them (stats.FIELDS).
-HISTOGRAMS = (
-    ("inboxd_put_wait_seconds", "put_wait_ms", PUT_WAIT_BUCKETS_S),
-    ("inboxd_latency_seconds", "latency_ms", LATENCY_BUCKETS_S),
-    ("inboxd_batch_size", "batch_sizes", BATCH_SIZE_BUCKETS),
-    ("inboxd_inference_seconds", "inference_ms", INFERENCE_BUCKETS_S),
+HISTOGRAMS: tuple[tuple[str, Callable[[Stats], Window], tuple[float, ...]], ...] = (
+    ("inboxd_put_wait_seconds", lambda stats: stats.put_wait_ms, PUT_WAIT_BUCKETS_S),
+    ("inboxd_latency_seconds", lambda stats: stats.latency_ms, LATENCY_BUCKETS_S),
+    ("inboxd_batch_size", lambda stats: stats.batch_sizes, BATCH_SIZE_BUCKETS),
+    ("inboxd_inference_seconds", lambda stats: stats.inference_ms, INFERENCE_BUCKETS_S),
 )
 # The one histogram no record field summarises (the record has no inference percentiles).
 INFERENCE = StatsField("INFERENCE_MS", "histogram", "ms", "timing",
@@ -104,11 +104,11 @@ class Metrics:
     def attach(self, pipeline: Pipeline) -> None:
         self.registry.register(StatsCollector(pipeline, self.instance))
         stats = pipeline.stats
-        for name, attribute, buckets in HISTOGRAMS:
+        for name, window_of, buckets in HISTOGRAMS:
             field = next((f for f in FIELDS.values() if f.metric == name), INFERENCE)
             child = Histogram(name, field.help, ["instance"], registry=self.registry,
                               buckets=buckets).labels(self.instance)
-            window = getattr(stats, attribute)
+            window = window_of(stats)
             window.on_add = _observer(child.observe, field.scale)
         if self.config.textfile is not None:
             pipeline.on_stats.append(self.write_textfile)

@@ -100,7 +100,7 @@ class Service:
                    f"cuDNN {device['CUDNN_VERSION']})")
         self.pipeline = Pipeline(self.config, model, lifecycle=lifecycle, engine=engine)
         plans = self.pipeline.watcher.plans
-        runtime = runtime_fields(model, getattr(engine, "fast", None))
+        runtime = runtime_fields(model, engine.fast)
         state = runtime.get("RUNTIME_STATE")
         ran = (f"{model.runtime} {model.precision}"
                + (" (onnxruntime being prepared in the background)" if state == "building" else "")

@@ -168,7 +168,7 @@ def install(data: dict[str, Any]) -> None:
         "[Service]",
         f"WatchdogSec={WATCHDOG_SEC}",
         "RestartSec=1",
-        f"Environment=INBOXD_FAULTS=hang_on_batch={HANG_ON_CALL}",
+        f"Environment=INBOXD_TEST_MODEL_FAULTS=hang_on_batch={HANG_ON_CALL}",
     ]
     if hidden:
         dropin += ["ProtectHome=tmpfs", f"BindReadOnlyPaths={' '.join(hidden)}"]

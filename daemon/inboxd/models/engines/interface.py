@@ -8,11 +8,12 @@ an error is attached to the item it belongs to.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from inboxd.item import WorkItem
+from inboxd.models.fast_path import FastPath
 from inboxd.models.model import Prediction
 
 Outcome = tuple[WorkItem, Prediction | Exception]
@@ -47,6 +48,24 @@ class EngineUnavailable(Exception):
 
 
 class ModelEngine(Protocol):
+    """What the model stage, the watchdog and the stats record ask of an engine. The optional
+    capabilities have defaults here, for an engine that subclasses this one to inherit; mypy
+    checks each engine against every member, so a renamed capability is an error, not a
+    silent fallback."""
+
+    # Takes several calls at once (up to ``capacity.in_flight_batches``); else one at a time.
+    parallel_calls: bool = False
+    # The longest one ``infer`` may legitimately take, for an engine that times its calls out
+    # itself (the watchdog then waits that long); 0: no limit of its own.
+    call_limit_s: float = 0.0
+    # A faster runner being brought in beside the model (``models/fast_path.py``), if any: the
+    # ``started`` record and the stats say how far it got.
+    fast: FastPath | None = None
+
+    def stats_fields(self) -> dict[str, Any]:
+        """The engine's own fields of the stats record (``stats.FIELDS`` declares them)."""
+        return {}
+
     async def warm_up(self, max_size: int) -> tuple[list[int], float]:
         """Run the batch sizes up to ``max_size`` once where inference will run (sizes already
         warmed are skipped; a ``ConfigError`` for one the model cannot take). Returns the sizes
@@ -55,9 +74,7 @@ class ModelEngine(Protocol):
 
     async def infer(self, batch: list[WorkItem]) -> list[Outcome]:
         """One outcome per item of ``batch``, in any order; ``DeviceFault`` when the device,
-        not an input, failed; ``EngineUnavailable`` when the model cannot be reached now.
-        An engine whose ``parallel_calls`` attribute is true takes several calls at once (up
-        to ``capacity.in_flight_batches``); any other gets one at a time."""
+        not an input, failed; ``EngineUnavailable`` when the model cannot be reached now."""
         ...
 
     def close(self) -> None:

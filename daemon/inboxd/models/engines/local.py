@@ -31,7 +31,7 @@ import torch
 from inboxd import logs
 from inboxd.item import ModelError, TransientError, WorkItem
 from inboxd.models.engines.cuda_overlap import Overlap
-from inboxd.models.engines.interface import DeviceFault, Outcome, is_device_error
+from inboxd.models.engines.interface import DeviceFault, ModelEngine, Outcome, is_device_error
 from inboxd.models.fast_path import FastPath
 from inboxd.models.model import Model
 from inboxd.os_threads import name_this_thread
@@ -41,7 +41,7 @@ from inboxd.os_threads import name_this_thread
 THREAD_NAME_PREFIX = "inboxd-model"
 
 
-class LocalEngine:
+class LocalEngine(ModelEngine):
     def __init__(self, model: Model, overlap: bool | None = None,
                  fast: FastPath | None = None) -> None:
         """``overlap``: launch/collect split (default: on CUDA only; a test forces it).

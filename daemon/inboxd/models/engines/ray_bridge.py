@@ -9,15 +9,13 @@ import asyncio
 import contextlib
 import os
 import socket
-import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
-from inboxd.children import child_env, held_for_start
+from inboxd.children import HelperProcess
 from inboxd.os_threads import name_this_thread
 
 # What the child runs (after the interpreter); a test puts a scripted bridge of its own here.
@@ -33,11 +31,15 @@ class BridgeProcess:
 
     def __init__(self, on_message: Callable[[Any], None], on_closed: Callable[[], None]) -> None:
         ours, theirs = socket.socketpair()
-        with held_for_start():
-            self.process = subprocess.Popen(
-                [sys.executable, *BRIDGE_COMMAND, str(theirs.fileno()), str(os.getpid())],
-                pass_fds=(theirs.fileno(),), env=child_env(), stdin=subprocess.DEVNULL)
-        theirs.close()
+        try:
+            self.process = HelperProcess((*BRIDGE_COMMAND, str(theirs.fileno()),
+                                          str(os.getpid())),
+                                         pipes=False, pass_fds=(theirs.fileno(),))
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
         self.conn = Connection(ours.detach())
         self.sender = ThreadPoolExecutor(1, thread_name_prefix="inboxd-ray-send",
                                          initializer=name_this_thread)
@@ -55,8 +57,7 @@ class BridgeProcess:
                 try:
                     message = self.conn.recv()
                 except Exception:  # EOF, or bytes that do not unpickle: no bridge to trust
-                    if self.process.poll() is None:
-                        self.process.kill()  # the pipe is out of step: nothing after is sane
+                    self.process.signal_kill()  # the pipe is out of step: nothing after is sane
                     _tell(loop, self._closed)
                     return
                 _tell(loop, self._message, message)
@@ -73,7 +74,7 @@ class BridgeProcess:
         self.closed = True
         if not self.first.done():
             self.first.set_exception(BridgeGone(f"the Ray bridge exited with status "
-                                                f"{self.process.poll()} before connecting"))
+                                                f"{self.process.exit_code()} before connecting"))
         self._on_closed()
 
     async def send(self, message: Any) -> None:
@@ -87,9 +88,7 @@ class BridgeProcess:
 
     def kill(self) -> None:
         self.closed = True
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
+        self.process.kill()
         self.conn.close()
         self.sender.shutdown(wait=False, cancel_futures=True)
 

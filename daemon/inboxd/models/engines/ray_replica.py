@@ -31,9 +31,6 @@ from inboxd.models.engines.interface import DeviceFault
 from inboxd.models.engines.local import infer_splitting
 from inboxd.models.model import Classification, Embedding, Model
 
-# Test-only fault hook: seconds every batch sleeps on the replica (a slow GPU), read from the
-# daemon's environment and sent with each call.
-DELAY_ENV = "INBOXD_RAY_REPLICA_DELAY_S"
 MODEL_FILE_KEYS = ("export", "weights", "labels")
 
 Reply = dict[str, Any]  # {"replica", "ms", "outcomes": [("ok", Prediction) | (kind, why)]}

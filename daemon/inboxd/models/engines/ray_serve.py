@@ -20,19 +20,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from inboxd import logs
+from inboxd import logs, testing
 from inboxd.config import ModelConfig
 from inboxd.item import TransientError, WorkItem
-from inboxd.models.engines.interface import EngineUnavailable, Outcome
+from inboxd.models.engines.interface import EngineUnavailable, ModelEngine, Outcome
 from inboxd.models.engines.ray_bridge import BridgeGone, BridgeProcess
-from inboxd.models.engines.ray_replica import DELAY_ENV, BadReply, decode_reply, model_files
+from inboxd.models.engines.ray_replica import BadReply, decode_reply, model_files
 from inboxd.models.model import Model
 from inboxd.stats import Window
 
@@ -47,13 +46,19 @@ INFO_KEYS = frozenset({"app_name", "reused", "nodes", "replicas"})
 BRIDGE_MARGIN_S = 30.0
 
 
-class RayEngine:
+class RayEngine(ModelEngine):
     parallel_calls = True  # the model stage keeps capacity.in_flight_batches calls out
 
     def __init__(self, model: Model, config: ModelConfig, max_batch_size: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.model = model  # on this host only for its checks; inference runs on the replicas
         self.ray = config.ray
+        # The longest one ``infer`` can legitimately take: (re)connecting and deploying, then
+        # the call with the bridge's own timeout and our margin on it. Everything in it is
+        # timed out here, so the watchdog must not call it hung sooner: a slow redeploy or a
+        # remote node that hangs costs a retry, and restarting this host would bring no remote
+        # GPU back.
+        self.call_limit_s = START_TIMEOUT_S + self.ray.call_timeout_s + BRIDGE_MARGIN_S
         self.clock = clock
         self.settings: dict[str, Any] = {
             "address": self.ray.address, "app_name": self.ray.app_name,
@@ -61,8 +66,9 @@ class RayEngine:
             "call_timeout_s": self.ray.call_timeout_s,
             "model_config": config.model_dump(mode="json"), "files": model_files(config),
             "max_batch_size": max_batch_size,
-            # The test-only slow-replica hook, sent with every call (any replica can be slowed).
-            "replica_delay_s": float(os.environ.get(DELAY_ENV, "0") or 0),
+            # The test-only slow-replica hook: seconds every batch sleeps on the replica (a slow
+            # GPU), sent with every call (any replica can be slowed).
+            "replica_delay_s": float(testing.hook(testing.RAY_REPLICA_DELAY_S) or 0),
         }
         self.bridge: BridgeProcess | None = None
         self.info: dict[str, Any] = {}
@@ -157,7 +163,7 @@ class RayEngine:
         if bridge is not self.bridge:
             return
         self.bridge = None
-        code = bridge.process.poll()
+        code = bridge.process.exit_code()
         status = "" if code is None else f", exit status {code}"
         self.unavailable_why = (f"the connection to the Ray cluster at {self.ray.address} was "
                                 f"lost (the Ray bridge process closed its connection{status})")
@@ -212,14 +218,6 @@ class RayEngine:
         self.replica_ms[replica] = window
         while len(self.replica_ms) > MAX_REPLICAS_TRACKED:
             self.replica_ms.popitem(last=False)
-
-    @property
-    def call_limit_s(self) -> float:
-        """The longest one ``infer`` can legitimately take: (re)connecting and deploying, then
-        the call with the bridge's own timeout and our margin on it. Everything in it is timed
-        out here, so the watchdog must not call it hung sooner: a slow redeploy or a remote node
-        that hangs costs a retry, and restarting this host would bring no remote GPU back."""
-        return START_TIMEOUT_S + self.ray.call_timeout_s + BRIDGE_MARGIN_S
 
     def stats_fields(self) -> dict[str, Any]:
         latency = {name: {"p50_ms": round(w.percentile(50), 1),

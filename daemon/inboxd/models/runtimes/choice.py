@@ -1,7 +1,7 @@
 """``runtime: auto`` and ``precision: auto`` made concrete: the one place that decides and why.
 
 On the CPU, ONNX Runtime fp32 is the fast path: several times eager fp32 where it was measured
-(``bench/runtimes.py``; figures in ``bench/RESULTS.md``), it agrees with torch fp32 to float
+(``bench/runtimes.py``; figures in ``docs/decisions.md``), it agrees with torch fp32 to float
 rounding and needs no native bf16, so it is fast on CPUs without it too. bf16 is chosen only
 where the YAML asks for torch and the CPU runs bf16 natively (AVX512_BF16 or AMX): emulated, it
 is slower than fp32. On a GPU the autocast dtype follows the compute capability. An explicit
