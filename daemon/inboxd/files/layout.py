@@ -24,6 +24,8 @@ from inboxd.config import EX_CONFIG, EX_TEMPFAIL, Config, ConfigError, load_conf
 from inboxd.files.filesystems import REMOTE_TYPES, statfs_type
 from inboxd.files.names import TEMP_SUFFIXES
 
+FUSE_MAGIC = 0x65735546
+
 OUTPUTS = ("results_dir", "done_dir", "failed_dir")
 # Inside each inbox (hidden, so the watcher and the scan never take it): the claimed files, one
 # folder per instance, and the instances' locks and ledgers beside them.
@@ -109,9 +111,12 @@ def _network_fs(path: Path) -> str | None:
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     try:
-        return REMOTE_TYPES.get(statfs_type(probe))
+        magic = statfs_type(probe)
     except OSError:
         return None
+    # FUSE is left to the user: exfat-fuse and ntfs-3g are one host's disks (the kernel keeps
+    # their locks), sshfs is not; docs/service.md says to keep an index off a networked one.
+    return None if magic == FUSE_MAGIC else REMOTE_TYPES.get(magic)
 
 
 def pattern_never_matches(pattern: str) -> str | None:
