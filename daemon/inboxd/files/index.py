@@ -139,7 +139,10 @@ def as_os_error(path: Path) -> Iterator[None]:
     except sqlite3.Error as exc:
         code = getattr(exc, "sqlite_errorcode", None)
         number = _SQLITE_ERRNO.get((code or 0) & 0xFF, errno.EIO)
-        raise IndexUnusable(number, f"the index: {exc}", str(path)) from exc
+        # The errno's own words first: what a full or read-only disk says, as the result
+        # files' errors do (h-disk's warning names the condition by them).
+        raise IndexUnusable(number, f"{os.strerror(number)} (the index: {exc})",
+                            str(path)) from exc
 
 
 def connect(path: Path, read_only: bool = False) -> sqlite3.Connection:
