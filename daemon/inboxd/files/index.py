@@ -139,10 +139,27 @@ def as_os_error(path: Path) -> Iterator[None]:
     except sqlite3.Error as exc:
         code = getattr(exc, "sqlite_errorcode", None)
         number = _SQLITE_ERRNO.get((code or 0) & 0xFF, errno.EIO)
+        if number in (errno.EIO, errno.EACCES):
+            number = _disk_condition(path) or number
         # The errno's own words first: what a full or read-only disk says, as the result
         # files' errors do (h-disk's warning names the condition by them).
         raise IndexUnusable(number, f"{os.strerror(number)} (the index: {exc})",
                             str(path)) from exc
+
+
+def _disk_condition(path: Path) -> int | None:
+    """EROFS or ENOSPC when the index's filesystem is read-only or full now: SQLite reports
+    a write refused for either as an I/O error, which would not be the backpressure that a
+    full or read-only results disk is."""
+    try:
+        info = os.statvfs(path.parent)
+    except OSError:
+        return None
+    if info.f_flag & os.ST_RDONLY:
+        return errno.EROFS
+    if info.f_bavail == 0:
+        return errno.ENOSPC
+    return None
 
 
 def connect(path: Path, read_only: bool = False) -> sqlite3.Connection:
@@ -306,11 +323,15 @@ class ResultIndex:
         elif self.unresolved:
             self.resolve_pending()
         instance = self.config.instance
-        with as_os_error(self.path), self._transaction(synchronous="OFF"):
-            self.conn.executemany(
-                "INSERT INTO pending(instance, key, sha256, inbox_path) VALUES (?, ?, ?, ?)",
-                [(instance, fsbytes(key), sha, fsbytes(inbox_path))
-                 for key, sha, inbox_path in keys])
+        try:
+            with as_os_error(self.path), self._transaction(synchronous="OFF"):
+                self.conn.executemany(
+                    "INSERT INTO pending(instance, key, sha256, inbox_path) VALUES (?, ?, ?, ?)",
+                    [(instance, fsbytes(key), sha, fsbytes(inbox_path))
+                     for key, sha, inbox_path in keys])
+        except OSError:
+            self.close()  # opened afresh for the next try: SQLite may not recover in place
+            raise
 
     @contextlib.contextmanager
     def log_descriptor(self) -> Iterator[int]:
@@ -331,6 +352,7 @@ class ResultIndex:
                 self._forget(keys)
         except OSError:
             self.unresolved = True
+            self.close()
             raise
 
     def resolve_pending(self) -> int:
