@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from bench import report
 from bench.overhead import Scratch, make_inputs, measured_flood, start, write_config
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -131,7 +132,8 @@ def search_latency(rows: int, dim: int) -> dict[str, Any]:
 
     root = WORK_DIR / "search"
     shutil.rmtree(root, ignore_errors=True)
-    config, figures = synthetic_index(root, rows, dim)
+    config, built = synthetic_index(root, rows, dim)
+    figures: dict[str, Any] = dict(built)
     log(f"{rows} synthetic rows written in {figures['build_s']} s ({figures['index_mb']} MB)")
     conn = connect(config.index, read_only=True)
     query = np.random.default_rng(1).standard_normal(dim).astype(np.float32)
@@ -167,25 +169,7 @@ def main() -> int:
 
 
 def emit_table(result: dict[str, Any]) -> None:
-    print("\n".join(table_lines(result)), file=sys.stderr)
-
-
-def table_lines(result: dict[str, Any]) -> list[str]:
-    """The index's part of the bench table."""
-    lines = []
-    if "search" in result:
-        search = result["search"]
-        lines.append(
-            f"search at {search['rows']:,} photos ({search['index_mb']} MB, dim "
-            f"{search['dim']}): label {search['label_common_ms']} ms (common, "
-            f"{search['label_common_found']} shown) / {search['label_rare_ms']} ms (rare), "
-            f"text {search['text_ms']} ms, --like {search['like_ms']} ms")
-    if "flood" in result:
-        flood = result["flood"]
-        lines.append(f"flood with the index: {flood['ratio']:.3f} of the files/s without it "
-                     f"({flood['slower_percent']} % slower; target ≤ {flood['target_percent']} "
-                     f"%), per turn {flood['ratios']}")
-    return lines
+    print("\n".join(report.index_lines(result)), file=sys.stderr)
 
 
 if __name__ == "__main__":

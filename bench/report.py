@@ -204,10 +204,8 @@ def table(r: dict[str, Any]) -> str:
         lines.append("")
         lines.extend(overhead_lines(r["overhead"]))
     if "index" in r:
-        from bench import index_cost
-
         lines.append("")
-        lines.extend(index_cost.table_lines(r["index"]))
+        lines.extend(index_lines(r["index"]))
     if "fidelity" in r:
         f = r["fidelity"]
         lines += ["", f"fidelity contract ({f['variants']} real-photo variants, {f['jpegs']} JPEG; "
@@ -218,6 +216,10 @@ def table(r: dict[str, Any]) -> str:
 
         lines.append("")
         lines.append(peer_vs_inboxd.table(r["peer"]))
+    if "ocr" in r:
+        from bench import ocr
+
+        lines += ["", ocr.summary(r["ocr"])]
     lines.append(f"bench wall time {r['wall_s']:.0f} s")
     return "\n".join(lines)
 
@@ -300,3 +302,21 @@ if __name__ == "__main__":
     results = json.loads(saved.read_text())
     print(table(results))
     chart(results, saved.with_suffix(".png"))
+
+
+def index_lines(result: dict[str, Any]) -> list[str]:
+    """The search index's part of the bench table (``bench/index_cost.py``)."""
+    lines = []
+    if "search" in result:
+        search = result["search"]
+        lines.append(
+            f"search at {search['rows']:,} photos ({search['index_mb']} MB, dim "
+            f"{search['dim']}): label {search['label_common_ms']} ms (common, "
+            f"{search['label_common_found']} shown) / {search['label_rare_ms']} ms (rare), "
+            f"text {search['text_ms']} ms, --like {search['like_ms']} ms")
+    if "flood" in result:
+        flood = result["flood"]
+        lines.append(f"flood with the index: {flood['ratio']:.3f} of the files/s without it "
+                     f"({flood['slower_percent']} % slower; target ≤ {flood['target_percent']} "
+                     f"%), per turn {flood['ratios']}")
+    return lines

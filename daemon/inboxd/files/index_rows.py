@@ -20,7 +20,7 @@ import numpy.typing as npt
 
 # The one task of a single ``model:`` block.
 SINGLE_TASK = "model"
-SECTION_KEYS = ("top_k", "detections", "full_text", "lines", "embedding")
+SECTION_KEYS = ("top_k", "detections", "full_text", "lines", "embedding", "ocr")
 # Mappings of task name → section, where a multi-task result may keep them.
 TASK_CONTAINERS = ("tasks", "models")
 # Top-level fields of every result that are never a task's section.
@@ -119,10 +119,7 @@ def _read_section(row: IndexRow, task: str, section: dict[str, Any],
             best[label] = max(best.get(label, 0.0), float(score))
     # A detected thing is found by its label too, at its best box's score.
     row.labels.extend(Label(task, label, score, "detection") for label, score in best.items())
-    text = section.get("full_text")
-    if not isinstance(text, str):
-        text = "\n".join(str(line["text"]) for line in _dicts(section.get("lines"))
-                         if isinstance(line.get("text"), str))
+    text = ocr_text(section)
     if text.strip():
         row.texts.append((task, text))
     embedding = section.get("embedding")
@@ -130,6 +127,18 @@ def _read_section(row: IndexRow, task: str, section: dict[str, Any],
         vector = vector_of(embedding["file"])
         if vector is not None:
             row.embeddings.append((task, np.ascontiguousarray(vector, dtype=np.float32)))
+
+
+def ocr_text(section: dict[str, Any]) -> str:
+    """A section's text read in the photo: OCR's ``full_text`` (in its ``ocr`` part, or the
+    section's own), else its lines joined."""
+    reading = section.get("ocr") if isinstance(section.get("ocr"), dict) else section
+    assert isinstance(reading, dict)
+    text = reading.get("full_text")
+    if isinstance(text, str):
+        return text
+    return "\n".join(str(line["text"]) for line in _dicts(reading.get("lines"))
+                     if isinstance(line.get("text"), str))
 
 
 def npy_reader(json_file: str) -> VectorReader:
@@ -159,8 +168,8 @@ def top_outcome(document: dict[str, Any], words: int = 6) -> str:
             said.append(f"{prefix}{top[0]['label']} {float(top[0]['score']):.2f}")
         elif isinstance(section.get("detections"), list):
             said.append(f"{prefix}{len(section['detections'])} detections")
-        elif isinstance(section.get("full_text"), str):
-            first = " ".join(section["full_text"].split()[:words])
+        elif isinstance(section.get("full_text"), str) or isinstance(section.get("ocr"), dict):
+            first = " ".join(ocr_text(section).split()[:words])
             said.append(f"{prefix}text {first!r}" if first else f"{prefix}no text")
         elif isinstance(section.get("embedding"), dict):
             said.append(f"{prefix}embedding dim {section['embedding'].get('dim')}")

@@ -23,7 +23,7 @@ from xml.sax.saxutils import escape, quoteattr
 
 from inboxd import __version__
 from inboxd.config import Config, XmpConfig
-from inboxd.files.index_rows import sections
+from inboxd.files.index_rows import ocr_text, sections
 from inboxd.files.renames import rename_noreplace
 from inboxd.files.safe_paths import open_inside
 
@@ -53,9 +53,8 @@ def keywords(document: dict[str, Any], min_score: float) -> list[str]:
 
 
 def description(document: dict[str, Any]) -> str:
-    texts = [section["full_text"].strip() for _task, section in sections(document)
-             if isinstance(section.get("full_text"), str) and section["full_text"].strip()]
-    return "\n".join(texts)
+    texts = [ocr_text(section).strip() for _task, section in sections(document)]
+    return "\n".join(text for text in texts if text)
 
 
 def regions(document: dict[str, Any],

@@ -55,8 +55,8 @@ def weights_file(config: ModelConfig) -> Path | None:
         return config.export
     if config.onnx is not None:
         return config.onnx
-    if config.torchvision is not None:
-        return None
+    if config.torchvision is not None or config.name == "ocr":
+        return None  # (the OCR networks are the rapidocr wheel's, versioned with it)
     from inboxd.models import efficientnet_lite as lite
 
     try:

@@ -28,6 +28,8 @@ from inboxd.models import faults
 from inboxd.models.device import device_fields, with_device_defaults
 from inboxd.models.engines.choice import load_here, make_engine
 from inboxd.models.fast_path import runtime_fields
+from inboxd.models.model import TaskModel
+from inboxd.models.tasks import TasksEngine
 from inboxd.pipeline.stalls import DEFAULT_PATIENCE_S
 from inboxd.pipeline.wiring import Pipeline
 from inboxd.service.notify import Notifier, abort_with_stacks
@@ -38,6 +40,20 @@ EXTEND_EVERY_S = 10
 STATUS_EVERY_S = 2.0
 # What SIGHUP changes without a restart; everything else is logged as "needs restart".
 LIVE_SECTIONS = ("capacity", "batch", "stats")
+
+
+def load_tasks(config: Config) -> dict[str, TaskModel]:
+    """A ``models:`` config's models by task name ({} for one ``model:``), each checked as a
+    ``model:`` is; a problem names the task's key."""
+    if config.models is None:
+        return {}
+    tasks = {}
+    for task, block in config.models.items():
+        try:
+            tasks[task] = load_here(block)
+        except ConfigError as exc:
+            raise ConfigError(f"models.{task}", exc.problems) from exc
+    return tasks
 
 
 class Service:
@@ -75,10 +91,18 @@ class Service:
         started = time.perf_counter()
         extending = asyncio.create_task(self._extend_start_timeout())
         try:
-            model = await asyncio.to_thread(load_here, self.config.model)
+            tasks = await asyncio.to_thread(load_tasks, self.config)
+            model = next(iter(tasks.values())) if tasks else await asyncio.to_thread(
+                load_here, self.config.model)
+            batch_bounds = [m.max_batch for m in (tasks or {"": model}).values()
+                            if m.max_batch is not None]
             self.config, profile = with_device_defaults(  # unset keys follow the device
-                self.config, model.device, model.max_batch)
-            engine = make_engine(self.config, model)
+                self.config, model.device, min(batch_bounds, default=None))
+            engine = make_engine(self.config, model) if not tasks else TasksEngine(
+                tasks, {task: make_engine(self.config.model_copy(update={"model": block}),
+                                          tasks[task])
+                        for task, block in self.config.tasks.items()},
+                self.config.capacity.in_flight_batches)
             try:
                 warmed, warm_s = await engine.warm_up(self.config.batch.max_size)
             except BaseException:
@@ -98,13 +122,19 @@ class Service:
                    f"{device['COMPUTE_CAPABILITY']}, {int(device['GPU_MEMORY_BYTES']) / 2**30:.0f}"
                    f" GiB, driver {device['NVIDIA_DRIVER']}, CUDA {device['CUDA_RUNTIME']}, "
                    f"cuDNN {device['CUDNN_VERSION']})")
-        self.pipeline = Pipeline(self.config, model, lifecycle=lifecycle, engine=engine)
+        self.pipeline = Pipeline(self.config, model, lifecycle=lifecycle, engine=engine,
+                                 tasks=tasks or None)
         plans = self.pipeline.watcher.plans
         runtime = runtime_fields(model, engine.fast)
         state = runtime.get("RUNTIME_STATE")
         ran = (f"{model.runtime} {model.precision}"
                + (" (onnxruntime being prepared in the background)" if state == "building" else "")
                )
+        if tasks:  # every task, what it runs and where, in the record and its message
+            source = " (tasks " + "; ".join(
+                f"{task}: {m.name} {m.output} on {m.device}, {m.runtime} {m.precision}"
+                for task, m in tasks.items()) + ")"
+            runtime["TASKS"] = ",".join(tasks)
         logs.emit(logging.INFO, "started",
                   f"inboxd {__version__}: model {model.name}{source} on {on}, runs {ran}, "
                   f"loaded and warmed up in {time.perf_counter() - started:.1f} s; watching "

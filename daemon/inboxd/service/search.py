@@ -88,8 +88,11 @@ def embed(config: Config, data: bytes, task: str) -> npt.NDArray[np.float32]:
     from inboxd.decode.pillow import decode_image
     from inboxd.item import PermanentError
     from inboxd.models.engines.choice import load_here
+    from inboxd.models.model import Model
 
     model = load_here(config.model)
+    if not isinstance(model, Model):  # (a detector or a reader: never with output: embed)
+        raise SearchError("the configured model does not embed: --like needs one that does")
     try:
         pixels = decode_image(data, model.spec, config.preprocess.max_image_pixels).pixels
     except PermanentError as exc:
