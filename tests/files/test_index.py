@@ -286,7 +286,7 @@ def test_like_finds_a_photos_own_picture_first_with_the_real_model(tmp_path: Pat
     photo first; and says why not when the model classifies."""
     from PIL import Image
 
-    from tests.photos import photo_paths
+    from support.photos import photo_paths
 
     photos = dict(list(photo_paths().items())[:5])
     assert len(photos) == 5
