@@ -33,7 +33,7 @@ test-fast: setup-test
 	  -n $(TEST_FAST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: setup-test
-	$(BIN)/ruff check daemon tests bench
+	$(BIN)/ruff check daemon support tests bench
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
