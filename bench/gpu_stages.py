@@ -57,7 +57,7 @@ def sizes(dry_run: bool) -> dict[str, Any]:
 
 def write_config(root: Path, **sections: Any) -> Path:
     return configs.write_config(root, {"inbox": {"settle_ms": 0, "rescan_interval_s": 1},
-                                       "stats": {"interval_s": 1}}, sections)
+                                       "stats": {"interval_s": 1, "heartbeat_s": 1}}, sections)
 
 
 def fresh(out: Path, name: str) -> Path:

@@ -86,7 +86,8 @@ def write_config(root: Path, program: Path, labels: Path, instance: str = "defau
                        "input": {"resize": 32, "crop": 32}, "top_k": 5}
     # Room for a whole batch behind the decoders, or batches could never reach 64.
     return configs.write_config(root, config, {
-        "instance": instance, "stats": {"interval_s": 1},
+        # next_stats waits for a record, idle too
+        "instance": instance, "stats": {"interval_s": 1, "heartbeat_s": 1},
         "batch": {"max_size": BATCH, "max_delay_ms": 10},
         "capacity": {"queue": BATCH, "preprocess_cache": 2 * BATCH}},
         name=f"inboxd-{instance}.yaml")

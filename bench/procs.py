@@ -29,7 +29,7 @@ DEFAULT_CONFIG = SHIPPED_CONFIG
 def write_config(root: Path, overrides: dict[str, dict[str, Any]] | None = None) -> Path:
     """The shipped config with every folder under ``root``, a 1-s stats interval and
     ``overrides`` merged per section: what the bench measures is what ``make run`` runs."""
-    sections: dict[str, dict[str, Any]] = {"stats": {"interval_s": 1}}
+    sections: dict[str, dict[str, Any]] = {"stats": {"interval_s": 1, "heartbeat_s": 1}}  # idle too
     for section, values in (overrides or {}).items():
         sections[section] = {**sections.get(section, {}), **values}
     return configs.write_config(root, shipped_config(), sections)

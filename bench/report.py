@@ -203,6 +203,9 @@ def table(r: dict[str, Any]) -> str:
     if "overhead" in r:
         lines.append("")
         lines.extend(overhead_lines(r["overhead"]))
+    if "index" in r:
+        lines.append("")
+        lines.extend(index_lines(r["index"]))
     if "fidelity" in r:
         f = r["fidelity"]
         lines += ["", f"fidelity contract ({f['variants']} variants, {f['jpegs']} JPEG, by source: "
@@ -301,3 +304,21 @@ if __name__ == "__main__":
     results = json.loads(saved.read_text())
     print(table(results))
     chart(results, saved.with_suffix(".png"))
+
+
+def index_lines(result: dict[str, Any]) -> list[str]:
+    """The search index's part of the bench table (``bench/index_cost.py``)."""
+    lines = []
+    if "search" in result:
+        search = result["search"]
+        lines.append(
+            f"search at {search['rows']:,} photos ({search['index_mb']} MB, dim "
+            f"{search['dim']}): label {search['label_common_ms']} ms (common, "
+            f"{search['label_common_found']} shown) / {search['label_rare_ms']} ms (rare), "
+            f"text {search['text_ms']} ms, --like {search['like_ms']} ms")
+    if "flood" in result:
+        flood = result["flood"]
+        lines.append(f"flood with the index: {flood['ratio']:.3f} of the files/s without it "
+                     f"({flood['slower_percent']} % slower; target ≤ {flood['target_percent']} "
+                     f"%), per turn {flood['ratios']}")
+    return lines

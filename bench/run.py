@@ -152,6 +152,9 @@ class Bench:
         shutil.rmtree(WORK_DIR / "inboxd-big", ignore_errors=True)  # 20,000 links
         r["overhead"] = self.stage("pipeline overhead", lambda: run_json(
             "bench.overhead", "--count", str(p.overhead_count), "--memory", p.overhead_memory))
+        # The search index: the flood with and without it, in turns; search at 100,000 rows.
+        r["index"] = self.stage("search index", lambda: run_json(
+            "bench.index_cost", "--count", str(p.overhead_count // 2), "--turns", str(p.turns)))
         # Every default fast path (decode, runtime) against resize: exact + eager fp32.
         r["fidelity"] = self.stage("fidelity contract", lambda: run_json(
             "bench.fidelity", "--emit"))

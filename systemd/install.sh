@@ -26,6 +26,7 @@ UNITDIR=${UNITDIR:-/etc/systemd/system}
 SYSUSERS=/usr/lib/sysusers.d/inboxd.conf
 TMPFILES=/usr/lib/tmpfiles.d/inboxd.conf
 CONFIG=/etc/inboxd/inboxd.yaml
+BIN_LINK=${BIN_LINK:-/usr/local/bin/inboxd}
 UNITS=(inboxd.service inboxd@.service)
 
 say() { echo "make $action: $*"; }
@@ -36,8 +37,21 @@ checkout_is_prefix() { [[ "$(realpath -m "$src")" == "$(realpath -m "$PREFIX")" 
 [[ $action == install || $action == uninstall ]] || die "usage: $0 install|uninstall"
 [[ $(id -u) == 0 ]] || die "needs root (it writes /etc, /usr/lib and $PREFIX): sudo make $action"
 
+# A fresh Debian 12 / Ubuntu 24.04 has python3 without its venv module (python3-venv).
+ensure_venv_module() {
+    "$PYTHON" -c 'import ensurepip, venv' 2>/dev/null && return
+    command -v apt-get >/dev/null || die "$PYTHON cannot make a venv (no ensurepip): install your distribution's venv package for it"
+    local version
+    version=$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+    say "installing python3-venv (python$version-venv): $PYTHON cannot make a venv without it"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "python$version-venv" >/dev/null \
+        || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
+}
+
 install_program() {
     local venv=$PREFIX/.venv
+    ensure_venv_module
     if checkout_is_prefix; then
         if "$venv/bin/inboxd" --version >/dev/null 2>&1; then
             say "kept $venv ($("$venv/bin/inboxd" --version))"
@@ -79,6 +93,10 @@ do_install() {
         install -D -m 644 "$src/config/inboxd.example.yaml" "$CONFIG"
         say "wrote $CONFIG from config/inboxd.example.yaml"
     fi
+    # On every user's PATH: `inboxd search`, `inboxd stats -c`, `inboxd retry` without the
+    # venv's full path.
+    ln -sfn "$PREFIX/.venv/bin/inboxd" "$BIN_LINK"
+    say "linked $BIN_LINK -> $PREFIX/.venv/bin/inboxd"
     mkdir -p "$UNITDIR"
     for unit in "${UNITS[@]}"; do
         # The units run $PREFIX/.venv/bin/inboxd; they say /opt/inboxd.
@@ -105,6 +123,9 @@ do_uninstall() {
         rm -f "$UNITDIR/$unit"
     done
     rm -f "$SYSUSERS" "$TMPFILES"
+    if [[ -L $BIN_LINK && $(readlink "$BIN_LINK") == "$PREFIX/.venv/bin/inboxd" ]]; then
+        rm -f "$BIN_LINK"
+    fi
     if [[ -e $CONFIG ]] && cmp -s "$CONFIG" "$src/config/inboxd.example.yaml"; then
         rm -f "$CONFIG"
         rmdir --ignore-fail-on-non-empty "$(dirname "$CONFIG")"

@@ -56,7 +56,8 @@ def write_config(root: Path, **sections: Any) -> Path:
     override keys (dicts merge; None removes the key, e.g. ``model=None`` beside ``models=``)."""
     return configs.write_config(root, {
         "inbox": {"settle_ms": 50, "rescan_interval_s": 5},
-        "stats": {"interval_s": 1},
+        # Every interval, idle or not: tests wait for the next record after a change.
+        "stats": {"interval_s": 1, "heartbeat_s": 1},
         "shutdown": {"grace_s": 20},
         "model": {"cache_dir": str(SHARED_MODEL_CACHE)},
     }, sections)

@@ -18,7 +18,7 @@ import torch
 import watchfiles
 from inboxd.config import load_config
 from inboxd.decode.spec import PreprocessSpec
-from inboxd.files.commits import CommitEntry, Commits, Committed, commit
+from inboxd.files.commits import CommitEntry, Commits, Committed, Outputs, commit
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.item import DecodedImage
 from inboxd.models.model import Classification
@@ -106,17 +106,19 @@ class InProcess(Commits):
 
     def __init__(self, lifecycle: Lifecycle) -> None:
         self.lifecycle = lifecycle
+        self.outputs = Outputs.of(lifecycle)
 
     def start(self) -> None:
-        pass
+        self.outputs.start()
 
     def send(self, entries: Sequence[CommitEntry]) -> Future[Committed]:
         future: Future[Committed] = Future()
-        future.set_result(commit(self.lifecycle, entries))
+        future.set_result(commit(self.lifecycle, entries, self.outputs.index,
+                                 self.outputs.sidecars))
         return future
 
     def close(self) -> None:
-        pass
+        self.outputs.close()
 
 
 def commit_in_this_process(pipeline: Pipeline) -> None:

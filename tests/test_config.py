@@ -87,3 +87,45 @@ def test_check_config_accepts_the_embedded_default() -> None:
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "OK" in done.stdout
+
+
+def test_errors_come_in_the_files_order_with_did_you_mean_for_a_misspelt_key() -> None:
+    text = "model:\n  devcie: cpu\ninbox:\n  setle_ms: 3\nbatchh: 1\nxmp:\n  min_scor: 0.3\n"
+    with pytest.raises(ConfigError) as caught:
+        parse_config(text, "typos.yaml")
+    assert caught.value.problems == [
+        "line 2: model.devcie: Extra inputs are not permitted; did you mean device?",
+        "line 4: inbox.setle_ms: Extra inputs are not permitted; did you mean settle_ms?",
+        "line 5: batchh: Extra inputs are not permitted; did you mean batch?",
+        "line 7: xmp.min_scor: Extra inputs are not permitted; did you mean min_score?"]
+
+
+def test_a_yaml_syntax_error_is_one_readable_line() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config("inbox:\n  paths: [a\n  b: c\n", "broken.yaml")
+    message = str(caught.value)
+    assert message.startswith("broken.yaml: line 3, column 4: invalid YAML: expected ',' or "
+                              "']', but got ':' (while parsing a flow sequence)"), message
+    assert "\n" not in message and "\\x0a" not in message
+
+
+@pytest.mark.daemon
+@pytest.mark.parametrize("command", ["check-config", "run"])
+def test_an_inbox_that_does_not_exist_is_exit_78_naming_it(tmp_path: Path,
+                                                          command: str) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(f"inbox: {{paths: [{tmp_path / 'inbx'}]}}\nresults_dir: {tmp_path}/r\n"
+                      f"done_dir: {tmp_path}/d\nfailed_dir: {tmp_path}/f\n")
+    done = subprocess.run([sys.executable, "-m", "inboxd", command, "-c", str(config)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == EX_CONFIG, done.stderr
+    assert f"inbox.paths[0]: {tmp_path / 'inbx'} does not exist; create it" in done.stderr
+    assert not (tmp_path / "inbx").exists(), "not made: a typo must not become a folder"
+
+
+@pytest.mark.daemon
+def test_check_config_into_a_closed_pipe_prints_no_traceback() -> None:
+    # `true` exits at once without reading: every write of check-config meets a closed pipe.
+    done = subprocess.run(f"{sys.executable} -m inboxd check-config | true", shell=True,
+                          capture_output=True, text=True, timeout=60)
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr

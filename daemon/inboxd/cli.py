@@ -22,6 +22,8 @@ from inboxd.files.layout import InboxUnusable, inbox_writable, load_checked_conf
 from inboxd.files.lifecycle import InstanceBusy
 from inboxd.files.names import NameFilter
 
+SIGPIPE_STATUS = 128 + 13  # what a shell reports for a program a SIGPIPE ended
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
@@ -79,11 +81,31 @@ def build_parser() -> argparse.ArgumentParser:
     retry.add_argument("--all", action="store_true", help="every failed file of this instance")
     retry.add_argument("-n", "--dry-run", action="store_true",
                        help="only print what would be returned")
-    stats = sub.add_parser("stats", help="the latest stats record from the journal")
-    report = sub.add_parser("report", help="a PNG of the journal's stats records over time")
+    search = with_config("search", "find filed photos by their labels and the text in them, "
+                         "or by likeness to a photo (--like); reads the index")
+    search.add_argument("words", nargs="*", metavar="WORD",
+                        help="words every match holds (in a label or in its text)")
+    search.add_argument("--like", type=Path, metavar="PHOTO",
+                        help="rank photos by the cosine similarity of their embeddings to "
+                        "this photo's (needs a model that embeds)")
+    search.add_argument("--task", help="which task's embeddings --like compares (several "
+                        "tasks embed)")
+    search.add_argument("-n", "--limit", type=int, default=20, help="at most this many (20)")
+    search.add_argument("--json", action="store_true", help="a JSON list, for scripts")
+    index = with_config("index", "the search index: how many results it holds, repaired "
+                        "from the result files if a kill left it behind")
+    index.add_argument("--rebuild", action="store_true",
+                       help="remake it from the result files (the source of truth)")
+    stats = sub.add_parser("stats", help="the latest stats record (the journal's, or with -c "
+                           "the daemon's own stats file)")
+    report = sub.add_parser("report", help="a PNG of the stats records over time: files "
+                            "completed and failed, latency, layers, memory, against the clock")
     for reader in (stats, report):
         reader.add_argument("-u", "--unit", help="systemd unit (default: any inboxd process)")
         reader.add_argument("--instance", help="only this instance's records")
+        reader.add_argument("-c", "--config", type=Path, default=None,
+                            help="the daemon of this config file, from the stats file it "
+                            "keeps (no journal needed: a daemon run in the foreground)")
     stats.add_argument("--json", action="store_true", help="one JSON object per record")
     stats.add_argument("-f", "--follow", action="store_true", help="print each new record")
     report.add_argument("--since", type=parse_since, default=None,
@@ -230,13 +252,15 @@ def submit_file(source: Path, inbox: Path) -> Path:
 def cmd_stats(args: argparse.Namespace) -> int:
     from inboxd.service.readback import print_stats
 
-    return print_stats(args.unit, args.instance, args.json, args.follow)
+    config = read_config(args) if args.config else None
+    return print_stats(args.unit, args.instance, args.json, args.follow, config)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     from inboxd.service.readback import write_report
 
-    return write_report(args.unit, args.instance, args.since, args.output)
+    config = read_config(args) if args.config else None
+    return write_report(args.unit, args.instance, args.since, args.output, config)
 
 
 def cmd_recover(args: argparse.Namespace) -> int:
@@ -307,6 +331,35 @@ def cmd_once(args: argparse.Namespace) -> int:
     return run_once(config)
 
 
+def cmd_search(args: argparse.Namespace) -> int:
+    from inboxd.files.index_search import SearchError
+    from inboxd.service.search import search
+
+    if not args.words and args.like is None:
+        print("inboxd search: give words to find, or --like PHOTO", file=sys.stderr)
+        return USAGE
+    if args.limit < 1:
+        print("inboxd search: --limit must be at least 1", file=sys.stderr)
+        return USAGE
+    try:
+        return search(read_config(args), args.words, args.like, args.task, args.limit,
+                      args.json)
+    except (SearchError, OSError) as exc:
+        print(logs.shown(f"inboxd search: {exc}"), file=sys.stderr)
+        return EX_CONFIG if isinstance(exc, SearchError) else EX_TEMPFAIL
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    from inboxd.files.index_search import SearchError
+    from inboxd.service.search import index_command
+
+    try:
+        return index_command(read_config(args), args.rebuild)
+    except (SearchError, OSError) as exc:
+        print(logs.shown(f"inboxd index: {exc}"), file=sys.stderr)
+        return EX_CONFIG if isinstance(exc, SearchError) else EX_TEMPFAIL
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from inboxd.models import listing as model_listing
     from inboxd.models.engines.choice import load_here
@@ -332,6 +385,8 @@ COMMANDS: dict[str, Any] = {
     "submit": cmd_submit,
     "recover": cmd_recover,
     "retry": cmd_retry,
+    "search": cmd_search,
+    "index": cmd_index,
     "stats": cmd_stats,
     "report": cmd_report,
 }
@@ -350,6 +405,13 @@ def exit_now_if_stuck(status: int) -> None:
 
 
 def entry() -> None:
-    status = main()
+    try:
+        status = main()
+        sys.stdout.flush()  # here, where a reader that has gone can be told from a bug
+    except BrokenPipeError:
+        # `inboxd check-config | head`: the reader stopped reading, no fault of ours. Nothing
+        # more reaches it (the flush at exit would raise again), and the status is a SIGPIPE's.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        status = SIGPIPE_STATUS
     exit_now_if_stuck(status)
     sys.exit(status)

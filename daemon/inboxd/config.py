@@ -10,6 +10,7 @@ file is reading the whole configuration surface.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import stat
@@ -186,6 +187,9 @@ class DetectConfig(Section):
 ModelKind = Literal["builtin", "torchvision", "export", "onnx", "ocr"]
 # The environment variable systemd sets for a unit's CacheDirectory= (several: colon-separated).
 CACHE_DIRECTORY_ENV = "CACHE_DIRECTORY"
+# The search index's file inside results_dir unless ``index:`` names another (hidden: never
+# taken for a result, whose files end in .json).
+INDEX_FILENAME = ".inboxd-index.sqlite3"
 
 
 class RayConfig(Section):
@@ -432,6 +436,9 @@ class RetryPolicyConfig(Section):
 
 class StatsConfig(Section):
     interval_s: Annotated[float, Field(gt=0)] = 10
+    # While idle (nothing counted, every layer empty) a record only this often: one comes
+    # when work starts, each interval while it goes on, and one when it stops.
+    heartbeat_s: Annotated[float, Field(gt=0)] = 300
 
 
 class MetricsConfig(Section):
@@ -465,6 +472,11 @@ class MetricsConfig(Section):
         return listen
 
 
+class XmpConfig(Section):
+    # A label is a keyword (dc:subject) from this score up; detections become regions from it.
+    min_score: Annotated[float, Field(ge=0.0, le=1.0)] = 0.2
+
+
 class ShutdownConfig(Section):
     # How long SIGTERM waits for in-flight work; the unit's TimeoutStopSec must be longer.
     grace_s: NonNegative = 30
@@ -488,6 +500,17 @@ class Config(Section):
     shutdown: ShutdownConfig = ShutdownConfig()
     metrics: MetricsConfig = MetricsConfig()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # The search index (SQLite): its file, by default inside results_dir; null: none.
+    index: Path | None = None
+    # XMP sidecars beside each photo where it ends: true, or {min_score: …}; false: none.
+    xmp: XmpConfig | None = None
+
+    @field_validator("xmp", mode="before")
+    @classmethod
+    def _xmp_switch(cls, value: Any) -> Any:
+        if value is True:
+            return {}
+        return None if value is False else value
 
     @field_validator("instance")
     @classmethod
@@ -535,6 +558,9 @@ class Config(Section):
         metrics = self.metrics.model_copy(
             update={"textfile": absolute(textfile) if textfile is not None else None})
         results_dir = absolute(self.results_dir)
+        # Unset: inside results_dir. ``index: null`` sets it to None on purpose.
+        index = (absolute(self.index) if self.index is not None else None) if (
+            "index" in self.model_fields_set) else results_dir / INDEX_FILENAME
         from_systemd = os.environ.get(CACHE_DIRECTORY_ENV, "").split(":")[0]
         cache_dir = absolute(Path(from_systemd)) if from_systemd else (
             results_dir.parent / "cache")
@@ -553,6 +579,7 @@ class Config(Section):
                 "model": cached(self.model),
                 "models": models,
                 "results_dir": results_dir,
+                "index": index,
                 "done_dir": absolute(self.done_dir),
                 "failed_dir": absolute(self.failed_dir),
             }
@@ -632,9 +659,7 @@ def parse_config(text: str, source: str, overrides: dict[str, Any] | None = None
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}: " if mark is not None else ""
-        raise ConfigError(source, [f"{where}invalid YAML: {exc}"]) from exc
+        raise ConfigError(source, [yaml_problem(exc)]) from exc
     except RecursionError as exc:  # the parser recurses once per level: "[[[[…" ends it
         raise ConfigError(source, ["invalid YAML: nested deeper than the parser can follow, "
                                    "which no configuration is"]) from exc
@@ -656,15 +681,46 @@ def parse_config(text: str, source: str, overrides: dict[str, Any] | None = None
     try:
         config = Config.model_validate(data)
     except ValidationError as exc:
-        problems = []
+        found = []
         for error in exc.errors():
             loc = tuple(error["loc"])
             key_path = ".".join(str(part) for part in loc) or "(top level)"
             line = _yaml_line(node, loc)
             where = f"line {line}: " if line else ""
-            problems.append(f"{where}{key_path}: {error['msg']}")
-        raise ConfigError(source, problems) from exc
+            hint = did_you_mean(loc) if error["type"] == "extra_forbidden" else ""
+            found.append((line or 0, f"{where}{key_path}: {error['msg']}{hint}"))
+        # In the file's order, as an editor shows it (pydantic's is the fields' order).
+        raise ConfigError(source, [problem for _, problem in
+                                   sorted(found, key=lambda pair: pair[0])]) from exc
     return config.resolved(Path.cwd())
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML syntax error on one line: where, what, and what it was in (PyYAML's own text
+    spans several lines, with the source quoted)."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    within = f" ({context})" if context else ""
+    return (f"{where}invalid YAML: {problem}{within}; check the indentation and the quoting "
+            "there")
+
+
+def did_you_mean(loc: tuple[str | int, ...]) -> str:
+    """For an unknown key: the known keys of its section that it is close to."""
+    section: Any = Config
+    for part in loc[:-1]:
+        field = getattr(section, "model_fields", {}).get(part)
+        annotation = getattr(field, "annotation", None)
+        candidates = [annotation, *getattr(annotation, "__args__", ())]
+        section = next((c for c in candidates if isinstance(c, type)
+                        and issubclass(c, BaseModel)), None)
+        if section is None:
+            return ""
+    known = list(getattr(section, "model_fields", {}))
+    close = difflib.get_close_matches(str(loc[-1]), known, n=2, cutoff=0.6)
+    return f"; did you mean {' or '.join(close)}?" if close else ""
 
 
 def _nul_in(value: Any, loc: tuple[str | int, ...],

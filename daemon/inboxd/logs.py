@@ -120,11 +120,22 @@ def format_value(value: Any) -> str:
     return text
 
 
+# A record's line on a terminal (a daemon run in the foreground, watched by a person): the
+# message and what fields fit. Redirected, every field is kept (scripts and tests read them);
+# the journal always keeps every field.
+TERMINAL_LINE_CHARS = 200
+
+
 class StderrFormatter(logging.Formatter):
-    """``2026-11-30T07:40:01.123Z INFO completed a/b.jpg KEY=value ...`` — one line per record."""
+    """``2026-11-30T07:40:01.123Z INFO completed a/b.jpg KEY=value ...`` — one line per record;
+    at most ``max_chars`` long when given (a cut line ends in ``…``)."""
 
     _second = -1
     _stamp = ""
+
+    def __init__(self, max_chars: int | None = None) -> None:
+        super().__init__()
+        self.max_chars = max_chars
 
     def format(self, record: logging.LogRecord) -> str:
         second = int(record.created)
@@ -139,17 +150,33 @@ class StderrFormatter(logging.Formatter):
             parts.append(f"[{event}]")
         parts.append(escape_controls(record.getMessage()))
         fields = record_fields(record)
-        if fields:
-            parts.append(" ".join(f"{k}={format_value(v)}" for k, v in fields.items()))
-        line = " ".join(parts)
+        if self.max_chars is not None:
+            line = _fitted(" ".join(parts), fields, self.max_chars)
+        else:
+            if fields:
+                parts.append(" ".join(f"{k}={format_value(v)}" for k, v in fields.items()))
+            line = " ".join(parts)
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line
 
 
+def _fitted(head: str, fields: dict[str, Any], max_chars: int) -> str:
+    """``head`` and as many fields as fit in ``max_chars``, cut with ``…``."""
+    if len(head) > max_chars:
+        return head[:max_chars - 1] + "…"
+    line = head
+    for key, value in fields.items():
+        more = f" {key}={format_value(value)}"
+        if len(line) + len(more) > max_chars - 2:
+            return line + " …"
+        line += more
+    return line
+
+
 def setup_stderr_logging(level: str = "info") -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(StderrFormatter())
+    handler.setFormatter(StderrFormatter(TERMINAL_LINE_CHARS if sys.stderr.isatty() else None))
     install_handler(handler, level)
 
 

@@ -105,3 +105,17 @@ def test_a_jpeg_xl_is_decoded_on_one_core() -> None:
         decoding.clear()
         sampler.join()
     assert threads_seen and max(threads_seen) <= before + 1, (before, max(threads_seen))
+
+
+def test_a_refused_giant_image_names_the_key_that_raises_the_limit() -> None:
+    """The first hour: a photo refused for its size says which key lets it through."""
+    from inboxd.item import TooLargeError
+
+    data = io.BytesIO()
+    Image.new("RGB", (400, 300)).save(data, format="PNG")
+    spec = PreprocessSpec(resize=32, crop=32, interpolation="bilinear", mean=(0.5,) * 3,
+                          std=(0.5,) * 3)
+    with pytest.raises(TooLargeError) as refused:
+        decode_image(data.getvalue(), spec, max_pixels=10_000)
+    assert "preprocess.max_image_pixels = 10000" in str(refused.value)
+    assert "raise that key in the config" in str(refused.value)

@@ -35,7 +35,8 @@ def test_a_known_format_left_out_of_include_names_the_pattern_to_add() -> None:
 
 
 @pytest.mark.parametrize("name", [".DS_Store", "._IMG_0001.jpg", "Thumbs.db", "desktop.ini",
-                                  "photo.jpg.part", "x.jpg.crdownload", "a.jpg", "B.HEIC"])
+                                  "photo.jpg.part", "x.jpg.crdownload", "a.jpg", "B.HEIC",
+                                  "cat.jpg.xmp", "IMG_1.CR2.XMP"])
 def test_litter_temp_names_and_taken_names_get_no_word(name: str) -> None:
     assert NameFilter(None).refusal(name) is None
 

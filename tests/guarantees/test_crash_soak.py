@@ -2,7 +2,8 @@
 
 Every input must end with exactly one outcome (a complete result whose sha256 is the input's,
 with the source in done/; or the source in failed/ with its .error.json), no partial JSON, no
-temp file left, nothing left in processing/.
+temp file left, nothing left in processing/; and the search index holds one row per result
+file, with its sha256.
 
 The CI version is short; the long one (≥ 1,000 files, ≥ 20 kills) is ``make soak``. The seed is
 printed and can be replayed: ``INBOXD_SOAK_SEED=1234 make soak``.
@@ -19,8 +20,10 @@ import time
 from pathlib import Path
 
 import pytest
+from inboxd.config import INDEX_FILENAME
 
 from tests.conftest import DaemonProcess, make_image, wait_until, write_config
+from tests.index_check import assert_index_matches_results
 
 
 def soak(tmp_path: Path, files: int, kills: int, seed: int) -> dict[str, int]:
@@ -76,9 +79,12 @@ def check_outcomes(root: Path, expected: dict[str, str]) -> dict[str, int]:
     assert len(done_files) == completed, "a source moved twice (name.1.png) means redone"
     inbox = root / "inbox"
     assert [p for p in inbox.rglob("*") if p.is_file() and p.suffix == ".png"] == []
-    stray = [p for p in results.rglob("*") if p.is_file() and not p.name.endswith(".json")]
+    stray = [p for p in results.rglob("*") if p.is_file() and not p.name.endswith(".json")
+             and not p.name.startswith(INDEX_FILENAME)]  # the index, its -wal and -shm
     stray += [p for p in (results / ".tmp").rglob("*") if p.is_file()]
     assert stray == [], f"temp files left: {stray[:5]}"
+    # After every kill, the index still equals the result files (rows = results, same sha256s).
+    assert assert_index_matches_results(results) == completed
     return {"inputs": len(expected), "completed": completed, "failed": failed_count,
             "lost": 0, "duplicates": 0}
 

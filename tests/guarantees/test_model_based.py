@@ -22,7 +22,8 @@ earlier result of the same bytes) or in failed/ with its ``.error.json``; an inp
 replaced or deleted before it was claimed may instead vanish. A good photo (one that decodes,
 under a name that can be filed) never ends in failed/: not for a full disk, a kill, a stopped
 helper or anything else that is not its own problem. Nothing outside the inbox may
-change, and after the drain nothing is left in ``.processing/`` or in a temp folder.
+change, and after the drain nothing is left in ``.processing/`` or in a temp folder, and the
+search index holds exactly the result files (names and sha256s).
 
 CI runs ``STEPS_CI`` steps; ``make soak`` runs ``STEPS_SOAK`` with ≥ 20 kills. The seed is
 printed; replay with ``INBOXD_MODEL_SEED=N``.
@@ -52,6 +53,7 @@ from support.harness import sha256_hex as sha
 from tests.byo_models import labels_file, onnx_wrong_rows
 from tests.conftest import DaemonProcess, read_json, write_config
 from tests.guarantees.test_stuck_helpers import helper_pids
+from tests.index_check import assert_index_matches_results
 
 STEPS_CI = 320
 STEPS_SOAK = 2000
@@ -544,6 +546,8 @@ def run_model(tmp_path: Path, steps: int, seed: int,
         for task in models or {}:
             assert all(task in result for result in results), f"a result without {task}"
         assert in_done <= result_shas, "bytes in done/ without any result"
+        # Kills, a full disk (the index shares it), stopped helpers: the index still follows.
+        assert_index_matches_results(world.outputs / "results")
         assert not (ref.corrupt & in_done), "a corrupt input was filed as a success"
         good_failed = {failed_shas[d]: failed_reasons[failed_shas[d]] for d in ref.must_end
                        if d in failed_shas and d not in ref.corrupt | ref.unfileable}

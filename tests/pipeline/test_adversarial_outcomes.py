@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from inboxd.config import INDEX_FILENAME
 
 from support.harness import file_sha256 as sha
 from tests.conftest import make_image, read_json
@@ -27,8 +28,10 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chattr +i needs root"
 
 
 def files_in(folder: Path) -> dict[str, Path]:
+    """The files in an outcome folder: its temp folder and the search index (not a result:
+    ``files.index``) left out."""
     return {p.relative_to(folder).as_posix(): p for p in folder.rglob("*")
-            if p.is_file() and ".tmp" not in p.parts}
+            if p.is_file() and ".tmp" not in p.parts and not p.name.startswith(INDEX_FILENAME)}
 
 
 def failing_first(monkeypatch: pytest.MonkeyPatch, owner: Any, method: str, times: int,

@@ -16,6 +16,7 @@ from inboxd.testing import COMMIT_PAUSE_MS
 
 from tests.conftest import make_image, write_config
 from tests.fakes import FakeModel
+from tests.index_check import assert_index_matches_results
 
 
 @pytest.mark.timeout(120)
@@ -110,3 +111,38 @@ def test_a_stop_past_the_grace_period_still_counts_what_the_commit_process_commi
     assert counters.completed == len(results), (counters.completed, len(results))
     assert results | back == names and not results & back
     assert counters.completed + counters.released == pipeline.intake.claimed, counters
+
+
+@pytest.mark.timeout(120)
+def test_the_index_equals_the_result_files_after_kills_inside_commits(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commit process killed while a batch's results are placed and its rows not yet
+    written (the window widened): the next run's start-up resolves what was pending, and the
+    index holds exactly the result files, with their sha256s."""
+    monkeypatch.setenv(COMMIT_PAUSE_MS, "150")
+    names = {f"f{n:03}.png" for n in range(24)}
+    for n, name in enumerate(sorted(names)):
+        make_image(tmp_path / "inbox" / name, size=(8, 8), color=(n + 20, 0, 0))
+    config = load_config(write_config(tmp_path, inbox={"settle_ms": 0},
+                                      batch={"max_size": 4, "max_delay_ms": 0}))
+    results = tmp_path / "results"
+    for kill in range(3):
+        pipeline = Pipeline(config, FakeModel())  # type: ignore[arg-type]
+        before = len(list(results.glob("*.json")))
+
+        async def kill_once_results_are_placed(pipeline: Pipeline = pipeline,
+                                               before: int = before) -> None:
+            task = asyncio.create_task(pipeline.process_backlog())
+            while len(list(results.glob("*.json"))) <= before and not task.done():
+                await asyncio.sleep(0.002)
+            assert isinstance(pipeline.commits, CommitProcess)
+            assert pipeline.commits.pid is not None
+            os.kill(pipeline.commits.pid, signal.SIGKILL)
+            await task
+
+        asyncio.run(kill_once_results_are_placed())
+        assert isinstance(pipeline.crashed, CommitProcessFailed), kill
+    last = Pipeline(config, FakeModel())  # type: ignore[arg-type]
+    asyncio.run(last.process_backlog())
+    assert {p.name.removesuffix(".json") for p in results.glob("*.json")} == names
+    assert assert_index_matches_results(results) == len(names)

@@ -34,12 +34,12 @@ def fail_writes(pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch,
     real_write = pipeline.lifecycle.results.write
     left = {"n": times}
 
-    def write(entries: Any) -> Any:
+    def write(entries: Any, *more: Any) -> Any:
         if left["n"] is None or left["n"] > 0:
             if left["n"] is not None:
                 left["n"] -= 1
             raise OSError(errno.EIO, "Input/output error")
-        return real_write(entries)
+        return real_write(entries, *more)
 
     monkeypatch.setattr(pipeline.lifecycle.results, "write", write)
 

@@ -135,7 +135,9 @@ def decode_resized(data: bytes | BinaryIO, spec: PreprocessSpec, max_pixels: int
     except PermanentError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise TooLargeError(f"decompression bomb refused: {exc}") from exc
+        raise TooLargeError(f"decompression bomb refused: {exc}; the limit is "
+                            f"preprocess.max_image_pixels = {max_pixels} (raise it in the "
+                            "config if such images are real photos)") from exc
     except UnidentifiedImageError as exc:
         raise PermanentError(f"not an image Pillow can read in a format inboxd takes "
                              f"({_taken_names()}), or corrupt") from exc
@@ -171,7 +173,8 @@ def _check_pixels(width: int, height: int, max_pixels: int) -> None:
     if width * height > max_pixels:
         raise TooLargeError(
             f"image is {width}×{height} = {width * height} pixels, more than "
-            f"preprocess.max_image_pixels = {max_pixels} (a decompression bomb?)"
+            f"preprocess.max_image_pixels = {max_pixels} (a decompression bomb? raise that key "
+            "in the config if such images are real photos)"
         )
 
 

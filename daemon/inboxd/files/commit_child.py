@@ -22,7 +22,13 @@ import traceback
 
 from inboxd import wire
 from inboxd.children import die_with_parent, protocol_fds
-from inboxd.files.commits import commit, config_from_json, entries_from, reply_header
+from inboxd.files.commits import (
+    Outputs,
+    commit,
+    config_from_json,
+    entries_from,
+    reply_header,
+)
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.heap import freeze_startup_heap
 
@@ -37,15 +43,19 @@ def main() -> None:
     init, _ = reader.recv()
     die_with_parent(init["parent_pid"])
     lifecycle = Lifecycle(config_from_json(init["config"]))
+    outputs = Outputs.of(lifecycle)
+    index_note = outputs.start()
     freeze_startup_heap()
-    wire.send(replies, {"ready": True, "pid": os.getpid()})
+    wire.send(replies, {"ready": True, "pid": os.getpid(), "index": index_note})
     while True:
         try:
             request, payload = reader.recv()
         except EOFError:
+            outputs.close()
             return  # the daemon is done with us
         try:
-            committed = commit(lifecycle, entries_from(request["entries"], payload))
+            committed = commit(lifecycle, entries_from(request["entries"], payload),
+                               outputs.index, outputs.sidecars)
         except Exception:
             # A bug, not a disk (those come back as OSErrors in the reply): the daemon's stage
             # crashes with this traceback, as it did when the commit ran in the daemon.

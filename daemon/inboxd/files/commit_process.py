@@ -24,6 +24,7 @@ exits, and its restart returns what was claimed to the inbox, where each file's 
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import queue
 import threading
@@ -31,7 +32,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 
-from inboxd import wire
+from inboxd import logs, wire
 from inboxd.children import HelperProcess, describe_exit
 from inboxd.config import Config
 from inboxd.files.commit_child import MAX_HEADER_BYTES
@@ -147,8 +148,11 @@ class CommitProcess(Commits):
         name_this_thread()
         reader = wire.Reader(proc.replies_fd, MAX_HEADER_BYTES)
         try:
-            if reader.recv()[0].get("ready") is not True:
+            ready = reader.recv()[0]
+            if ready.get("ready") is not True:
                 raise wire.WireError("its first frame is not the ready one")
+            if ready.get("index"):
+                logs.emit(logging.INFO, "index", str(ready["index"]))
             while True:
                 header, _ = reader.recv()
                 with self._lock:
@@ -162,6 +166,8 @@ class CommitProcess(Commits):
                     self._raised = str(header["crash"])
                     raise wire.WireError("a commit raised")  # it exits now: fail the rest too
                 committed = committed_from(header)
+                for note in committed.notes:
+                    logs.emit(logging.WARNING, "output", note)
                 if committed.error is None and len(committed.filed) != files:
                     raise wire.WireError(f"{len(committed.filed)} outcomes for {files} files")
                 with self._lock:

@@ -9,6 +9,7 @@ may hold the plain name), and ``filed_document`` sets them once the name is know
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
@@ -24,8 +25,11 @@ import numpy.typing as npt
 
 from inboxd.config import Config
 from inboxd.files.durable import output_mode
+from inboxd.files.index import ResultIndex
+from inboxd.files.index_rows import IndexRow, row_of
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.results import ResultEntry, ResultFiles
+from inboxd.files.xmp import Sidecars
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +53,7 @@ class Committed:
     filed: list[tuple[str, bool]] = field(default_factory=list)
     moves: list[OSError | None] = field(default_factory=list)
     error: OSError | None = None
+    notes: list[str] = field(default_factory=list)  # warnings for the daemon's log
 
 
 class Commits(Protocol):
@@ -79,31 +84,97 @@ class Commits(Protocol):
     def close(self) -> None: ...
 
 
-def commit(lifecycle: Lifecycle, entries: Sequence[CommitEntry]) -> Committed:
+@dataclass(slots=True)
+class Outputs:
+    """What follows a batch's results besides its sources' moves, per the config."""
+
+    index: ResultIndex | None = None
+    sidecars: Sidecars | None = None
+
+    @classmethod
+    def of(cls, lifecycle: Lifecycle) -> Outputs:
+        config = lifecycle.config
+        return cls(None if config.index is None else ResultIndex(config, lifecycle.results),
+                   None if config.xmp is None else Sidecars(config))
+
+    def start(self) -> str | None:
+        """The index opened and repaired (``ResultIndex.start``); what was done, or why it
+        could not be now (the first batch tries again, as backpressure if it fails too)."""
+        if self.index is None:
+            return None
+        try:
+            return f"the index {self.index.path}: {self.index.start()}"
+        except OSError as exc:
+            return f"the index {self.index.path} cannot be opened now: {exc}"
+
+    def close(self) -> None:
+        if self.index is not None:
+            self.index.close()
+
+
+def commit(lifecycle: Lifecycle, entries: Sequence[CommitEntry],
+           index: ResultIndex | None = None, sidecars: Sidecars | None = None) -> Committed:
+    """The results filed, the sources moved, and what follows the results: the index's rows
+    (``files.index``, its two steps around the result files) and the XMP sidecars
+    (``files.xmp``), in the same commit and its error handling: an index that cannot be
+    written is a results disk that cannot be (the batch's files wait, none is failed)."""
     results = lifecycle.results
+    keys = [(entry.key, entry.sha256, entry.inbox_path) for entry in entries]
     try:
-        filed = results.write([
-            ResultEntry(entry.key, entry.sha256,
-                        functools.partial(filed_document, results, entry.key, entry.document),
-                        entry.vector, output_mode(lifecycle.source_mode(entry.claimed)))
-            for entry in entries])
+        with contextlib.ExitStack() as log:
+            if index is not None:
+                index.begin(keys)
+            # The index's pending entries durable with the results, before any is placed.
+            also_sync = [] if index is None else [log.enter_context(index.log_descriptor())]
+            filed = results.write([
+                ResultEntry(entry.key, entry.sha256,
+                            functools.partial(filed_document, results, entry.key,
+                                              entry.document),
+                            entry.vector, output_mode(lifecycle.source_mode(entry.claimed)))
+                for entry in entries], also_sync)
     except OSError as exc:
         return Committed(error=exc)
     names: list[tuple[str, bool]] = []
     moves: list[OSError | None] = []
+    rows: list[IndexRow] = []
+    notes: list[str] = []
     for entry, got in zip(entries, filed, strict=True):
-        if isinstance(got, OSError):  # its result can never be filed: no name, nothing moved
+        if isinstance(got, OSError):  # its result can never be filed: no name, no move
             names.append(("", False))
             moves.append(got)
             continue
         names.append(got)
+        name = got[0]
+        photo: str | None
         try:
-            lifecycle.finish_success(entry.claimed, got[0], entry.inbox_path, entry.sha256)
+            photo = lifecycle.finish_success(entry.claimed, name, entry.inbox_path,
+                                             entry.sha256)
         except OSError as exc:
-            moves.append(exc)
+            moves.append(exc)  # moved later (``finish_later``): where it will end
+            photo = None if index is None else index.photo_path(name, entry.key,
+                                                                entry.inbox_path)
         else:
             moves.append(None)
-    return Committed(names, moves)
+        document = filed_document(results, entry.key, entry.document, name)
+        if index is not None:
+            rows.append(row_of(index.stored_name(name), document, photo,
+                               functools.partial(_given, entry.vector)))
+        if sidecars is not None and photo is not None and moves[-1] is None:
+            note = sidecars.write(photo, document)
+            if note:
+                notes.append(note)
+    if index is not None:
+        try:
+            index.record(rows, keys)
+        except OSError as exc:
+            # The results are filed and the sources moved: the rows follow before the
+            # next batch (``ResultIndex.unresolved``), and the daemon says why.
+            notes.append(f"the index is behind the result files for now: {exc}")
+    return Committed(names, moves, notes=notes)
+
+
+def _given(vector: npt.NDArray[np.float32] | None, _file: str) -> npt.NDArray[np.float32] | None:
+    return vector
 
 
 def filed_document(results: ResultFiles, key: str, document: dict[str, Any],
@@ -181,12 +252,13 @@ def _hex_path(found: dict[str, Any]) -> Any:
 
 def reply_header(committed: Committed) -> dict[str, Any]:
     return {"filed": committed.filed, "moves": [_error_fields(exc) for exc in committed.moves],
-            "error": _error_fields(committed.error)}
+            "error": _error_fields(committed.error), "notes": committed.notes}
 
 
 def committed_from(header: dict[str, Any]) -> Committed:
     return Committed([(str(name), bool(existed)) for name, existed in header["filed"]],
-                     [_error(fields) for fields in header["moves"]], _error(header["error"]))
+                     [_error(fields) for fields in header["moves"]], _error(header["error"]),
+                     [str(note) for note in header.get("notes", [])])
 
 
 def _error_fields(exc: OSError | None) -> list[Any] | None:

@@ -190,10 +190,11 @@ def _sync_each(fds: Sequence[int]) -> None:
 
 
 def write_tmps(tmp_dir: str | Path, blobs: Sequence[bytes], suffix: str,
-               modes: Sequence[int] | None = None) -> list[str]:
+               modes: Sequence[int] | None = None, also_sync: Sequence[int] = ()) -> list[str]:
     """Each of ``blobs`` in a new temp file under ``tmp_dir`` (with ``modes[i]``, before the
     umask), all durable together when this returns (group commit); if anything fails, none of
-    them is left."""
+    them is left. ``also_sync``: descriptors made durable in the same parallel sync (the
+    index's write-ahead log: its pending entries must be durable before a result is placed)."""
     ensure_dir(tmp_dir)
     written: list[tuple[str, int]] = []
     try:
@@ -206,7 +207,7 @@ def write_tmps(tmp_dir: str | Path, blobs: Sequence[bytes], suffix: str,
             while view:
                 view = view[os.write(fd, view):]
         commit_pause()
-        sync_together([fd for _, fd in written])
+        sync_together([*(fd for _, fd in written), *also_sync])
     except BaseException:
         for tmp, fd in written:
             os.close(fd)

@@ -21,7 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from inboxd.config import EX_CONFIG, EX_TEMPFAIL, Config, ConfigError, load_config
+from inboxd.files.filesystems import REMOTE_TYPES, statfs_type
 from inboxd.files.names import TEMP_SUFFIXES
+
+FUSE_MAGIC = 0x65735546
 
 OUTPUTS = ("results_dir", "done_dir", "failed_dir")
 # Inside each inbox (hidden, so the watcher and the scan never take it): the claimed files, one
@@ -42,9 +45,20 @@ def load_checked_config(path: Path | None, overrides: dict[str, Any] | None = No
     """:func:`inboxd.config.load_config`, then the layout checks below."""
     config = load_config(path, overrides)
     problems = layout_problems(config)
+    if path is not None:  # the embedded default's var/ folders are made as they are needed
+        problems += missing_inboxes(config)
     if problems:
         raise ConfigError(str(path or "config/inboxd.yaml"), problems)
     return config
+
+
+def missing_inboxes(config: Config) -> list[str]:
+    """A configured inbox that does not exist is a typo far more often than a folder to make:
+    made silently, the daemon would watch a folder nobody drops into."""
+    return [f"inbox.paths[{n}]: {inbox} does not exist; create it (mkdir -p {inbox}, writable "
+            "by the daemon's user) or correct the path (make run and make install create "
+            "their own inbox)"
+            for n, inbox in enumerate(config.inbox.paths) if not os.path.lexists(inbox)]
 
 
 def _inside(inner: Path, outer: Path) -> bool:
@@ -78,11 +92,31 @@ def layout_problems(config: Config) -> list[str]:
         if output == other:
             problems.append(f"{other_key}: the same folder as {key} ({output}); give each "
                             "outcome its own folder")
+    if config.index is not None and (remote := _network_fs(config.index)) is not None:
+        problems.append(f"index: {config.index} is on {remote}, a network filesystem, where "
+                        "SQLite's locks do not hold (several hosts would damage it): give "
+                        "index: a path on a local disk (e.g. /var/lib/inboxd/index.sqlite3; "
+                        "the results may stay where they are), or turn it off with index: null")
     for n, pattern in enumerate(config.inbox.include or []):
         why = pattern_never_matches(pattern)
         if why:
             problems.append(f"inbox.include[{n}]: {pattern!r} can never match: {why}")
     return problems
+
+
+def _network_fs(path: Path) -> str | None:
+    """The network filesystem's name if ``path`` would be on one (judged by the nearest
+    folder that exists), else None."""
+    probe = path.parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        magic = statfs_type(probe)
+    except OSError:
+        return None
+    # FUSE is left to the user: exfat-fuse and ntfs-3g are one host's disks (the kernel keeps
+    # their locks), sshfs is not; docs/service.md says to keep an index off a networked one.
+    return None if magic == FUSE_MAGIC else REMOTE_TYPES.get(magic)
 
 
 def pattern_never_matches(pattern: str) -> str | None:

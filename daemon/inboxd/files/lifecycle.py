@@ -462,19 +462,20 @@ class Lifecycle:
     # -- outcomes ----------------------------------------------------------------------------
 
     def finish_success(self, claimed: str | Path, name: str, inbox_path: str | Path,
-                       sha256: str) -> None:
-        """After the result is durable: move, delete or keep the source, per config."""
+                       sha256: str) -> str | None:
+        """After the result is durable: move, delete or keep the source, per config. Returns
+        where the photo is now (None: deleted, or not put back)."""
         policy = self.config.inbox.after_success
         if policy == "delete":
             with self.claimed_file(claimed) as (folder, leaf), \
                     contextlib.suppress(FileNotFoundError):
                 os.unlink(leaf, dir_fd=folder)
-        elif policy == "move":
+            return None
+        if policy == "move":
             with self.claimed_file(claimed) as (folder, leaf):
-                move(leaf, self._done, name, sha_token(sha256), self._done_tmp, folder)
-        else:
-            # keep: back where the user put it; intake skips files whose result describes them.
-            self.release(claimed, inbox_path)
+                return move(leaf, self._done, name, sha_token(sha256), self._done_tmp, folder)
+        # keep: back where the user put it; intake skips files whose result describes them.
+        return self.release(claimed, inbox_path)
 
     def finish_failure(self, claimed: str | Path | None, key: str,
                        report: dict[str, Any]) -> str:

@@ -26,11 +26,16 @@ _SURROGATES = range(0xDC80, 0xDD00)  # os.fsdecode's stand-ins for bytes that ar
 # What operating systems and NAS boxes leave beside photos: never an input, never worth a word.
 OS_LITTER_FILES = frozenset({".ds_store", "thumbs.db", "desktop.ini", "ehthumbs.db"})
 OS_LITTER_PREFIX = "._"  # macOS AppleDouble resource forks on non-Apple filesystems
+# Photo tools' sidecars (XMP, inboxd's own with after_success: keep among them): beside a
+# photo, never one.
+SIDECAR_SUFFIXES = (".xmp",)
 OS_LITTER_FOLDERS = frozenset({"@eadir", ".stfolder", "__macosx", "#recycle", "#snapshot"})
 
 
 def is_litter(name: str) -> bool:
-    return name.lower() in OS_LITTER_FILES or name.startswith(OS_LITTER_PREFIX)
+    lowered = name.lower()
+    return (lowered in OS_LITTER_FILES or name.startswith(OS_LITTER_PREFIX)
+            or lowered.endswith(SIDECAR_SUFFIXES))
 
 
 def folder_skipped(name: str) -> bool:

@@ -189,22 +189,24 @@ class ResultFiles:
                 continue
             yield name
 
-    def write(self, entries: Sequence[ResultEntry]) -> list[tuple[str, bool] | OSError]:
+    def write(self, entries: Sequence[ResultEntry],
+              also_sync: Sequence[int] = ()) -> list[tuple[str, bool] | OSError]:
         """Durably file every entry's result. Returns, per entry, the name it is filed under
         and whether that result was already there (the same bytes, filed earlier) — or why it
-        can never be filed (that file's own problem: its batch is filed all the same)."""
+        can never be filed (that file's own problem: its batch is filed all the same).
+        ``also_sync``: descriptors made durable with the batch's JSON, before any is placed."""
         # Vectors this call placed, by name: taken back if their JSON is not placed (a full
         # disk part-way), or the batch's retry would find the names taken and use variants.
         ours: dict[str, str] = {}
         try:
-            return self._file_all(entries, ours)
+            return self._file_all(entries, ours, also_sync)
         except OSError:
             for vector in ours.values():
                 unlink_quietly(vector)
             raise
 
-    def _file_all(self, entries: Sequence[ResultEntry],
-                  ours: dict[str, str]) -> list[tuple[str, bool] | OSError]:
+    def _file_all(self, entries: Sequence[ResultEntry], ours: dict[str, str],
+                  also_sync: Sequence[int]) -> list[tuple[str, bool] | OSError]:
         outcome: list[tuple[str, bool] | OSError | None] = []
         todo: list[tuple[int, ResultEntry, str]] = []
         # The names this call gave out: none goes to two entries, though no JSON is there yet.
@@ -244,7 +246,7 @@ class ResultFiles:
         # All durable together, or (a full disk part-way) none left behind.
         temps = write_tmps(self._tmp, [json_bytes(entry.document(name))
                                           for _, entry, name in todo], JSON_SUFFIX,
-                           [entry.mode for _, entry, _ in todo])
+                           [entry.mode for _, entry, _ in todo], also_sync)
         commit_pause()
         placed = 0
         try:

@@ -79,14 +79,19 @@ class Outcomes:
 
     # -- outcomes ----------------------------------------------------------------------------
 
-    def completed(self, item: WorkItem, duplicate: bool = False) -> None:
+    def completed(self, item: WorkItem, duplicate: bool = False,
+                  outcome: str | None = None) -> None:
+        """``outcome``: a few words of what the model saw (``index_rows.top_outcome``), so
+        that ``journalctl -u inboxd -f`` shows it."""
         counters = self.stats.counters
         counters.completed += 1
         if duplicate:
             counters.duplicates += 1
         latency_ms = (self.clock() - item.noticed_s) * 1000
         self.stats.latency_ms.add(latency_ms)
-        logs.emit(logging.INFO, "completed", f"completed {item.key}", path=item.key,
+        said = f": {outcome}" if outcome else ""
+        logs.emit(logging.INFO, "completed", f"completed {item.key}{said}", path=item.key,
+                  outcome=outcome or None,
                   result=item.name if item.name != item.key else None,
                   sha256=item.sha256, latency_ms=round(latency_ms, 3), attempts=item.attempts + 1,
                   duplicate=int(duplicate) if duplicate else None)

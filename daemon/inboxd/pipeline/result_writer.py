@@ -25,6 +25,7 @@ from inboxd import __version__
 from inboxd.config import Config
 from inboxd.files.commits import CommitEntry, Commits, Committed
 from inboxd.files.durable import output_full
+from inboxd.files.index_rows import top_outcome
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.names import relative_inside
 from inboxd.item import ModelError, PermanentError, TransientError, WorkItem
@@ -39,6 +40,7 @@ from inboxd.models.predictions import (
     loaded_class,
     not_finite,
 )
+from inboxd.models.weights import weights_sha256
 from inboxd.pipeline.outcomes import Outcomes, RunIO, utc_now
 
 if TYPE_CHECKING:
@@ -105,6 +107,10 @@ class ResultWriter:
         self.crashed_with: list[WorkItem] = []  # the batch whose write raised
         self.abandoned: list[tuple[list[tuple[WorkItem, Prediction]],
                                    list[Future[Committed]]]] = []
+        # The weights' sha256 each result records: retrained weights' results told apart.
+        self.model_sha256 = weights_sha256(config.model)
+        self.task_sha256 = {task: weights_sha256(block)
+                            for task, block in (config.models or {}).items()}
 
     @property
     def size(self) -> int:
@@ -169,9 +175,10 @@ class ResultWriter:
                 await self.outcomes.error(item, TransientError(f"cannot write the result: {why}"))
             return
         self.outcomes.outputs.wrote()
+        said = {id(item): top_outcome(self._answer(item, result)) for item, result in good}
         for item, existed, problem in _filed(good, committed):
             if problem is None:
-                self.outcomes.completed(item, duplicate=existed)
+                self.outcomes.completed(item, duplicate=existed, outcome=said[id(item)])
             elif not item.name:  # no result: this file's own permanent problem
                 item.finishing = item.name = None
                 await self.outcomes.error(item, PermanentError(problem.strerror or str(problem)))
@@ -252,6 +259,7 @@ class ResultWriter:
             "size_bytes": item.size_bytes,
             "source_identity": list(item.identity) if item.identity else None,
             "model": self.model.name,
+            "model_sha256": self.model_sha256,
             "device": str(self.model.device),
             "runtime": item.runtime or self.model.runtime,
             "precision": item.precision or self.model.precision,
@@ -268,7 +276,9 @@ class ResultWriter:
                  item: WorkItem) -> dict[str, Any]:
         model = self.tasks[task]
         runtime, precision = result.ran.get(task, ("", ""))
-        section: dict[str, Any] = {"model": model.name, "device": str(model.device),
+        section: dict[str, Any] = {"model": model.name,
+                                   "model_sha256": self.task_sha256.get(task),
+                                   "device": str(model.device),
                                    "runtime": runtime or model.runtime,
                                    "precision": precision or model.precision}
         if isinstance(outcome, Exception):
@@ -278,6 +288,13 @@ class ResultWriter:
                                      if isinstance(outcome, PermanentError | TransientError)
                                      else "model")}
         return {**section, **self._output(outcome, item)}
+
+    def _answer(self, item: WorkItem, result: Prediction) -> dict[str, Any]:
+        """What the model said, as the result holds it (each task's section under its name)."""
+        if isinstance(result, TaskResults):
+            return {task: self._section(task, outcome, result, item)
+                    for task, outcome in result.sections.items()}
+        return self._output(result, item)
 
     def _output(self, result: Prediction, item: WorkItem) -> dict[str, Any]:
         # A detector's or OCR's answer can only come from a daemon that loaded their modules

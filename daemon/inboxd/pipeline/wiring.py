@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Coroutine, Iterable
@@ -33,6 +34,7 @@ from inboxd.files.commits import Commits
 from inboxd.files.layout import inbox_writable
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.names import NameFilter
+from inboxd.files.stats_file import StatsFile
 from inboxd.item import WorkItem
 from inboxd.models.engines.interface import DeviceFault, ModelEngine
 from inboxd.models.engines.local import LocalEngine
@@ -170,6 +172,13 @@ class Pipeline:
         # Set by a stage crash or a device fault: the service stops (and exits non-zero).
         self.crash_event = asyncio.Event()
         self._stats_changed = asyncio.Event()
+        # What the idle check compares (``log_stats``): the counters at the last record, whether
+        # work went on then, and when a record was last logged.
+        self._counters_seen: tuple[Any, ...] = dataclasses.astuple(self.stats.counters)
+        self._was_busy = True  # the first record always comes
+        self._stats_logged_s = -math.inf
+        # Each record logged, also where `inboxd stats -c` finds it without a journal.
+        self.stats_file = StatsFile(config)
         # Called after each stats record (every stats.interval_s and at shutdown): the
         # metrics textfile is written here, so it is exactly as fresh as the journal.
         self.on_stats: list[Callable[[], None]] = []
@@ -284,18 +293,31 @@ class Pipeline:
                       OUTPUT_FULL_WAITS=self.outputs.waits, OUTPUT_PROBES=self.outputs.probes)
         return fields
 
-    def log_stats(self) -> dict[str, Any]:
+    def log_stats(self, quiet_when_idle: bool = False) -> dict[str, Any]:
+        """The stats record. ``quiet_when_idle`` (the periodic one): logged while work goes on,
+        once when it stops, and otherwise only every ``stats.heartbeat_s`` — an idle daemon
+        does not fill the journal with identical records (the metrics still update)."""
         fields = self.stats_fields()
         counters = self.stats.counters
-        logs.emit(
-            logging.INFO, "stats",
-            f"completed={counters.completed} failed={counters.failed} "
-            f"queue={self.queue.qsize()}/{self.queue.maxsize} "
-            f"buffer={self.buffer.size}/{self.buffer.capacity} "
-            f"files/s={fields['FILES_PER_S']:.1f}",
-            instance=self.config.instance,
-            **fields,
-        )
+        moved = dataclasses.astuple(counters)
+        busy = moved != self._counters_seen or any(
+            value for key, value in fields.items() if key.endswith("_SIZE"))
+        self._counters_seen = moved
+        now_s = self.clock()
+        if (not quiet_when_idle or busy or self._was_busy
+                or now_s - self._stats_logged_s >= self.config.stats.heartbeat_s):
+            logs.emit(
+                logging.INFO, "stats",
+                f"completed={counters.completed} failed={counters.failed} "
+                f"queue={self.queue.qsize()}/{self.queue.maxsize} "
+                f"buffer={self.buffer.size}/{self.buffer.capacity} "
+                f"files/s={fields['FILES_PER_S']:.1f}",
+                instance=self.config.instance,
+                **fields,
+            )
+            self.stats_file.append(fields)
+            self._stats_logged_s = now_s
+        self._was_busy = busy
         for hook in self.on_stats:
             hook()
         return fields
@@ -306,8 +328,9 @@ class Pipeline:
             # A reload that shortens the interval takes effect at once, not after the old one.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stats_changed.wait(), self.config.stats.interval_s)
+                self._was_busy = True  # a reload: the next record shows the new capacities
                 continue
-            self.log_stats()
+            self.log_stats(quiet_when_idle=True)
 
     # -- the two modes -----------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""``inboxd once``: take what waits in the inbox, then exit (no systemd, no watching after).
+"""``inboxd once``: take what waits in the inbox, then exit (no systemd, no watching after);
+on a terminal, a progress bar (``service/progress.py``).
 
 The same start-up and pipeline as the service (``service/runner.py``), and the same stop: a
 signal only sets a flag, and the pipeline drains and hands what it claimed back to the inbox.
@@ -10,14 +11,16 @@ import asyncio
 import signal
 import sys
 
+from inboxd import logs
 from inboxd.config import Config
 from inboxd.exit_codes import OK, SOME_FAILED
 from inboxd.heap import freeze_startup_heap
+from inboxd.service.progress import ProgressBar
 from inboxd.service.runner import Service, exit_status
 
 
 def run_once(config: Config) -> int:
-    return asyncio.run(_once(config, progress=sys.stdout.isatty()))
+    return asyncio.run(_once(config, progress=sys.stderr.isatty()))
 
 
 async def _once(config: Config, progress: bool) -> int:
@@ -35,17 +38,22 @@ async def _once(config: Config, progress: bool) -> int:
     pipeline = await service.load()
     freeze_startup_heap()
     counters = pipeline.stats.counters
+    bar: ProgressBar | None = None
+    if progress:
+        bar = ProgressBar(sys.stderr, await asyncio.to_thread(pipeline.watcher.count_waiting))
+        for handler in logs.log.handlers:
+            handler.addFilter(bar)
 
     def show() -> None:
-        sys.stdout.write(f"\rinboxd: {counters.completed} done, {counters.failed} failed, "
-                         f"{pipeline.outcomes.in_flight} in progress ")
-        sys.stdout.flush()
+        if bar is not None:
+            bar.draw(counters.completed, counters.failed)
 
     await pipeline.process_backlog(show if progress else None, stop)
     service.close_metrics()
-    if progress:
-        show()
-        sys.stdout.write("\n")
+    if bar is not None:
+        bar.finish(counters.completed, counters.failed)
+        for handler in logs.log.handlers:
+            handler.removeFilter(bar)
     print(f"inboxd once: {counters.completed} completed, {counters.failed} failed")
     if pipeline.crash_event.is_set():
         return exit_status(pipeline)

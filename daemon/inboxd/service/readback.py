@@ -14,17 +14,22 @@ import os
 import pwd
 import re
 import sys
+import time
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from inboxd.config import Config
+from inboxd.files import stats_file
 from inboxd.stats import COUNTER_FIELDS, DEPRECATED_LAYER_NAMES, FIELDS, OTHER_FIELDS, declared
 
 # What ``inboxd stats`` shows, in this order, derived from the record's declaration.
 COUNTERS = tuple(f.name for f in COUNTER_FIELDS)
 FIGURES = tuple(f.name for f in OTHER_FIELDS)
 SERVICE_USER = "inboxd"  # the shipped unit's User=
+FOLLOW_POLL_S = 1.0
+WHO_FIELDS = ("_PID", "_UID", "_SYSTEMD_UNIT")  # journald's, from the sender's credentials
 MEMORY = ("RSS_BYTES", "CUDA_ALLOCATED_BYTES", "CUDA_RESERVED_BYTES", "CUDA_PEAK_ALLOCATED_BYTES")
 
 
@@ -61,8 +66,8 @@ def stats_reader(unit: str | None, instance: str | None) -> Any:
 
 
 def clean(entry: dict[str, Any]) -> dict[str, Any]:
-    """Journal entry → the daemon's own fields, numbers as numbers."""
-    fields: dict[str, Any] = {}
+    """Journal entry → the daemon's own fields, numbers as numbers (and who sent it)."""
+    fields: dict[str, Any] = {key: entry[key] for key in WHO_FIELDS if key in entry}
     for key, value in entry.items():
         if key.startswith("_") or key in ("MESSAGE", "PRIORITY", "SYSLOG_IDENTIFIER",
                                            "CODE_FILE", "CODE_LINE", "CODE_FUNC"):
@@ -102,7 +107,7 @@ def format_table(stats: dict[str, Any]) -> str:
         return f"{value:,}" if isinstance(value, int) else str(value)
 
     when = stats.get("TIME")
-    lines = [f"inboxd stats ({stats.get('INSTANCE', '?')}"
+    lines = [f"inboxd stats ({whose(stats)}"
              + (f", {when:%Y-%m-%d %H:%M:%S}" if isinstance(when, datetime) else "") + ")", ""]
     counters = [f"{c.lower()} {num(stats.get(c, 0))}" for c in COUNTERS]
     for start in range(0, len(counters), 6):  # six a line: a terminal's width
@@ -123,6 +128,31 @@ def format_table(stats: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def whose(stats: dict[str, Any]) -> str:
+    """Whose record it is: the instance, and the process (pid, user, unit, config file) as
+    the journal or the stats file says, so another daemon's record is never taken for ours."""
+    parts = [f"instance {stats.get('INSTANCE', '?')}"]
+    pid = stats.get("PID") or stats.get("_PID")
+    if pid:
+        parts.append(f"pid {pid}" + ("" if stats_file.running(pid) else " (not running)"))
+    uid = stats.get("_UID")
+    if uid is not None and int(uid) != os.getuid():
+        with contextlib.suppress(KeyError, ValueError):
+            parts.append(f"user {pwd.getpwuid(int(uid)).pw_name}")
+    if stats.get("_SYSTEMD_UNIT"):
+        parts.append(f"unit {stats['_SYSTEMD_UNIT']}")
+    if stats.get("CONFIG"):
+        parts.append(f"config {stats['CONFIG']}")
+    return ", ".join(parts)
+
+
+def daemon_of(stats: dict[str, Any]) -> str:
+    """Which daemon a record is of, across its restarts: instance, user, unit."""
+    return ", ".join(f"{name} {stats[key]}" for name, key in (
+        ("instance", "INSTANCE"), ("uid", "_UID"), ("unit", "_SYSTEMD_UNIT"),
+        ("config", "CONFIG")) if stats.get(key) is not None)
+
+
 def layers_of(stats: dict[str, Any]) -> list[str]:
     """The layers a record reports, in its own order (the pipeline's): every declared layer
     field's prefix, so a new layer shows without a change here; a renamed layer's old name only
@@ -140,12 +170,15 @@ def layers_of(stats: dict[str, Any]) -> list[str]:
     return list(found)
 
 
-def print_stats(unit: str | None, instance: str | None, as_json: bool, follow: bool) -> int:
+def print_stats(unit: str | None, instance: str | None, as_json: bool, follow: bool,
+                config: Config | None = None) -> int:
+    if config is not None:
+        return print_file_stats(config, as_json, follow)
     stats = latest(unit, instance)
     if stats is None:
         where = f"unit {unit}" if unit else "SYSLOG_IDENTIFIER=inboxd"
-        print(f"inboxd stats: no stats record in this boot's journal for {where}; is the "
-              "daemon running under systemd (or with JOURNAL_STREAM set)?", file=sys.stderr)
+        print(f"inboxd stats: no stats record in this boot's journal for {where}; for a daemon "
+              "run in the foreground, give its config: inboxd stats -c FILE", file=sys.stderr)
         return 1
     show(stats, as_json)
     if follow:
@@ -159,6 +192,26 @@ def print_stats(unit: str | None, instance: str | None, as_json: bool, follow: b
     return 0
 
 
+def print_file_stats(config: Config, as_json: bool, follow: bool) -> int:
+    """The latest record of ``config``'s daemon, from the file it keeps (``files.stats_file``);
+    ``follow``: each new one as it comes."""
+    path = stats_file.stats_path(config)
+    seen = list(stats_file.records(path))
+    if not seen:
+        print(f"inboxd stats: no stats record in {path} (instance {config.instance}): has "
+              "the daemon of this config run yet?", file=sys.stderr)
+        return 1
+    show(seen[-1], as_json)
+    last = seen[-1]["TIME"]
+    while follow:
+        time.sleep(FOLLOW_POLL_S)
+        for record in stats_file.records(path):
+            if record["TIME"] > last:
+                show(record, as_json)
+                last = record["TIME"]
+    return 0
+
+
 def show(stats: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print(json.dumps(stats, default=str, sort_keys=True), flush=True)
@@ -167,17 +220,35 @@ def show(stats: dict[str, Any], as_json: bool) -> None:
 
 
 def draw_report(records: list[dict[str, Any]], output: Path) -> None:
-    """Four panels over time: layer depths against their capacities, put-wait, throughput,
-    memory. The picture of backpressure: a flood drains with the queue pinned at capacity."""
+    """Five panels against the clock: files completed and failed (and the rate), latency,
+    layer depths against their capacities, put-wait, memory. The picture of backpressure: a
+    flood drains with the queue pinned at capacity, memory flat."""
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.dates as mdates
     import matplotlib.pyplot as plt
 
-    t0 = records[0]["TIME"]
-    t = [(r["TIME"] - t0).total_seconds() for r in records]
-    fig, axes = plt.subplots(4, 1, figsize=(10, 12), sharex=True)
-    depth = axes[0]
+    t = [r["TIME"] for r in records]
+    fig, axes = plt.subplots(5, 1, figsize=(10, 15), sharex=True)
+    fig.suptitle(f"inboxd: {whose(records[-1])}", fontsize=10)
+    done = axes[0]
+    done.plot(t, [r.get("COMPLETED", 0) for r in records], "C2", label="completed (total)")
+    done.plot(t, [r.get("FAILED", 0) for r in records], "C3", label="failed (total)")
+    done.set_ylabel("files")
+    rate = done.twinx()  # a rate, on its own scale
+    rate.plot(t, [r.get("FILES_PER_S", 0) for r in records], "C0", alpha=0.6, label="files/s")
+    rate.set_ylabel("files/s")
+    done.set_title("files completed and failed, and throughput")
+    done.legend(loc="upper left", fontsize=8)
+    rate.legend(loc="upper right", fontsize=8)
+    latency = axes[1]
+    for key in ("LATENCY_MS_P50", "LATENCY_MS_P99"):
+        latency.plot(t, [r.get(key, 0) for r in records], label=key.lower())
+    latency.set_ylabel("ms")
+    latency.set_title("latency: noticed to done")
+    latency.legend(fontsize=8)
+    depth = axes[2]
     for layer, colour in zip(("QUEUE", "EVENT_BUFFER", "PREPROCESS_CACHE", "RETRY_LIST"),
                              ("C0", "C1", "C2", "C3"), strict=True):
         depth.plot(t, [r.get(f"{layer}_SIZE", 0) for r in records], colour,
@@ -188,47 +259,48 @@ def draw_report(records: list[dict[str, Any]], output: Path) -> None:
     depth.set_ylabel("items")
     depth.set_title("layer depth vs capacity (dotted)")
     depth.legend(fontsize=7, ncol=2)
-    wait = axes[1]
+    wait = axes[3]
     for key in ("PUT_WAIT_MS_P50", "PUT_WAIT_MS_P99"):
         wait.plot(t, [r.get(key, 0) for r in records], label=key.lower())
     wait.set_ylabel("ms")
     wait.set_title("queue.put() wait")
     wait.legend(fontsize=8)
-    rate = axes[2]
-    rate.plot(t, [r.get("FILES_PER_S", 0) for r in records], "C0", label="files/s")
-    rate.set_ylabel("files/s")
-    deferred = rate.twinx()  # a running count, on its own scale
-    deferred.plot(t, [r.get("DEFERRED", 0) for r in records], "C1", label="deferred (total)")
-    deferred.set_ylabel("deferred (total)")
-    rate.set_title("throughput, and paths left on disk because the event buffer was full")
-    rate.legend(loc="upper left", fontsize=8)
-    deferred.legend(loc="upper right", fontsize=8)
-    memory = axes[3]
+    memory = axes[4]
     for key in MEMORY:
         if any(key in r for r in records):
             memory.plot(t, [r.get(key, 0) / 2**20 for r in records], label=key.lower())
     memory.set_ylim(bottom=0)  # flat should look flat, not like noise magnified
     memory.set_ylabel("MiB")
-    memory.set_xlabel("seconds")
+    memory.set_xlabel("local time")
     memory.set_title("memory")
     memory.legend(fontsize=8)
+    memory.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M:%S"))  # type: ignore[no-untyped-call]
+    fig.autofmt_xdate()
     fig.tight_layout()
     fig.savefig(output, dpi=90)
     plt.close(fig)
 
 
 def write_report(unit: str | None, instance: str | None, start: datetime | None,
-                 output: Path) -> int:
-    records = list(since(unit, instance, start))
+                 output: Path, config: Config | None = None) -> int:
+    if config is not None:
+        records = list(stats_file.records(stats_file.stats_path(config), start))
+        source = f"{stats_file.stats_path(config)}"
+    else:
+        records = list(since(unit, instance, start))
+        source = "the journal"
     if not records:
-        print("inboxd report: no stats records in the journal for that selection",
+        print(f"inboxd report: no stats records in {source} for that selection"
+              + ("" if config else "; for a daemon run in the foreground, give its config: "
+                 "inboxd report -c FILE"), file=sys.stderr)
+        return 1
+    daemons = {daemon_of(r) for r in records}
+    if len(daemons) > 1:  # said, never drawn as one daemon's line
+        print(f"inboxd report: records of {len(daemons)} daemons ("
+              f"{'; '.join(sorted(daemons))}); choose one with --instance, -u or -c",
               file=sys.stderr)
         return 1
-    try:
-        draw_report(records, output)
-    except ImportError:
-        print("inboxd report needs matplotlib: pip install 'inboxd[report]'", file=sys.stderr)
-        return 1
+    draw_report(records, output)
     print(f"{output}: {len(records)} stats records, "
           f"{(records[-1]['TIME'] - records[0]['TIME']).total_seconds():.0f} s")
     return 0
