@@ -1,0 +1,52 @@
+"""Attacks on issue 36's fixes (a full disk is backpressure; names an output filesystem cannot
+hold are filed under their portable form) that worked, each kept as a regression test.
+
+Real filesystems and the real daemon, as in ``test_full_disk.py`` and ``test_exfat_outputs.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import wait_until, write_config
+from tests.guarantees.test_exfat_outputs import exfat, files_under
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="loop devices and mounts need root")
+needs_fuse = pytest.mark.skipif(not os.path.exists("/dev/fuse"),
+                                reason="FUSE is not available here (no /dev/fuse)")
+pytestmark = [pytest.mark.daemon, pytest.mark.slow, needs_root]
+
+
+@needs_fuse
+def test_a_failed_portable_name_says_the_variant_it_took_not_a_real_file_of_that_name(
+        tmp_path: Path, daemon_factory) -> None:
+    """``b?.png`` is filed on exFAT as ``b%3F.png``, unless a real ``b%3F.png`` failed first:
+    then under a variant, and its report's ``filed_as`` must name that variant. It named
+    ``b%3F.png``, the other photo's file: whoever follows the report (to look at, retry or
+    delete the file it failed) reaches someone else's photo."""
+    with exfat(tmp_path / "usb") as usb:
+        failed = usb / "failed"
+        daemon = daemon_factory(write_config(tmp_path, results_dir=str(usb / "results"),
+                                             done_dir=str(usb / "done"), failed_dir=str(failed)))
+        daemon.wait_for("ready")
+        inbox = tmp_path / "inbox"
+        for name, data in (("b%3F.png", b"not an image: the real b%3F"),
+                           ("b?.png", b"not an image: b?")):
+            count = len(files_under(failed))
+            (inbox / ".part").write_bytes(data)
+            os.rename(inbox / ".part", inbox / name)
+            wait_until(lambda n=count: len(files_under(failed)) == n + 2, 60, f"{name} failed")
+        assert daemon.stop() == 0
+        reports = {json.loads((failed / report).read_text())["source"]: report
+                   for report in files_under(failed) if report.endswith(".error.json")}
+        assert set(reports) == {"b%3F.png", "b?.png"}
+        ours = json.loads((failed / reports["b?.png"]).read_text())
+        filed_as = reports["b?.png"].removesuffix(".error.json")
+        assert ours["filed_as"] == filed_as != "b%3F.png", ours
+        assert (failed / filed_as).read_bytes() == b"not an image: b?"
+        assert (failed / "b%3F.png").read_bytes() == b"not an image: the real b%3F"
+        assert "filed_as" not in json.loads((failed / reports["b%3F.png"]).read_text())
