@@ -100,3 +100,77 @@ def scores_by_index(document: dict[str, Any], classes: int) -> np.ndarray:
         scores[entry["index"]] = entry["score"]
     assert not np.isnan(scores).any(), "top_k must list every class for this comparison"
     return scores
+
+
+# -- hostile .onnx files, written with the onnx helper API ------------------------------------
+
+ONNX_OPSET = 13  # ReduceMean's axes an attribute, Slice's bounds inputs
+ONNX_IR_VERSION = 8
+
+
+def _save_onnx(nodes: list[Any], initializers: list[Any], path: Path, classes: int) -> Path:
+    from onnx import TensorProto, checker, helper, save
+
+    graph = helper.make_graph(
+        nodes, "hostile",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, 224, 224])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["M", classes])],
+        initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", ONNX_OPSET)])
+    model.ir_version = ONNX_IR_VERSION
+    checker.check_model(model)
+    save(model, str(path))
+    return path
+
+
+def _ints(name: str, values: list[int]) -> Any:
+    from onnx import TensorProto, helper
+
+    return helper.make_tensor(name, TensorProto.INT64, [len(values)], values)
+
+
+def onnx_wrong_rows(path: Path, wrong_sizes: set[int]) -> Path:
+    """A 3-class classifier (each channel's mean is a logit: every row depends on its own image
+    only) that answers a batch of any size in ``wrong_sizes`` with one row too few, and every
+    other batch rightly. Labels: ``labels_file(root, 3)``."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("ReduceMean", ["input"], ["means"], axes=[2, 3], keepdims=0),
+             helper.make_node("Shape", ["input"], ["shape"]),
+             helper.make_node("Slice", ["shape", "zero", "one"], ["n"])]
+    initializers = [_ints("zero", [0]), _ints("one", [1])]
+    wrong = "no"
+    initializers.append(helper.make_tensor("no", TensorProto.BOOL, [1], [False]))
+    for size in sorted(wrong_sizes):
+        initializers.append(_ints(f"size{size}", [size]))
+        nodes += [helper.make_node("Equal", ["n", f"size{size}"], [f"is{size}"]),
+                  helper.make_node("Or", [wrong, f"is{size}"], [f"upto{size}"])]
+        wrong = f"upto{size}"
+    nodes += [helper.make_node("Cast", [wrong], ["short"], to=TensorProto.INT64),
+              helper.make_node("Sub", ["n", "short"], ["rows"]),
+              helper.make_node("Slice", ["means", "zero", "rows", "zero"], ["output"])]
+    return _save_onnx(nodes, initializers, path, 3)
+
+
+def onnx_memory_bomb(path: Path, side: int = 30_000) -> Path:
+    """A 3-class classifier whose every call first expands a scalar to N×side×side floats
+    (``side`` 30000: 3.6 GB per image), which ONNX Runtime allocates whole."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("ReduceMean", ["input"], ["means"], axes=[2, 3], keepdims=0),
+             helper.make_node("Shape", ["input"], ["shape"]),
+             helper.make_node("Slice", ["shape", "zero", "one"], ["n"]),
+             helper.make_node("Concat", ["n", "side", "side"], ["huge"], axis=0),
+             helper.make_node("Expand", ["scalar", "huge"], ["bomb"]),
+             helper.make_node("ReduceMax", ["bomb"], ["peak"], axes=[1, 2], keepdims=0),
+             helper.make_node("Unsqueeze", ["peak", "one"], ["column"]),
+             helper.make_node("Add", ["means", "column"], ["output"])]
+    initializers = [_ints("zero", [0]), _ints("one", [1]), _ints("side", [side]),
+                    helper.make_tensor("scalar", TensorProto.FLOAT, [], [0.0])]
+    return _save_onnx(nodes, initializers, path, 3)
+
+
+def labels_file(root: Path, classes: int) -> Path:
+    path = root / "labels.txt"
+    path.write_text("".join(f"class {i}\n" for i in range(classes)))
+    return path

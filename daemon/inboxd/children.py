@@ -18,7 +18,7 @@ import signal
 import site
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import inboxd
 
@@ -44,6 +44,22 @@ def die_with_parent(parent_pid: int) -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before prctl: nobody will signal us
         os._exit(0)
+
+
+def killed_with(parent_pid: int) -> Callable[[], None]:
+    """For ``Popen``'s ``preexec_fn``: ``PR_SET_PDEATHSIG`` between fork and exec, so a helper
+    dies with the daemon from before its first line. Set only by the helper itself
+    (``die_with_parent``), one stopped (SIGSTOP) in its first instant never sets it and
+    outlives the daemon, stopped for ever. ``prctl`` is looked up here, in the daemon: the
+    child only calls it (no import, no lock another thread may have held at the fork)."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def in_child() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the daemon died before prctl: nobody will signal
+            os._exit(1)
+
+    return in_child
 
 
 # Ignored by every helper (protocol_fds), and held back while one starts (held_for_start).
@@ -140,7 +156,7 @@ class HelperProcess:
                 stdout=subprocess.PIPE if pipes else None,
                 stderr=subprocess.PIPE if capture_stderr else None,
                 env=child_env() if env is None else env, pass_fds=tuple(pass_fds),
-                close_fds=True)
+                close_fds=True, preexec_fn=killed_with(os.getpid()))
 
     @property
     def pid(self) -> int:

@@ -88,7 +88,8 @@ def _called_name(call: ast.Call) -> str:
 FIXED_COMMANDS = {Path("decode/worker_process.py"): ["'-m'", "'inboxd.decode.worker_child'"],
                   Path("files/commit_process.py"): ["'-m'", "'inboxd.files.commit_child'"],
                   Path("models/engines/ray_bridge.py"): ["*BRIDGE_COMMAND"],
-                  Path("models/onnx_export.py"): ["'-m'", "'inboxd.models.onnx_export'"]}
+                  Path("models/onnx_export.py"): ["'-m'", "'inboxd.models.onnx_export'"],
+                  Path("models/onnx_probe.py"): ["'-m'", "'inboxd.models.onnx_probe'"]}
 SPAWNER = Path("children.py")
 
 

@@ -169,7 +169,10 @@ def test_textfile_via_node_exporter_and_http_during_a_flood(
                                     else None)(scrape(exporter_url)), 10, "the final textfile")
         flooding.clear()
         scraper.join(10)
-        direct = scrape(http_url)
+        # The endpoint serves an exposition up to a second old (metrics_http.py).
+        direct = wait_until(lambda: (lambda f: f if value(f, "inboxd_completed",
+                                                           "inboxd_completed_total") == GOOD
+                                     else None)(scrape(http_url)), 10, "the final scrape")
     finally:
         flooding.clear()
         code = daemon.stop()

@@ -15,7 +15,7 @@ import contextlib
 import errno
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -322,9 +322,11 @@ class Lifecycle:
         """Every instance's ledger here, for ``crashes_of``: a count follows its file."""
         return instances.all_ledgers(inbox)
 
-    def record_crash(self, reason: str) -> None:
-        """A stage crashed: count one crash against every file claimed now, and forget the
-        files that are not (the count is of crashes in a row, bounded by what can be in
+    def record_crash(self, reason: str, inside: Collection[str] | None = None) -> None:
+        """A stage crashed: count one crash against each file that was inside it (``inside``:
+        their claimed paths; None when the stage cannot say, then every file claimed now),
+        keep the counts of the other claimed files as they were, and forget the files that
+        are no longer claimed (the count is of crashes in a row, bounded by what can be in
         flight). A kill leaves no record and counts nothing: it is not the file's doing. The
         next start-up reads this in ``recover``."""
         for inbox in self.config.inbox.paths:
@@ -333,7 +335,11 @@ class Lifecycle:
             updated: dict[str, list[object]] = {}
             for claimed in walk_files(processing):  # the bytes too: a name is often reused
                 rel, sha256 = claimed.relative_to(processing).as_posix(), self.sha256_of(claimed)
-                updated[rel] = [instances.crashes_of(ledgers, rel, sha256)[0] + 1, reason, sha256]
+                crashes, why = instances.crashes_of(ledgers, rel, sha256)
+                if inside is None or os.path.normpath(claimed) in inside:
+                    crashes, why = crashes + 1, reason
+                if crashes:
+                    updated[rel] = [crashes, why, sha256]
             self.write_ledger(inbox, self.config.instance, updated)
 
     def write_ledger(self, inbox: Path, instance: str, entries: dict[str, Any]) -> None:

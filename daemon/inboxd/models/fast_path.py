@@ -102,12 +102,14 @@ class FastPath:
         try:
             self.key = onnx_runtime.expected_key(self.model.network, self.model.spec.crop,
                                                  self.model.max_batch)
+            limit_bytes = onnx_runtime.artifact_limit_bytes(self.model.network)
             try:
-                self._ready = (onnx_runtime.verified(self.path, self.key), "cached")
+                self._ready = (onnx_runtime.verified(self.path, self.key, limit_bytes), "cached")
             except onnx_runtime.ArtifactRefused as refused:
                 self.fields["RUNTIME_REBUILD_REASON"] = str(refused)
                 self.exporter(self.config, self.path, self.key)
-                self._ready = (onnx_runtime.verified(self.path, self.key), "exported")
+                self._ready = (onnx_runtime.verified(self.path, self.key, limit_bytes),
+                               "exported")
         except Exception as exc:  # ExportFailed, an unusable export, the boundary failing
             self._fail(f"exporting the network to ONNX failed: {exc}")
             return

@@ -86,6 +86,12 @@ def not_finite(prediction: Prediction) -> str | None:
     return f"{bad} of the top-{len(prediction.top_k)} scores" if bad else None
 
 
+class UnfitAnswer(ValueError):
+    """The network's answer does not fit the batch it was given: a row count other than the
+    batch's, another shape, NaN or infinite values. That batch's model error (split, then the
+    input that still fails alone fails), never a crash of the stage."""
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What was loaded, for ``inboxd models`` and the start-up log."""
@@ -145,6 +151,9 @@ class Model:
         # The device boundary of the stats probe: a test puts a fake memory API here.
         self.cuda_memory: Any = torch.cuda
         self._staging = HostStaging()
+        # What one blank batch of each warmed size took, warm-up included: the start-up
+        # compares the largest with the watchdog's timeout.
+        self.batch_seconds: dict[int, float] = {}
         # What runtime_choice decided and why (set by loading; None for a model built by hand).
         self.choice: Any = None
 
@@ -252,10 +261,34 @@ class Model:
                 for row_scores, row_indices in zip(scores, indices, strict=True)]
 
     def predict(self, images: Sequence[Pixels]) -> Sequence[Prediction]:
-        """What the config asked for: top-k classes, or embedding vectors."""
+        """What the config asked for: top-k classes, or embedding vectors. ``UnfitAnswer``
+        when the network's output cannot be one prediction per image."""
         outputs = self.outputs(images)
+        self.check_answer(outputs, len(images))
         with torch.inference_mode():
             return self.predictions([t.cpu() for t in self.reduce(outputs)])
+
+    def check_answer(self, outputs: torch.Tensor, batch_size: int) -> None:
+        """``outputs`` must be batch_size × D, D what the probe found at start-up, and finite.
+        A network can pass the probe and still answer some batch sizes wrongly (a program with
+        a data-dependent shape), or one batch with NaN (fp16 overflow)."""
+        self.check_shape(outputs, batch_size)
+        self.check_finite(outputs, batch_size)
+
+    def check_shape(self, outputs: torch.Tensor, batch_size: int) -> None:
+        """``check_answer``'s half that needs no device sync."""
+        columns = self.info.outputs if self.info is not None else None
+        shape = list(outputs.shape)
+        if outputs.ndim != 2 or shape[0] != batch_size or columns not in (None, shape[1]):
+            wanted = f"{batch_size}×{columns if columns is not None else 'D'}"
+            raise UnfitAnswer(f"the model answered a batch of {batch_size} with a {shape} "
+                              f"tensor, not {wanted}")
+
+    def check_finite(self, outputs: torch.Tensor, batch_size: int) -> None:
+        """``check_answer``'s other half (on a GPU it waits for ``outputs``)."""
+        if not bool(torch.isfinite(outputs).all()):
+            raise UnfitAnswer(f"the model's output for a batch of {batch_size} is not a number "
+                              "(NaN or infinite values)")
 
     def classify(self, images: Sequence[Pixels]) -> list[Classification]:
         assert self.output == "classify"
@@ -288,13 +321,26 @@ class Model:
     def warm_up(self, sizes: Sequence[int]) -> float:
         """Run one blank batch of each size (cuDNN picks its kernels, the allocator fills its
         pool, torch.compile compiles), so no real file is the slow one. Call it on the thread
-        that runs inference: cuDNN's handles and plan caches are per thread. Returns seconds."""
+        that runs inference: cuDNN's handles and plan caches are per thread. Returns seconds;
+        ``batch_seconds`` keeps what each size took. A ``ConfigError`` when the model's answer
+        to a size does not fit it (``check_answer``)."""
         started = time.perf_counter()
         blank = np.zeros((self.spec.crop, self.spec.crop, 3), dtype=np.uint8)
         for size in sizes:
-            self.predict([blank] * size)
-        if self.on_gpu:
-            torch.cuda.synchronize(self.device)
+            size_started = time.perf_counter()
+            try:
+                self.predict([blank] * size)
+            except UnfitAnswer as exc:
+                # Every size warmed is a size the batcher will send: a model that cannot
+                # answer one would fail every batch of it, so it is refused now.
+                fits = [s for s in self.batch_seconds if s < size]
+                hint = (f"set batch.max_size to {max(fits)} (it answered batches of "
+                        f"{', '.join(map(str, sorted(fits)))})" if fits else
+                        "export the model again with a dynamic batch axis it honours")
+                raise ConfigError("model", [f"{exc}: {hint}"]) from exc
+            if self.on_gpu:
+                torch.cuda.synchronize(self.device)
+            self.batch_seconds[size] = time.perf_counter() - size_started
         return time.perf_counter() - started
 
     def health_problem(self) -> str | None:

@@ -63,6 +63,9 @@ class ModelStage:
         # that never returns must stop the WATCHDOG=1 pings so systemd restarts us.
         self._busy: dict[int, float] = {}
         self.in_hand = 0  # items taken from the cache and not yet delivered
+        # The batch of a call that raised (a bug, not an input's error, which is an outcome):
+        # the crash ledger counts these files, not every file claimed at the time.
+        self.crashed_with: list[WorkItem] = []
         # Since when the engine has been unavailable (None: it is not), and how often.
         self.unavailable_since_s: float | None = None
         self.unavailable_waits = 0
@@ -142,6 +145,9 @@ class ModelStage:
                 item.image = None  # the pixels are done with: free them before the write
             self.batches_done += 1
             await self.deliver(outcomes)
+        except Exception:
+            self.crashed_with = list(batch)
+            raise
         finally:
             self.in_hand -= len(batch)
 

@@ -97,6 +97,8 @@ class Preprocessor:
                                            initializer=name_this_thread)
         self.in_progress = 0
         self.high_water = 0
+        # The files of a request whose handling raised: what the crash ledger counts.
+        self.crashed_with: list[WorkItem] = []
 
     async def run_worker(self) -> None:
         loop = asyncio.get_running_loop()
@@ -126,6 +128,9 @@ class Preprocessor:
                     handed_on += 1
                     self.in_progress -= 1
                     self.queue.task_done()
+            except Exception:
+                self.crashed_with = list(items)
+                raise
             finally:
                 for _ in range(len(items) - handed_on):  # cancelled: they stay claimed on disk
                     self.in_progress -= 1

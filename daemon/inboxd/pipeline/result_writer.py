@@ -87,6 +87,7 @@ class ResultWriter:
         self.handoff: asyncio.Queue[list[Outcome]] = asyncio.Queue(maxsize=HANDOFF_BATCHES)
         self.high_water = 0
         self.committing = Committing()
+        self.crashed_with: list[WorkItem] = []  # the batch whose write raised
         self.abandoned: list[tuple[list[tuple[WorkItem, Prediction]],
                                    list[Future[Committed]]]] = []
 
@@ -125,6 +126,9 @@ class ResultWriter:
     async def _write_and_finish(self, batch: list[Outcome]) -> None:
         try:
             await self._write(batch)
+        except Exception:
+            self.crashed_with = [item for item, _ in batch]  # what the crash ledger counts
+            raise
         finally:
             self.handoff.task_done()
 

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -200,10 +201,21 @@ class Pipeline:
         # A commit process that died is a kill, not the doing of the files in flight.
         if not isinstance(exc, CommitProcessFailed):
             try:
-                self.lifecycle.record_crash(f"stage {task.get_name()} crashed: {exc!r}")
+                self.lifecycle.record_crash(f"stage {task.get_name()} crashed: {exc!r}",
+                                            self._inside(task.get_name()))
             except OSError as record_error:
                 logs.log.error("cannot record which files were in flight: %s", record_error)
         self.crash_event.set()
+
+    def _inside(self, stage: str) -> set[str] | None:
+        """The claimed paths of the files the crashed ``stage`` held, for the crash ledger: a
+        crash is counted against those, not against every file in flight (a model stage that
+        crashed on one batch must not fail the photos being decoded meanwhile). None for a
+        stage that cannot say which files it held."""
+        held = (self.worker.crashed_with if stage == "model-worker" else
+                self.writer.crashed_with if stage == "result-writer" else
+                self.preprocessor.crashed_with if stage.startswith("preprocess-") else None)
+        return None if held is None else {os.path.normpath(item.claimed_path) for item in held}
 
     def start_processing(self) -> None:
         # Helper processes start from this thread, which lives as long as they are wanted (the

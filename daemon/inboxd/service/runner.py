@@ -28,6 +28,7 @@ from inboxd.models import faults
 from inboxd.models.device import device_fields, with_device_defaults
 from inboxd.models.engines.choice import load_here, make_engine
 from inboxd.models.fast_path import runtime_fields
+from inboxd.models.onnx_probe import daemon_sizes, probe_in_child
 from inboxd.pipeline.stalls import DEFAULT_PATIENCE_S
 from inboxd.pipeline.wiring import Pipeline
 from inboxd.service.notify import Notifier, abort_with_stacks
@@ -75,6 +76,9 @@ class Service:
         started = time.perf_counter()
         extending = asyncio.create_task(self._extend_start_timeout())
         try:
+            if self.config.model.kind == "onnx":  # a graph may ask for any memory: try it aside
+                await asyncio.to_thread(probe_in_child, self.config.model,
+                                        daemon_sizes(self.config))
             model = await asyncio.to_thread(load_here, self.config.model)
             self.config, profile = with_device_defaults(  # unset keys follow the device
                 self.config, model.device, model.max_batch)
@@ -115,9 +119,28 @@ class Service:
                   instance=self.config.instance, version=__version__,
                   watch=",".join("polling" if p.polling else "inotify" for p in plans),
                   filesystems=",".join(p.filesystem for p in plans))
+        self._warn_if_slower_than_watchdog(model.batch_seconds)
         if self.metrics is not None:
             self.metrics.attach(self.pipeline)
         return self.pipeline
+
+    def _warn_if_slower_than_watchdog(self, batch_seconds: dict[int, float]) -> None:
+        """A batch that takes longer than the watchdog's patience (half ``WatchdogSec=``) stops
+        the pings at its first real batch and gets the service restarted, again and again:
+        say so now, with the fix, since the warm-up has just measured it."""
+        patience_s = self.notifier.watchdog_interval_s()
+        if patience_s is None or not batch_seconds:
+            return
+        size, took_s = max(batch_seconds.items(), key=lambda entry: entry[1])
+        if took_s < patience_s:
+            return
+        logs.emit(logging.WARNING, "watchdog_too_short",
+                  f"a batch of {size} took {took_s:.1f} s at warm-up, longer than the "
+                  f"{patience_s:.1f} s the watchdog allows a model call (half of WatchdogSec="
+                  f"{2 * patience_s:.0f}s): systemd would restart inboxd at its first busy "
+                  f"batch. Raise WatchdogSec= to at least {4 * took_s:.0f}s (a drop-in), or "
+                  "lower batch.max_size", batch_size=size, batch_s=round(took_s, 3),
+                  watchdog_patience_s=patience_s)
 
     def close_metrics(self) -> None:
         if self.metrics is not None:
@@ -243,6 +266,10 @@ class Service:
             # In a thread: a config on a hung network filesystem must not stop the event loop.
             new = await asyncio.to_thread(load_checked_config, self.config_path, self.overrides)
             new, _ = with_device_defaults(new, pipeline.model.device, pipeline.model.max_batch)
+            if (self.config.model.kind == "onnx"
+                    and new.batch.max_size not in pipeline.model.batch_seconds):
+                # A size never run yet: tried aside first, as at start-up.
+                await asyncio.to_thread(probe_in_child, self.config.model, [new.batch.max_size])
             # A larger batch is checked against the model (a .pt2 program's bound) and warmed
             # on the model's thread *before* the batcher may produce it.
             warmed, warm_s = await pipeline.engine.warm_up(new.batch.max_size)

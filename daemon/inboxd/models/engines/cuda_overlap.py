@@ -47,6 +47,9 @@ class Pending:
     def collect(self) -> list[tuple[WorkItem, Prediction | Exception]]:
         if self.done is not None:
             self.done.synchronize()  # this batch only: a later launch is not waited for
+        # NaN shows in the reduced scores or vectors too; any failure sends the batch down the
+        # careful path (``LocalEngine``), which splits it.
+        self.model.check_finite(self.reduced[0], len(self.items))
         predictions = self.model.predictions(self.reduced)
         elapsed_ms = (time.perf_counter() - self.started_s) * 1000
         for item in self.items:
@@ -71,7 +74,9 @@ class Overlap:
             model.before_forward(len(images))
         with torch.inference_mode():
             pixels = self._to_device(images)
-            reduced = model.reduce(model.forward(pixels))
+            outputs = model.forward(pixels)
+            model.check_shape(outputs, len(images))
+            reduced = model.reduce(outputs)
             if not self.cuda:
                 return Pending(model, items, reduced, None, started_s)
             host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in reduced]

@@ -5,8 +5,9 @@ The event loop keeps noticing, claiming and decoding files while a batch is on t
 thread: cuDNN handles and plan caches are per thread, so warming anywhere else would leave the
 first real batch of each size to build them again.
 
-A batch that fails is split in halves and each half retried, so one bad input or a CUDA
-out-of-memory at this batch size costs only what it must: an input that fails alone *on a
+A batch that fails is split in halves and each half retried, so one bad input, a CUDA
+out-of-memory at this batch size, or an answer that does not fit the batch (rows, shape, NaN:
+``Model.check_answer``) costs only what it must: an input that fails alone *on a
 healthy device* fails alone, and an OOM at batch size 1 is a transient error for the retry
 list. A device error (``torch.AcceleratorError``, a cuDNN/cuBLAS execution failure) is nobody's
 input: it poisons the CUDA context for the whole process, so it is raised as ``DeviceFault``
@@ -124,6 +125,9 @@ def infer_splitting(model: Model, items: list[WorkItem]) -> list[Outcome]:
     try:
         predictions = model.predict([item.image.model_input for item in items
                                      if item.image is not None])
+        # Inside the try: an answer that does not pair up with the batch (``UnfitAnswer``,
+        # or a count that does not match) is this batch's model error, never a crash.
+        outcomes: list[Outcome] = list(zip(items, predictions, strict=True))
     except torch.cuda.OutOfMemoryError as exc:
         kind, why = "oom", str(exc)
     except Exception as exc:  # sorted out below: the device's fault, or one input's
@@ -134,7 +138,7 @@ def infer_splitting(model: Model, items: list[WorkItem]) -> list[Outcome]:
         for item in items:
             item.inference_ms = elapsed_ms
             item.runtime, item.precision = model.runtime, model.precision
-        return list(zip(items, predictions, strict=True))
+        return outcomes
     # Only now, out of the handler, is the exception gone, and with its traceback the frames of
     # the failed call: its input and activations. Retrying from inside the handler would run
     # the halves with the whole batch's memory still held (and cascade to size 1 on a GPU).

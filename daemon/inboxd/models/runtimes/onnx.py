@@ -38,6 +38,7 @@ ARTIFACT_FORMAT = 1  # bump when what is exported changes for the same inputs
 KEY_METADATA = "inboxd.cache_key"
 INPUT_NAME, OUTPUT_NAME = "input", "output"
 MAX_ARTIFACT_BYTES = 2 << 30  # protobuf's own limit: an export never writes more
+ARTIFACT_GRAPH_BYTES = 64 << 20  # the graph and metadata beside the tensors, generously
 # A temp file of an export that was killed is removed by a later build once this old (another
 # instance sharing the cache may be writing a young one right now).
 STALE_TEMP_S = 3600
@@ -145,19 +146,31 @@ class ArtifactRefused(Exception):
     """The cached file cannot be used (missing, corrupt, another key): build it again."""
 
 
-def read_artifact(path: Path) -> bytes:
-    """The file's bytes, refusing a link, a non-regular file or an impossible size."""
+def artifact_limit_bytes(network: nn.Module) -> int:
+    """The largest artifact ``network`` can export to: its tensors, twice over for what the
+    exporter may keep beside them, and room for the graph. A file above it is refused
+    before a byte of it is read."""
+    tensors = sum(int(t.numel() * t.element_size()) for t in network.state_dict().values())
+    return min(MAX_ARTIFACT_BYTES, 2 * tensors + ARTIFACT_GRAPH_BYTES)
+
+
+def read_artifact(path: Path, limit_bytes: int = MAX_ARTIFACT_BYTES) -> bytes:
+    """The file's bytes, refusing a link, a non-regular file or a size above ``limit_bytes``.
+    Opened non-blocking: a FIFO planted there would otherwise block the open for good."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError as exc:
         raise ArtifactRefused("not built yet") from exc
     except OSError as exc:
         raise ArtifactRefused(f"cannot open it: {exc.strerror or exc}") from exc
     with os.fdopen(fd, "rb") as handle:
         info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode) or not 0 < info.st_size <= MAX_ARTIFACT_BYTES:
-            raise ArtifactRefused("not a regular file of a plausible size")
-        return handle.read(MAX_ARTIFACT_BYTES + 1)
+        if not stat.S_ISREG(info.st_mode):
+            raise ArtifactRefused("not a regular file (a FIFO, a device, a socket)")
+        if not 0 < info.st_size <= limit_bytes:
+            raise ArtifactRefused(f"{info.st_size} bytes, where this network's export takes "
+                                  f"at most {limit_bytes}")
+        return handle.read(limit_bytes + 1)
 
 
 def check_self_contained(data: bytes, key: str) -> None:
@@ -223,8 +236,8 @@ def expected_key(network: nn.Module, crop: int, max_batch: int | None) -> str:
     return key_of(cache_key(network, crop, max_batch))
 
 
-def verified(path: Path, key: str) -> bytes:
-    data = read_artifact(path)
+def verified(path: Path, key: str, limit_bytes: int = MAX_ARTIFACT_BYTES) -> bytes:
+    data = read_artifact(path, limit_bytes)
     check_self_contained(data, key)
     return data
 
