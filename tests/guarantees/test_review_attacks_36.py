@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_until, write_config
+from tests.conftest import drop, last_stats, make_image, wait_until, write_config
 from tests.guarantees.test_exfat_outputs import exfat, files_under
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="loop devices and mounts need root")
@@ -50,3 +50,30 @@ def test_a_failed_portable_name_says_the_variant_it_took_not_a_real_file_of_that
         assert (failed / filed_as).read_bytes() == b"not an image: b?"
         assert (failed / "b%3F.png").read_bytes() == b"not an image: the real b%3F"
         assert "filed_as" not in json.loads((failed / reports["b%3F.png"]).read_text())
+
+
+@needs_fuse
+def test_a_kept_photo_under_a_name_results_cannot_hold_is_done_once(
+        tmp_path: Path, daemon_factory) -> None:
+    """``after_success: keep`` with results/ on exFAT: ``a?.png``'s result is filed as
+    ``a%3F.png.json``, but intake looked for ``a?.png.json`` to see that the photo left in the
+    inbox was done, found none, and claimed, inferred and put it back for ever (190
+    completions of the one photo in 15 s, a log line each)."""
+    with exfat(tmp_path / "usb") as usb:
+        daemon = daemon_factory(write_config(tmp_path, results_dir=str(usb / "results"),
+                                             inbox={"after_success": "keep"}))
+        daemon.wait_for("ready")
+        inbox = tmp_path / "inbox"
+        drop(make_image(tmp_path / "src" / "1.png", size=(16, 16), color=(2, 9, 99)), inbox,
+             "a?.png")
+        daemon.wait_for("completed")
+        # A photo dropped after it is taken after it: by then a loop would have gone round.
+        drop(make_image(tmp_path / "src" / "2.png", size=(16, 16), color=(3, 9, 99)), inbox,
+             "later.png")
+        wait_until(lambda: "later.png.json" in files_under(usb / "results"), 60, "later.png")
+        assert daemon.stop() == 0
+        assert files_under(usb / "results") == {"a%3F.png.json", "later.png.json"}
+        stats = last_stats(daemon.records("stats"))
+        assert (int(stats["COMPLETED"]), int(stats["ENQUEUED"])) == (2, 2), stats
+        assert sorted(p.name for p in inbox.iterdir() if not p.name.startswith(".")) == [
+            "a?.png", "later.png"]
