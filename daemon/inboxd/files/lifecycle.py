@@ -395,6 +395,8 @@ class Lifecycle:
         report_as = _ReportAs(self._failed_tmp.path, report, mode, portable=filing != key)
         key = filing  # failed/'s filesystem cannot hold the name: its portable form
         try:
+            # Written first: a full failed/ is met before anything moves (its folder is made).
+            report_as.tmp_for(key)
             try:
                 return self._file_failure(claimed, key, report_as, token)
             except LinkedFolder:
