@@ -77,3 +77,20 @@ def test_a_kept_photo_under_a_name_results_cannot_hold_is_done_once(
         assert (int(stats["COMPLETED"]), int(stats["ENQUEUED"])) == (2, 2), stats
         assert sorted(p.name for p in inbox.iterdir() if not p.name.startswith(".")) == [
             "a?.png", "later.png"]
+
+
+@needs_fuse
+def test_an_inbox_on_a_filesystem_without_permissions_is_refused_saying_so(
+        tmp_path: Path, daemon_factory) -> None:
+    """An inbox on exFAT (a camera's card, a USB stick): every folder reads mode 0777, so the
+    daemon's .processing is refused, rightly (any local user could write into it), but the
+    message said "someone replaced it — move it aside and look inside": nobody did, and no
+    move helps. It must name the filesystem's lack of permissions and the mount option."""
+    with exfat(tmp_path / "usb") as usb:
+        (usb / "inbox").mkdir()
+        daemon = daemon_factory(write_config(tmp_path, inbox={"paths": [str(usb / "inbox")]}))
+        assert daemon.proc.wait(120) == 78
+        daemon.stop()
+        output = "\n".join(daemon.lines)
+        assert "does not keep Unix permissions" in output and "umask=022" in output, output
+        assert "someone replaced it" not in output
