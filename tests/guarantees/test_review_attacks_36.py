@@ -14,6 +14,7 @@ import pytest
 
 from tests.conftest import drop, last_stats, make_image, wait_until, write_config
 from tests.guarantees.test_exfat_outputs import exfat, files_under
+from tests.guarantees.test_full_disk import QUICK_PROBES, fill, flood, names_in, small_ext4
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="loop devices and mounts need root")
 needs_fuse = pytest.mark.skipif(not os.path.exists("/dev/fuse"),
@@ -94,3 +95,36 @@ def test_an_inbox_on_a_filesystem_without_permissions_is_refused_saying_so(
         output = "\n".join(daemon.lines)
         assert "does not keep Unix permissions" in output and "umask=022" in output, output
         assert "someone replaced it" not in output
+
+
+def test_a_batch_bigger_than_the_room_left_files_what_fits_rather_than_waiting_for_ever(
+        tmp_path: Path, daemon_factory) -> None:
+    """A disk with ~150 KiB free: the 64 KiB probe passes, a batch of 32 embeddings (a vector
+    and a JSON each) does not. Every batch was held whole and sent whole again after each
+    passing probe: 0 of 64 photos done in 25 s (35 probes) while ``df`` showed free space.
+    What fits must be filed (the held batch is sent in halves), with no photo failed."""
+    with small_ext4(tmp_path / "results") as results:
+        config = write_config(tmp_path, retry=QUICK_PROBES, model={"output": "embed"},
+                              batch={"max_size": 32, "max_delay_ms": 800},
+                              inbox={"settle_ms": 1000})
+        daemon = daemon_factory(config)
+        daemon.wait_for("ready")
+        filler = fill(results)
+        size = filler.stat().st_size
+        filler.unlink()
+        with open(filler, "wb") as handle:  # the disk again, but for ~160 KiB
+            handle.write(bytes(size - (160 << 10)))
+            os.fsync(handle.fileno())
+        names = flood(tmp_path / "inbox", 64)
+        daemon.wait_for("output_full", 60)
+        wait_until(lambda: len(names_in(results, ".json")) >= 4, 60,
+                   "what fits in the room left filed")
+        assert names_in(tmp_path / "failed") == set()
+        filler.unlink()
+        wait_until(lambda: names_in(tmp_path / "done") == names, 120, "all 64 done")
+        assert names_in(results, ".json") == names
+        assert daemon.stop() == 0
+        stats = last_stats(daemon.records("stats"))
+        assert (int(stats["COMPLETED"]), int(stats["FAILED"]), int(stats["DUPLICATES"])) == (
+            64, 0, 0), stats
+        assert len(daemon.records("output_full")) <= 3, daemon.records("output_full")
