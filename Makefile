@@ -17,16 +17,20 @@ test: setup-test lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The layers and the absence of import cycles are import-linter contracts in pyproject.toml.
-# The inner loop (about 4 minutes on 2 cores; the aim is 3): the unit tests and the quicker
-# end-to-end ones (real daemons included); the costlier ones are marked (pyproject's markers)
-# and left to `make test`, which CI runs.
+# The inner loop (the aim: 3 minutes on 2 cores): the unit tests and the quicker end-to-end
+# ones (real daemons included); the costlier ones are marked (pyproject's markers) and left to
+# `make test`, which CI runs. Two pytest-xdist workers, one test file each at a time (a file's
+# module fixtures are built once): much of a test is waiting (a settle time, a child's start),
+# which the other worker fills. TEST_FAST_WORKERS=0 runs them in one process.
 FAST_MARKERS := not (soak or slow or ray or nspawn or devicecheck)
+TEST_FAST_WORKERS ?= 2
 test-fast: setup-test
 	@bash .ci/journald.sh
-	$(BIN)/python -m pytest -m '$(FAST_MARKERS)' -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m '$(FAST_MARKERS)' -p no:cacheprovider \
+	  -n $(TEST_FAST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: setup-test
-	$(BIN)/ruff check daemon tests bench
+	$(BIN)/ruff check daemon support tests bench
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
@@ -95,12 +99,18 @@ $(VENV)/bin/python:
 	  { echo "inboxd needs Python >= 3.11 (found $$($(PYTHON) --version))"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 
+# model: ocr's networks: the files of this wheel, without its requirements (pyproject.toml says
+# why); --ignore-requires-python because the wheel says <3.13 for its code, which is not used.
+OCR_MODELS := rapidocr-onnxruntime==1.4.4
+
 $(VENV)/.runtime-installed: pyproject.toml | system-deps $(VENV)/bin/python
 	$(BIN)/python -m pip install -q -e .
+	$(BIN)/python -m pip install -q --no-deps --ignore-requires-python $(OCR_MODELS)
 	touch $@
 
 $(VENV)/.test-installed: pyproject.toml | system-deps $(VENV)/bin/python
 	$(BIN)/python -m pip install -q -e '.[test,ray,bench]'
+	$(BIN)/python -m pip install -q --no-deps --ignore-requires-python $(OCR_MODELS)
 	touch $(VENV)/.runtime-installed $@
 
 clean:
@@ -117,7 +127,7 @@ uninstall:
 	@PREFIX=$(PREFIX) bash systemd/install.sh uninstall
 
 # Benchmarks (bench/): one table + JSON + PNG under bench/out/. Not tests: figures, not asserts.
-.PHONY: bench bench-sweep bench-ray bench-overhead bench-peer bench-fidelity bench-decoders
+.PHONY: bench bench-sweep bench-ray bench-overhead bench-peer bench-fidelity bench-decoders bench-ocr
 bench: setup-test
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
@@ -138,6 +148,12 @@ bench-peer: setup-test
 # the 324-variant corpus (built once into var/corpus), with the draft/reducing_gap candidates.
 bench-fidelity: setup-test
 	$(BIN)/python -m bench.fidelity --sweep $(BENCH_ARGS)
+
+# Only model: ocr against RapidOCR's own API in a loop, in turns, on 200 generated text images
+# (rendered once into var/ocr-corpus): files/s ratio and the share of the peer's lines read
+# the same. BENCH_ARGS="--count 24" checks it works.
+bench-ocr: setup-test
+	$(BIN)/python -m bench.ocr $(BENCH_ARGS)
 
 # Pillow exact/fast against libvips, in worker-limited children, in turns.
 bench-decoders: setup-test

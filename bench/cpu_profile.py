@@ -2,7 +2,7 @@
 
 Two sources, each where it is exact:
 
-* ``/proc/<pid>/stat`` ticks (``bench.overhead.cpu_s`` / ``cpu_by_thread_s``), read before a
+* ``/proc/<pid>/stat`` ticks (``bench.procs.cpu_s`` / ``cpu_by_thread_s``), read before a
   flood and after its last result: the CPU each process and each of the daemon's named threads
   spent, whatever code ran (C libraries, OpenMP or ONNX Runtime threads included).
 * ``py-spy record --subprocesses --nonblocking`` (on-CPU samples only, no ``--idle``) during
@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.measure import drop_many
-from bench.overhead import HELPERS, cpu_by_thread_s, cpu_s
 from bench.photos import Photo
+from bench.procs import HELPERS, cpu_by_thread_s, cpu_s
 from bench.scenarios import Running
 
 OTHER = "other (event loop, claims, scans, stats)"

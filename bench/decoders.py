@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -211,7 +212,7 @@ def interleaved_child(kinds: dict[str, list[str]], repeats: int) -> None:
     worker.warm_up()
     vips_crop(Path(kinds["12-MP JPEG"][0]).read_bytes(), 256, 224)
     worker.limit_memory()
-    decoders = {
+    decoders: dict[str, Callable[[bytes], Any]] = {
         "pillow-exact": lambda d: pillow.decode_image(d, spec, MAX_PIXELS).pixels,
         "pillow-fast": lambda d: pillow.decode_image(d, replace(spec, resize_mode="fast"),
                                                      MAX_PIXELS).pixels,

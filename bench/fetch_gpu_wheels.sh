@@ -33,7 +33,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from tests.photos import photo_paths
+from support.photos import photo_paths
 
 for path in photo_paths().values():
     shutil.copy2(path, Path(sys.argv[1]) / path.name)

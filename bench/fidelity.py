@@ -3,7 +3,7 @@
 The reference is the exact path: ``preprocess.resize: exact`` (torchvision's pixels) and the
 built-in model in eager fp32. Each row is one path: a decode (file bytes → the crop) and a
 ``predict`` (crops → softmax scores), so a model runtime is one more row with the exact decode
-and its own ``predict``. Per row, over the corpus variants it applies to (``bench/corpus.py``):
+and its own ``predict``. Per row, over the corpus variants it applies to (``support/corpus.py``):
 top-1 agreement with the reference, and |Δ top-1 score| — how far the path moves the score of
 the class the reference put first — as median, p95 and max. The contract a default must hold:
 agreement >= 99% and median |Δ| <= 0.01 (``tests/decode/test_fast_fidelity.py`` asserts it).
@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -31,8 +32,8 @@ from inboxd.decode import pillow
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.models.model import Model
 
-from bench import corpus
-from bench.corpus import Variant
+from support import corpus
+from support.corpus import Variant
 
 Crop = np.ndarray
 Predict = Callable[[Sequence[Crop]], torch.Tensor]  # crops -> N×classes softmax scores
@@ -78,9 +79,9 @@ HEADER = ("| path | n | changed | top-1 agreement % | median abs(Δ top-1) | p95
 
 def eager_fp32_predict() -> Predict:
     """The built-in model as the daemon loads it, in eager fp32 on the CPU: the reference."""
-    from inboxd.models.loading import load_model
+    from inboxd.models.loading import load_network
 
-    return softmax_predict(load_model(ModelConfig(device="cpu", precision="fp32")))
+    return softmax_predict(load_network(ModelConfig(device="cpu", precision="fp32")))
 
 
 def softmax_predict(model: Model) -> Predict:
@@ -95,10 +96,10 @@ def softmax_predict(model: Model) -> Predict:
 def onnxruntime_predict() -> Predict:
     """The built-in model as the daemon serves it by default on the CPU: exported to ONNX (as
     ``models/onnx_export.py`` does, here in this process) and run by ONNX Runtime, fp32."""
-    from inboxd.models.loading import load_model
+    from inboxd.models.loading import load_network
     from inboxd.models.runtimes import onnx as onnx_runtime
 
-    model = load_model(ModelConfig(device="cpu", precision="fp32"))
+    model = load_network(ModelConfig(device="cpu", precision="fp32"))
     data = onnx_runtime.export_bytes(model.network.cpu().eval(), model.spec.crop, None,
                                      "bench.fidelity")
     model.use(onnx_runtime.from_bytes(data, 2))
@@ -116,7 +117,7 @@ def resized_decode(spec: PreprocessSpec, resizing: pillow.Resizing) -> Decode:
     return lambda data: pillow.decode_resized(data, spec, MAX_PIXELS, resizing).pixels
 
 
-def mode_decode(spec: PreprocessSpec, mode: str) -> Decode:
+def mode_decode(spec: PreprocessSpec, mode: Literal["fast", "exact"]) -> Decode:
     """What a decode worker does with ``preprocess.resize: <mode>``."""
     moded = replace(spec, resize_mode=mode)
     return lambda data: pillow.decode_image(data, moded, MAX_PIXELS).pixels

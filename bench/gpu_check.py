@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import Any
 
 # (stage, deadline in seconds on the GPU machine, in a dry run on 2 shared CPU cores). GPU:
-# 495 s in all if every stage ran to its deadline (none is expected to: each is an upper
-# bound), with gpu_decode (issue 12) added. Dry run: what each stage took on the loaded CPU
-# machine (10-65 s), with room; the suite's test bounds the whole at 4 min.
+# 615 s in all if every stage ran to its deadline (none is expected to: each is an upper
+# bound), with gpu_decode (issue 12), detection and ocr (issue 38) added. Dry run: what each stage
+# took on the loaded CPU machine (10-65 s), with room; the suite's test bounds the whole at
+# 4 min.
 STAGES: tuple[tuple[str, int, int], ...] = (
     ("gpu_tests", 120, 60),
     ("precision", 60, 90),
@@ -35,7 +36,9 @@ STAGES: tuple[tuple[str, int, int], ...] = (
     ("throughput", 130, 90),
     ("flood_memory", 90, 60),
     ("oom_split", 45, 60),
+    ("detection", 60, 60),
     ("sandbox", 20, 20),
+    ("ocr", 60, 60),
 )
 OK = ("passed", "skipped")
 # Where to look for the NVIDIA driver's files: "/" (a test points it at a fake host's root).

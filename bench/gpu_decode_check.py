@@ -51,9 +51,8 @@ def parity(model: Any, dry_run: bool) -> Result:
     from inboxd.decode.tensor import decode_batch
     from PIL import Image
 
-    from tests.decode.test_fidelity import photo_jpeg
-    from tests.decode.test_tensor import SIZES
-    from tests.photos import photo_paths
+    from support.photos import DECODE_SIZES as SIZES
+    from support.photos import photo_jpeg, photo_paths
 
     photos = photo_paths()
     sizes = {n: s for n, s in SIZES.items() if n in photos}
@@ -102,6 +101,7 @@ def overlap(model: Any, dry_run: bool) -> Result:
     import numpy as np
     from inboxd.item import DecodedImage, WorkItem
     from inboxd.models.engines.local import LocalEngine
+    from inboxd.models.model import Classification
 
     batch, batches = (4, 3) if dry_run else (64, 40)
     crop = model.spec.crop
@@ -111,7 +111,7 @@ def overlap(model: Any, dry_run: bool) -> Result:
     def items(n: int) -> list[WorkItem]:
         made = []
         for k in range(batch):
-            item = WorkItem(Path("/in"), f"{n}-{k}.jpg", f"{n}-{k}.jpg", Path("/claimed"))
+            item = WorkItem(Path("/in"), f"{n}-{k}.jpg", f"{n}-{k}.jpg", "/claimed")
             item.image = DecodedImage(images[(n + k) % batch], crop, crop, "JPEG", "RGB")
             made.append(item)
         return made
@@ -124,7 +124,8 @@ def overlap(model: Any, dry_run: bool) -> Result:
 
         async def one(n: int) -> list[Any]:
             async with slots:
-                return [r.top_k[0]["label"] for _, r in await engine.infer(items(n))]
+                return [r.top_k[0]["label"] if isinstance(r, Classification) else repr(r)
+                        for _, r in await engine.infer(items(n))]
 
         started = time.perf_counter()
         labels = await asyncio.gather(*(one(n) for n in range(batches)))

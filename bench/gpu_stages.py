@@ -3,8 +3,8 @@ each writing its figures to ``--result`` as JSON with a ``status``: passed, skip
 reason), or failed (with the error). ``--dry-run`` runs the same code on the CPU with tiny
 sizes; where a stage needs the GPU itself, the dry run says what it stood in for.
 
-All six stages of one script are here, each small and read against the issue's list (a-f):
-split, they would only scatter the sizes and verdicts.
+The stages of one script are here (gpu_decode and detection in their own modules), each small
+and read against the issue's list (a-f): split, they would only scatter the sizes and verdicts.
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from bench.gpu_decode_check import gpu_decode
+from bench.gpu_detect_check import detection
+from bench.gpu_ocr_check import ocr
+from bench.photos import jpegs
+from support import configs
 
 REPO = Path(__file__).resolve().parent.parent
 Result = dict[str, Any]
@@ -54,17 +56,8 @@ def sizes(dry_run: bool) -> dict[str, Any]:
 
 
 def write_config(root: Path, **sections: Any) -> Path:
-    config: dict[str, Any] = {
-        "inbox": {"paths": [str(root / "inbox")], "settle_ms": 0, "rescan_interval_s": 1},
-        "results_dir": str(root / "results"), "done_dir": str(root / "done"),
-        "failed_dir": str(root / "failed"), "stats": {"interval_s": 1},
-    }
-    for key, value in sections.items():
-        config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
-    (root / "inbox").mkdir(parents=True, exist_ok=True)
-    path = root / "inboxd.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return configs.write_config(root, {"inbox": {"settle_ms": 0, "rescan_interval_s": 1},
+                                       "stats": {"interval_s": 1}}, sections)
 
 
 def fresh(out: Path, name: str) -> Path:
@@ -72,13 +65,6 @@ def fresh(out: Path, name: str) -> Path:
     shutil.rmtree(root, ignore_errors=True)
     (root / "inbox").mkdir(parents=True)
     return root
-
-
-def jpegs(out: Path) -> list[Path]:
-    """The 0.3-MP JPEGs of the bench corpus (made from the real photos)."""
-    from bench.photos import build_corpus
-
-    return [p.path for p in build_corpus(out / "photos", sizes=["0.3MP"], formats=["jpg"])]
 
 
 def fill_inbox(inbox: Path, files: list[Path], count: int) -> None:
@@ -116,17 +102,17 @@ def precision(dry_run: bool, out: Path) -> Result:
     import torch
     from inboxd.config import ModelConfig
     from inboxd.decode.pillow import decode_image
-    from inboxd.models.loading import load_model
+    from inboxd.models.loading import load_network
     from inboxd.models.model import Classification
 
-    from tests.photos import EXPECTED_TOP1, photo_paths
+    from support.photos import EXPECTED_TOP1, photo_paths
 
     photos = {n: p for n, p in sorted(photo_paths().items()) if n in EXPECTED_TOP1}
     photos = dict(list(photos.items())[:sizes(dry_run)["photos"]])
     device = "cuda" if torch.cuda.is_available() else "cpu"
 
     def top1(precision_name: str, on: str) -> dict[str, tuple[str, float]]:
-        model = load_model(ModelConfig(device=on, precision=precision_name))  # type: ignore[arg-type]
+        model = load_network(ModelConfig(device=on, precision=precision_name))  # type: ignore[arg-type]
         found = {}
         for name, path in photos.items():
             image = decode_image(path.read_bytes(), model.spec, 89_478_485)
@@ -170,7 +156,7 @@ def throughput(dry_run: bool, out: Path) -> Result:
     import torch
     from inboxd.config import PreprocessConfig, load_config
     from inboxd.models.engines.local import LocalEngine
-    from inboxd.models.loading import load_model
+    from inboxd.models.loading import load_network
     from inboxd.pipeline.wiring import Pipeline
 
     from bench.ceiling import run_loop
@@ -195,7 +181,7 @@ def throughput(dry_run: bool, out: Path) -> Result:
                 capacity={"queue": batch, "preprocess_cache": 2 * batch,
                           "preprocess_cache_mb": 1024, "event_buffer": 4 * batch}))
             if model is None:
-                model = load_model(config.model)
+                model = load_network(config.model)
             engine = LocalEngine(model)
 
             async def run(config: Any = config, engine: LocalEngine = engine,
@@ -313,11 +299,11 @@ def oom_split(dry_run: bool, out: Path) -> Result:
     from inboxd.decode.pillow import decode_image
     from inboxd.item import DecodedImage, WorkItem
     from inboxd.models.engines.local import infer_splitting
-    from inboxd.models.loading import load_model
+    from inboxd.models.loading import load_network
     from inboxd.models.model import Classification
 
     count = sizes(dry_run)["oom_batch"]
-    model = load_model(load_config(None).model)
+    model = load_network(load_config(None).model)
     path = jpegs(out)[0]
     image = decode_image(path.read_bytes(), model.spec, 89_478_485)
     pixels: np.ndarray[Any, Any] = image.pixels
@@ -331,7 +317,7 @@ def oom_split(dry_run: bool, out: Path) -> Result:
     logging.getLogger("inboxd").addHandler(Splits())
 
     def batch() -> list[WorkItem]:
-        items = [WorkItem(path.parent, f"{n}.jpg", f"{n}.jpg", path) for n in range(count)]
+        items = [WorkItem(path.parent, f"{n}.jpg", f"{n}.jpg", str(path)) for n in range(count)]
         for item in items:
             item.image = DecodedImage(pixels, image.width, image.height, "JPEG", "RGB")
         return items
@@ -411,7 +397,7 @@ def sandbox(dry_run: bool, out: Path) -> Result:
 STAGES: dict[str, Callable[[bool, Path], Result]] = {
     "gpu_tests": gpu_tests, "precision": precision, "gpu_decode": gpu_decode,
     "throughput": throughput, "flood_memory": flood_memory, "oom_split": oom_split,
-    "sandbox": sandbox,
+    "detection": detection, "sandbox": sandbox, "ocr": ocr,
 }
 
 

@@ -16,7 +16,7 @@ from inboxd.config import load_config
 from inboxd.decode.pillow import decode_image
 from inboxd.files.reading import read_and_hash
 from inboxd.item import DecodedImage
-from inboxd.models.loading import load_model
+from inboxd.models.loading import load_network
 from inboxd.models.model import Model
 
 
@@ -24,7 +24,7 @@ def load(warm_batch: int) -> tuple[Model, int]:
     """The model as the default config loads it (device, precision), warmed up like the
     daemon warms it; and the default ``max_image_pixels``."""
     config = load_config(None)
-    model = load_model(config.model)
+    model = load_network(config.model)
     model.warm_up(model.warm_up_sizes(warm_batch))  # this thread is the one that infers
     return model, config.preprocess.max_image_pixels
 

@@ -22,7 +22,6 @@ results-folder fsync per 64, then the 64 sources renamed to ``done/``):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import signal
@@ -34,34 +33,26 @@ from typing import Any
 
 import numpy as np
 import torch
-import yaml
 from PIL import Image
 
 from bench import profiled, report
 from bench.measure import ResultWatcher, drop_many
 from bench.offline import emit
 from bench.photos import Photo
-from bench.procs import DEFAULT_CONFIG, Daemon
+from bench.procs import Daemon, cpu_by_thread_s, cpu_s
 from bench.scenarios import Running, flood, watch
+from support import configs
+from support.configs import shipped_config
+from support.harness import logger
+from support.models import NullModel
+
+log = logger("overhead")
 
 BENCH_DIR = Path(__file__).resolve().parent
 WORK_DIR = BENCH_DIR / "out" / "overhead"
 DISTINCT_JPEGS = 256
 BATCH = 64
 TURNS = 3  # loop, flood, loop, flood, loop, flood, loop: the median of three ratios
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-class NullModel(torch.nn.Module):
-    """Costs nothing: per-channel means → 10 scores."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = torch.nn.Linear(3, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.fc(x.mean(dim=(2, 3)))
-        return out
 
 
 def make_inputs(work: Path) -> tuple[Path, Path, list[Photo]]:
@@ -90,78 +81,15 @@ def make_inputs(work: Path) -> tuple[Path, Path, list[Photo]]:
 
 
 def write_config(root: Path, program: Path, labels: Path, instance: str = "default") -> Path:
-    config: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text()) or {}
-    config["inbox"]["paths"] = [str(root / "inbox")]
-    config.update(results_dir=str(root / "results"), done_dir=str(root / "done"),
-                  failed_dir=str(root / "failed"), instance=instance)
-    config["stats"]["interval_s"] = 1
+    config = shipped_config()
     config["model"] = {"export": str(program), "labels": str(labels), "device": "cpu",
                        "input": {"resize": 32, "crop": 32}, "top_k": 5}
-    config["batch"] = {"max_size": BATCH, "max_delay_ms": 10}
     # Room for a whole batch behind the decoders, or batches could never reach 64.
-    config["capacity"].update(queue=BATCH, preprocess_cache=2 * BATCH)
-    (root / "inbox").mkdir(parents=True, exist_ok=True)
-    path = root / f"inboxd-{instance}.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return path
-
-
-def log(message: str) -> None:
-    print(f"[overhead {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def _stat_cpu_s(path: str) -> float:
-    """User + system CPU seconds from a /proc .../stat file."""
-    with open(path) as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-# The daemon's helper processes, by the module each runs (its command line).
-HELPERS = {"inboxd.decode.worker_child": "decode_workers", "inboxd.files.commit_child": "commit"}
-
-
-def cpu_s(pid: int) -> dict[str, float]:
-    """User + system CPU seconds of the daemon process (threads that ended included) and of
-    its live helper processes, by kind (``HELPERS``)."""
-    found = dict.fromkeys(["daemon", *HELPERS.values()], 0.0)
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        found["daemon"] = _stat_cpu_s(f"/proc/{pid}/stat")
-    for task in _tasks(pid):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as kids:
-            for child in kids.read().split():
-                with contextlib.suppress(OSError, ValueError, IndexError):
-                    with open(f"/proc/{child}/cmdline", "rb") as cmdline:
-                        args = cmdline.read().split(b"\0")
-                    kind = next((HELPERS[a.decode()] for a in args if a.decode() in HELPERS),
-                                "daemon")
-                    found[kind] += _stat_cpu_s(f"/proc/{child}/stat")
-    return found
-
-
-def cpu_by_thread_s(pid: int) -> dict[str, float]:
-    """CPU seconds of ``pid``'s live threads by kernel name without the index (``io``,
-    ``preprocess``, ``model``, ``sync``, ...: inboxd names them, ``os_threads``; the main thread
-    is the event loop): a breakdown, not a total (ended threads are missing)."""
-    found: dict[str, float] = {}
-    for task in _tasks(pid):
-        base = f"/proc/{pid}/task/{task}"
-        try:  # a thread that ends meanwhile is left out, the others still count
-            with open(f"{base}/comm") as comm:
-                name = comm.read().strip()
-            seconds = _stat_cpu_s(f"{base}/stat")
-        except (OSError, ValueError, IndexError):
-            continue
-        name = "event loop" if task == str(pid) else name.rstrip("0123456789").rstrip("_")
-        found[name] = found.get(name, 0.0) + seconds
-    return found
-
-
-def _tasks(pid: int) -> list[str]:
-    try:
-        return os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return []
+    return configs.write_config(root, config, {
+        "instance": instance, "stats": {"interval_s": 1},
+        "batch": {"max_size": BATCH, "max_delay_ms": 10},
+        "capacity": {"queue": BATCH, "preprocess_cache": 2 * BATCH}},
+        name=f"inboxd-{instance}.yaml")
 
 
 def reference(root: Path, config_path: Path, photos: list[Photo], count: int) -> dict[str, Any]:
@@ -170,10 +98,10 @@ def reference(root: Path, config_path: Path, photos: list[Photo], count: int) ->
     from inboxd.decode.pillow import decode_image
     from inboxd.files.durable import fsync_dir, json_bytes, write_tmp
     from inboxd.files.reading import read_and_hash
-    from inboxd.models.loading import load_model
+    from inboxd.models.loading import load_network
 
     config = load_config(config_path)
-    model = load_model(config.model)
+    model = load_network(config.model)
     model.warm_up(model.warm_up_sizes(BATCH))
     inbox, processing, results, done, tmp = (root / n for n in (
         "inbox", "processing", "results", "done", "tmp"))
@@ -345,7 +273,7 @@ def in_turns(scratch: Scratch, program: Path, labels: Path, photos: list[Photo],
 
 
 def mean_files_per_s(*runs: dict[str, Any]) -> float:
-    return statistics.mean(run["files_per_s"] for run in runs)
+    return statistics.mean(float(run["files_per_s"]) for run in runs)
 
 
 def two_instances(root: Path, program: Path, labels: Path, photos: list[Photo],

@@ -14,7 +14,7 @@ centre crop 224, RGB, (x - 0.5) / 0.5. libvips does the first two in one call:
 ``thumbnail(256 × 256, crop="centre")`` scales the shorter side to 256 and keeps its centre
 256 × 256, whose centre 224 × 224 is the same crop. libvips' resampling kernel (lanczos3 for
 reductions) is not torchvision's bicubic; top-1 agreement with inboxd is tested
-(``tests/test_bench_peer.py``).
+(``bench/test_peer.py``).
 
 HEIC: the ``pyvips-binary`` wheel's libheif has no HEVC decoder (patents), so libvips cannot read
 a HEIC from pip. The afternoon fix is ``pillow_heif`` (libheif + libde265, which decodes on its

@@ -49,15 +49,17 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from bench import cpu_profile
 from bench.measure import ResultWatcher, drop_many
-from bench.overhead import cpu_s
 from bench.peer import DECODERS, ensure_model
 from bench.photos import Photo, build_corpus
-from bench.procs import DEFAULT_CONFIG, Daemon, RssSampler
+from bench.procs import Daemon, RssSampler, cpu_s
 from bench.scenarios import Running
+from support import configs
+from support.configs import shipped_config
+from support.harness import logger
+
+log = logger("bench-peer")
 
 BENCH_DIR = Path(__file__).resolve().parent
 CORPUS_DIR = BENCH_DIR / "out" / "photos"
@@ -92,10 +94,6 @@ STARTED_NOISE = ("MODEL", "DEVICE_NAME", "TORCH_VERSION", "INSTANCE", "VERSION",
                  "FILESYSTEMS", "WARMUP_S", "WARMED_BATCH_SIZES")
 SCALES = {"full": {"warm": 16, "profile": 120, "settle_s": 180},
           "quick": {"warm": 8, "profile": 16, "settle_s": 60}}
-
-
-def log(message: str) -> None:
-    print(f"[bench-peer {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 # -- photos -----------------------------------------------------------------------------------
@@ -149,14 +147,7 @@ def steady_files_per_s(stamps: list[float]) -> float:
 
 def write_config(root: Path) -> Path:
     """The embedded default config with only the folder paths changed."""
-    config: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text()) or {}
-    config.setdefault("inbox", {})["paths"] = [str(root / "inbox")]
-    config["results_dir"] = str(root / "results")
-    config["done_dir"] = str(root / "done")
-    config["failed_dir"] = str(root / "failed")
-    path = root / "inboxd.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return path
+    return configs.write_config(root, shipped_config())
 
 
 def busy_cores(pid: int, window_s: float = 1.0) -> float:

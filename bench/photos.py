@@ -149,3 +149,8 @@ def build_corpus(folder: Path, sizes: list[str] | None = None,
 
 def describe(photos: list[Photo]) -> list[dict[str, object]]:
     return [{**asdict(p), "path": p.path.name} for p in photos]
+
+
+def jpegs(out: Path) -> list[Path]:
+    """The 0.3-MP JPEGs of the bench corpus (made from the real photos)."""
+    return [p.path for p in build_corpus(out / "photos", sizes=["0.3MP"], formats=["jpg"])]

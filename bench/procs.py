@@ -8,8 +8,8 @@ comes from them), everything else is kept only as a short tail for error message
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -18,42 +18,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
+from support import configs
+from support.configs import SHIPPED_CONFIG, shipped_config
+from support.records import numeric_fields
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = REPO / "config" / "inboxd.yaml"
-_FIELD = re.compile(r"^([A-Z][A-Z0-9_]*)=(\S+)$")
-
-
-def parse_fields(line: str) -> dict[str, float | str]:
-    """The ``KEY=value`` fields of one stderr record (numbers as floats)."""
-    fields: dict[str, float | str] = {}
-    for token in line.split():
-        match = _FIELD.match(token)
-        if match:
-            key, raw = match.groups()
-            try:
-                fields[key] = float(raw)
-            except ValueError:
-                fields[key] = raw
-    return fields
+DEFAULT_CONFIG = SHIPPED_CONFIG
 
 
 def write_config(root: Path, overrides: dict[str, dict[str, Any]] | None = None) -> Path:
-    """The repo's default config with every folder under ``root``, a 1-s stats interval and
+    """The shipped config with every folder under ``root``, a 1-s stats interval and
     ``overrides`` merged per section: what the bench measures is what ``make run`` runs."""
-    config: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text()) or {}
-    config.setdefault("inbox", {})["paths"] = [str(root / "inbox")]
-    config["results_dir"] = str(root / "results")
-    config["done_dir"] = str(root / "done")
-    config["failed_dir"] = str(root / "failed")
-    config.setdefault("stats", {})["interval_s"] = 1
+    sections: dict[str, dict[str, Any]] = {"stats": {"interval_s": 1}}
     for section, values in (overrides or {}).items():
-        config.setdefault(section, {}).update(values)
-    (root / "inbox").mkdir(parents=True, exist_ok=True)
-    path = root / "inboxd.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return path
+        sections[section] = {**sections.get(section, {}), **values}
+    return configs.write_config(root, shipped_config(), sections)
 
 
 def rss_bytes(pid: int) -> int:
@@ -165,10 +144,10 @@ class Daemon:
         for line in self.proc.stderr:
             if "[stats]" in line:
                 with self._lock:
-                    self.stats.append((time.monotonic(), parse_fields(line)))
+                    self.stats.append((time.monotonic(), numeric_fields(line)))
                     self._lock.notify_all()
             elif "[started]" in line:
-                self.started_fields = parse_fields(line)
+                self.started_fields = numeric_fields(line)
             elif "[ready]" in line and not self.ready.is_set():
                 self.ready_s = time.monotonic() - self._started
                 self.ready.set()
@@ -228,3 +207,61 @@ class Daemon:
         if self.alive():
             self.proc.kill()
             self.proc.wait(30)
+
+
+# CPU seconds read from /proc (what the overhead, profile and peer benches charge).
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat_cpu_s(path: str) -> float:
+    """User + system CPU seconds from a /proc .../stat file."""
+    with open(path) as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+# The daemon's helper processes, by the module each runs (its command line).
+HELPERS = {"inboxd.decode.worker_child": "decode_workers", "inboxd.files.commit_child": "commit"}
+
+
+def cpu_s(pid: int) -> dict[str, float]:
+    """User + system CPU seconds of the daemon process (threads that ended included) and of
+    its live helper processes, by kind (``HELPERS``)."""
+    found = dict.fromkeys(["daemon", *HELPERS.values()], 0.0)
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        found["daemon"] = _stat_cpu_s(f"/proc/{pid}/stat")
+    for task in _tasks(pid):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as kids:
+            for child in kids.read().split():
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    with open(f"/proc/{child}/cmdline", "rb") as cmdline:
+                        args = cmdline.read().split(b"\0")
+                    kind = next((HELPERS[a.decode()] for a in args if a.decode() in HELPERS),
+                                "daemon")
+                    found[kind] += _stat_cpu_s(f"/proc/{child}/stat")
+    return found
+
+
+def cpu_by_thread_s(pid: int) -> dict[str, float]:
+    """CPU seconds of ``pid``'s live threads by kernel name without the index (``io``,
+    ``preprocess``, ``model``, ``sync``, ...: inboxd names them, ``os_threads``; the main thread
+    is the event loop): a breakdown, not a total (ended threads are missing)."""
+    found: dict[str, float] = {}
+    for task in _tasks(pid):
+        base = f"/proc/{pid}/task/{task}"
+        try:  # a thread that ends meanwhile is left out, the others still count
+            with open(f"{base}/comm") as comm:
+                name = comm.read().strip()
+            seconds = _stat_cpu_s(f"{base}/stat")
+        except (OSError, ValueError, IndexError):
+            continue
+        name = "event loop" if task == str(pid) else name.rstrip("0123456789").rstrip("_")
+        found[name] = found.get(name, 0.0) + seconds
+    return found
+
+
+def _tasks(pid: int) -> list[str]:
+    try:
+        return os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []

@@ -19,6 +19,7 @@ import pstats
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 _main = cProfile.Profile()
@@ -156,11 +157,12 @@ def _snapshot(path: str) -> None:
         profiles = [_main, *_profiles]
     for profile in profiles:
         profile.snapshot_stats()
-        stats: Raw = profile.stats  # type: ignore[attr-defined]
+        stats: Raw = getattr(profile, "stats")  # noqa: B009 (set by snapshot_stats, untyped)
         for key, (cc, nc, tt, ct, callers) in stats.items():
             cc0, nc0, tt0, ct0, callers0 = merged.get(key, (0, 0, 0.0, 0.0, {}))
+            add_callers: Callable[[Any, Any], Any] = getattr(pstats, "add_callers")  # noqa: B009
             merged[key] = (cc + cc0, nc + nc0, tt + tt0, ct + ct0,
-                           pstats.add_callers(callers0, callers))
+                           add_callers(callers0, callers))
     with open(path, "wb") as handle:
         marshal.dump(merged, handle)
 
@@ -184,7 +186,7 @@ def main() -> int:
         code = inboxd_main(argv)
     finally:
         _main.disable()
-        threading.setprofile(None)  # type: ignore[arg-type]
+        threading.setprofile(None)
         _snapshot(out)
     return code
 

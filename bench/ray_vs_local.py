@@ -24,31 +24,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 from PIL import Image
-from torch import nn
+
+from support.models import tiny_program
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
-
-
-class TinyNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.conv = nn.Conv2d(3, 8, 3, stride=2)
-        self.fc = nn.Linear(8, 1000)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.relu(self.conv(x)).mean(dim=(2, 3)))
-
-
-def tiny_program(path: Path) -> Path:
-    batch = torch.export.Dim("batch", min=1, max=64)
-    program = torch.export.export(TinyNet().eval(), (torch.randn(2, 3, 32, 32),),
-                                  dynamic_shapes=({0: batch},))
-    torch.export.save(program, path)
-    return path
 
 
 def start_cluster() -> tuple[Any, str]:
@@ -87,7 +68,7 @@ async def run_once(config_path: Path) -> dict[str, Any]:
     wall_s = time.perf_counter() - started
     fields = pipeline.log_stats()
     stats = pipeline.stats
-    replica = json.loads(fields.get("RAY_REPLICA_LATENCY_MS", "{}"))
+    replica: dict[str, dict[str, Any]] = json.loads(fields.get("RAY_REPLICA_LATENCY_MS", "{}"))
     return {"completed": stats.counters.completed, "failed": stats.counters.failed,
             "wall_s": wall_s, "files_per_s": stats.counters.completed / wall_s,
             "batches": len(stats.batch_sizes.samples),

@@ -213,6 +213,10 @@ def table(r: dict[str, Any]) -> str:
 
         lines.append("")
         lines.append(peer_vs_inboxd.table(r["peer"]))
+    if "ocr" in r:
+        from bench import ocr
+
+        lines += ["", ocr.summary(r["ocr"])]
     lines.append(f"bench wall time {r['wall_s']:.0f} s")
     return "\n".join(lines)
 

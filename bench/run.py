@@ -27,6 +27,9 @@ from typing import Any
 
 from bench import report, scenarios
 from bench.photos import Photo, build_corpus
+from support.harness import logger
+
+log = logger("bench")
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -59,6 +62,9 @@ class Profile:
     # inboxd against the peer (bench/peer_vs_inboxd.py): its SCALES key; "" skips it (the GPU
     # profile: the peer runs ONNX Runtime's CPU provider, a GPU comparison needs its CUDA one).
     peer_scale: str = "full"
+    # model: ocr against RapidOCR's own API in a loop (bench/ocr.py): generated text images;
+    # 0 skips it (the GPU profile: the peer runs ONNX Runtime's CPU provider).
+    ocr_count: int = 200
 
 
 # Which corpus files a run floods with. The CPU mix leaves out 3- and 12-MP PNGs: one costs
@@ -76,16 +82,14 @@ PROFILES = {
     "cpu": Profile("cpu", "mixed", ceiling_count=400, probe_count=96, batch_sizes="1,4,8,16,32"),
     "gpu": Profile("gpu", "small-jpeg", ceiling_count=6000, probe_count=1500,
                    batch_sizes="16,32,64,128", flood=6000, big_window_s=30, latency_drops=60,
-                   open_loop_s=10, baseline_count=1000, ceiling_s=5, peer_scale=""),
+                   open_loop_s=10, baseline_count=1000, ceiling_s=5, peer_scale="",
+                   ocr_count=0),
     "quick": Profile("quick", "mixed", ceiling_count=60, probe_count=24, batch_sizes="1,8",
                      flood=120, big_flood=2000, big_window_s=8, latency_drops=10,
                      open_loop_s=4, baseline_count=30, guard_mb=512, ceiling_s=3,
-                     overhead_count=600, overhead_memory="300,3000", peer_scale="quick"),
+                     overhead_count=600, overhead_memory="300,3000", peer_scale="quick",
+                     ocr_count=24),
 }
-
-
-def log(message: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def run_json(module: str, *args: str) -> dict[str, Any]:
@@ -155,6 +159,9 @@ class Bench:
         if p.peer_scale:
             r["peer"] = self.stage("inboxd vs peer", lambda: run_json(
                 "bench.peer_vs_inboxd", "--scale", p.peer_scale, "--emit"))
+        if p.ocr_count:
+            r["ocr"] = self.stage("ocr vs RapidOCR", lambda: run_json(
+                "bench.ocr", "--count", str(p.ocr_count), "--emit"))
         return r
 
     def inboxd(self, mix: list[Photo]) -> None:

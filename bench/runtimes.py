@@ -12,6 +12,7 @@ variant's agreement with eager fp32 on them is printed next to its speed.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -86,12 +87,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from inboxd.config import ModelConfig
     from inboxd.decode.pillow import decode_image
-    from inboxd.models.loading import load_model
+    from inboxd.models.loading import load_network
 
-    from tests.photos import photo_paths
+    from support.photos import photo_paths
 
     with tempfile.TemporaryDirectory() as cache:
-        model = load_model(ModelConfig(device="cpu", runtime="torch", precision="fp32",
+        model = load_network(ModelConfig(device="cpu", runtime="torch", precision="fp32",
                                        cache_dir=Path(cache)))
     crops = [decode_image(p.read_bytes(), model.spec, 89_478_485).pixels
              for p in photo_paths().values()]
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     rates: dict[str, list[float]] = {name: [] for name in runners}
     for round_index in range(args.rounds):
         for name, runner in runners.items():
-            seconds = timed(lambda runner=runner: model.run(batch, runner), args.batches)
+            seconds = timed(functools.partial(model.run, batch, runner), args.batches)
             rates[name].append(args.batches * args.batch / seconds)
         print(f"round {round_index + 1}: " + ", ".join(
             f"{name.split(' (')[0]} {rates[name][-1]:.0f}" for name in runners), flush=True)

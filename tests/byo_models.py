@@ -45,17 +45,18 @@ def export(network: nn.Module, path: Path, size: int = 224, max_batch: int = 64)
     return path
 
 
-def run_pipeline(root: Path, photos: dict[str, Path], model: dict[str, Any],
+def run_pipeline(root: Path, photos: dict[str, Path], model: dict[str, Any] | None,
                  **sections: Any) -> tuple[Pipeline, Model]:
     """Copy the photos into a fresh inbox, load the model as the daemon does, and run
-    ``inboxd once``'s pipeline over them."""
+    ``inboxd once``'s pipeline over them (``model=None, models={...}``: several tasks)."""
     for name, path in photos.items():
         (root / "inbox").mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, root / "inbox" / f"{name}{path.suffix}")
     inbox = {"settle_ms": 0, **sections.pop("inbox", {})}
     config = load_config(write_config(root, model=model, inbox=inbox, **sections))
-    loaded = load_model(config.model)
-    pipeline = Pipeline(config, loaded)
+    tasks = {task: load_model(block) for task, block in (config.models or {}).items()}
+    loaded = next(iter(tasks.values())) if tasks else load_model(config.model)
+    pipeline = Pipeline(config, loaded, tasks=tasks or None)
     asyncio.run(pipeline.process_backlog())
     counters = pipeline.stats.counters
     assert (counters.completed, counters.failed) == (len(photos), 0), counters

@@ -26,9 +26,14 @@ SAME_AS_UNSET = {"model.name": "efficientnet_lite0"}  # no model named: the buil
 
 
 def _default(section: str | None, key: str) -> Any:
+    """The default of ``section.key``; ``key`` may itself be dotted (``detect.max_detections``)."""
     scope = DEFAULTS if section is None else DEFAULTS[section]
-    assert key in scope, f"{section or 'top level'}.{key}: no such key in config.py"
-    return scope[key]
+    *parents, leaf = key.split(".")
+    for parent in parents:
+        assert isinstance(scope.get(parent), dict), f"{section}.{key}: no such key in config.py"
+        scope = scope[parent]
+    assert leaf in scope, f"{section or 'top level'}.{key}: no such key in config.py"
+    return scope[leaf]
 
 
 def _set_keys(tree: dict[str, Any], section: str | None = None) -> list[tuple[str, Any, Any]]:

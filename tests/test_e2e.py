@@ -27,7 +27,7 @@ def test_dropped_photo_gets_a_result_and_moves_to_done(tmp_path: Path, daemon_fa
     config = write_config(tmp_path)
     daemon = daemon_factory(config)
     daemon.wait_for("ready")
-    from tests.photos import photo_paths
+    from support.photos import photo_paths
 
     cat = photo_paths()["chelsea"]
     drop(cat, tmp_path / "inbox", "pets/cat.png")
@@ -190,8 +190,8 @@ def test_the_fast_runtime_is_swapped_in_while_serving_and_reused_after_a_restart
     """The real daemon serves at once with torch while the exporter process builds the ONNX
     artifact, swaps it in between two batches (every file still gets a result that agrees),
     and a restart loads the artifact instead of exporting again."""
+    from support.photos import photo_paths
     from tests.conftest import line_fields
-    from tests.photos import photo_paths
 
     photos = photo_paths()
     cache = tmp_path / "cache"

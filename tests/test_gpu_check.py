@@ -13,7 +13,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ["gpu_tests", "precision", "gpu_decode", "throughput", "flood_memory", "oom_split",
-          "sandbox"]
+          "detection", "sandbox", "ocr"]
 
 
 def gpu_check(out: Path, *args: str, timeout_s: float,
@@ -41,9 +41,14 @@ def test_dry_run_runs_every_stage_and_writes_the_report(tmp_path: Path) -> None:
     assert stages["flood_memory"]["completed"] == stages["flood_memory"]["files"]
     assert [row["batch"] for row in stages["throughput"]["rows"]] == [2, 4]
     assert stages["precision"]["fp16"]["reason"] == "fp16 needs a GPU"
+    assert stages["ocr"]["read"] == ["Total 348.20 EUR"] * 2, stages["ocr"]
+    assert stages["ocr"]["providers"] == ["CPUExecutionProvider"]
     decode = stages["gpu_decode"]
     assert decode["parity"]["ok"] and decode["parity"]["top5_identical"] == "2/2", decode
     assert decode["overlap"]["same_results"] and decode["overlap"]["staging_buffers"] == 2
+    detection = stages["detection"]
+    assert detection["reference_boxes"] > 0
+    assert detection["matched_within_1px"] == detection["reference_boxes"], detection
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA works here")

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from support.photos import photo_paths
 from tests.conftest import drop, line_fields, read_json, wait_until, write_config
-from tests.photos import photo_paths
 
 # One photo saved in every format, under the names phones, browsers and scanners give them.
 # Extensions in upper case too: the default include matches without regard to case.

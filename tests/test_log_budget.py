@@ -13,7 +13,7 @@ import pytest
 import torch
 from inboxd import log_budget, logs
 
-from bench.overhead import NullModel
+from support.models import NullModel
 from tests.byo_models import export
 from tests.conftest import (
     DaemonProcess,

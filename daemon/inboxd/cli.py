@@ -130,7 +130,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
     config = read_config(args)
     # The model's files too (milliseconds, no torch); `inboxd models` loads the model itself.
-    problems = preflight(config.model)
+    problems = [problem if config.models is None
+                else f"models.{task}.{problem.removeprefix('model.')}"
+                for task, block in config.tasks.items() for problem in preflight(block)]
     if problems:
         raise ConfigError(str(args.config or "config/inboxd.yaml"), problems)
     print(f"{logs.shown(args.config or 'config/inboxd.yaml (embedded default)')}: OK")
@@ -239,12 +241,17 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_recover(args: argparse.Namespace) -> int:
     from inboxd.files.lifecycle import Lifecycle
+    from inboxd.files.takeover import take_over_dead
 
     config = read_config(args)
     lifecycle = Lifecycle(config)
     with inbox_writable():
         lifecycle.lock_instance()
     returned, failed = lifecycle.recover()
+    # And what it had claimed in an area a member of the group renamed away before it died.
+    for taken in take_over_dead(lifecycle, only=config.instance).taken:
+        returned += len(taken.returned)
+        failed += taken.failed
     lifecycle.unlock_instance()
     print(f"returned {returned} file(s) claimed by instance {config.instance!r} to the inbox"
           + (f"; {failed} in flight at repeated crashes went to failed/" if failed else ""))
@@ -307,7 +314,10 @@ def cmd_models(args: argparse.Namespace) -> int:
     config = read_config(args)
     where = str(args.config or "config/inboxd.yaml, the embedded default")
     lines = [*model_listing.builtin_lines(), ""]
-    lines += model_listing.configured_lines(config, load_here(config.model), where)
+    for task, block in config.tasks.items():
+        here = where if config.models is None else f"{where}, task {task}"
+        lines += model_listing.configured_lines(config.model_copy(update={"model": block}),
+                                                load_here(block), here)
     if args.torchvision:
         lines += ["", *model_listing.torchvision_lines()]
     print("\n".join(lines))

@@ -11,6 +11,7 @@ file is reading the whole configuration surface.
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -78,6 +79,9 @@ class CapacityConfig(Section):
     # compute of another); engine: ray keeps up to this many in flight across the replicas.
     # The next batch waits here, never in Serve's own queue.
     in_flight_batches: Positive = 4
+    # model: ocr only: crops cut out of a photo and waiting for the recogniser. A photo's
+    # regions are cut this many at a time, so a page of small print holds no more.
+    ocr_crops: Positive = 32
 
 
 class BatchConfig(Section):
@@ -134,6 +138,10 @@ class ModelInputConfig(Section):
     # rgb; bgr (channels swapped, for OpenCV/Caffe-trained models); gray (luma, as Pillow's
     # convert("L"), copied onto all three channels, for models trained on greyscale images).
     color: Literal["rgb", "bgr", "gray"] = "rgb"
+    # output: detect: the square the whole photo is fitted into (aspect ratio kept, padded
+    # centred: the letterbox). Unset: an ONNX detector's own fixed input, else 640; for a
+    # torchvision detector the longest side its own transform resizes to.
+    size: Annotated[int, Field(gt=0, le=4096)] | None = None
 
     @field_validator("mean", "std")
     @classmethod
@@ -157,7 +165,22 @@ class ModelInputConfig(Section):
         return self
 
 
-ModelKind = Literal["builtin", "torchvision", "export", "onnx"]
+class DetectConfig(Section):
+    """``output: detect``: how a detector's raw output becomes each photo's boxes."""
+
+    # yolo: one output N×(4+classes)×candidates, cx,cy,w,h in the letterboxed input, no NMS
+    # inside (an Ultralytics export); boxes: NMS inside, boxes/scores/labels outputs (or one
+    # N×K×6 output: x0,y0,x1,y1,score,label). auto: told apart from the output shapes, which
+    # start-up refuses when they could be either.
+    layout: Literal["auto", "yolo", "boxes"] = "auto"
+    score_threshold: Annotated[float, Field(ge=0, le=1)] = 0.25
+    iou_threshold: Annotated[float, Field(gt=0, le=1)] = 0.45  # class-wise NMS (yolo layout)
+    # Boxes kept per photo, the best first: the bound on what one photo adds to its result.
+    max_detections: Annotated[int, Field(gt=0, le=10000)] = 100
+    pad_value: Annotated[int, Field(ge=0, le=255)] = 114  # the letterbox's grey, as Ultralytics
+
+
+ModelKind = Literal["builtin", "torchvision", "export", "onnx", "ocr"]
 # The environment variable systemd sets for a unit's CacheDirectory= (several: colon-separated).
 CACHE_DIRECTORY_ENV = "CACHE_DIRECTORY"
 
@@ -215,7 +238,8 @@ class ModelConfig(Section):
     ``inboxd.models.loading``.
     """
 
-    name: Literal["efficientnet_lite0"] | None = None
+    # efficientnet_lite0 (ImageNet labels) or ocr (text lines: PP-OCRv4 in ONNX Runtime).
+    name: Literal["efficientnet_lite0", "ocr"] | None = None
     torchvision: str | None = None  # an architecture name from torchvision.models
     export: Path | None = None  # a torch.export .pt2 program
     onnx: Path | None = None  # an ONNX network, run by ONNX Runtime on the CPU
@@ -223,8 +247,12 @@ class ModelConfig(Section):
     num_classes: Positive | None = None  # torchvision: default = the labels count, else 1000
     labels: Path | None = None  # one label per line, or a JSON list
     input: ModelInputConfig = ModelInputConfig()
-    output: Literal["classify", "embed"] = "classify"
+    output: Literal["classify", "embed", "detect"] = "classify"
     top_k: Annotated[int, Field(gt=0, le=1000)] = 5  # classify only
+    # name: ocr only: text regions read per photo, the best by the detector's score; a photo
+    # with more says how many were cut. RapidOCR's own bound (max_candidates) is 1000.
+    max_regions: Annotated[int, Field(gt=0, le=100_000)] = 1000
+    detect: DetectConfig = DetectConfig()
     device: str = "auto"
     # auto: from the device's capability and the runtime (inboxd.models.runtimes.choice says
     # how); the choice and its reason are in the started record. An explicit value wins.
@@ -316,6 +344,14 @@ class ModelConfig(Section):
         if self.onnx is not None and self.precision in ("fp16", "bf16"):
             raise ValueError("an onnx: model runs at the precision it was exported with: "
                              "set precision: auto or fp32")
+        if self.name == "ocr":
+            self._check_ocr()
+        elif self._not_default({"max_regions"}):
+            raise ValueError("max_regions only applies to name: ocr")
+        if self.output == "detect" and self.kind not in ("torchvision", "onnx"):
+            raise ValueError("output: detect runs a detector you bring: torchvision: ARCH with "
+                             "weights: PATH, or onnx: PATH (a YOLO-layout or boxes/scores/labels "
+                             "export)")
         if self.torchvision is not None and self.weights is None:
             raise ValueError(
                 "torchvision: needs weights: PATH, a local state_dict file "
@@ -323,8 +359,27 @@ class ModelConfig(Section):
             )
         return self
 
+    def _not_default(self, keys: set[str]) -> list[str]:
+        """Which of ``keys`` hold other than their defaults (a config comes back from the
+        commit process as a full dump, so being set says nothing)."""
+        fields = type(self).model_fields
+        return sorted(key for key in keys if getattr(self, key) != fields[key].get_default(
+            call_default_factory=True))
+
+    def _check_ocr(self) -> None:
+        wrong = self._not_default({"labels", "input", "output", "top_k", "detect",
+                                   "precision", "compile", "runtime"})
+        if wrong:
+            raise ValueError(f"name: ocr brings its own networks, input and output (text lines "
+                             f"in ONNX Runtime, fp32): remove {', '.join(wrong)}")
+        if self.engine == "ray":
+            raise ValueError("name: ocr runs in this process (engine: local); engine: ray "
+                             "serves classifiers and embedders")
+
     @property
     def kind(self) -> ModelKind:
+        if self.name == "ocr":
+            return "ocr"
         if self.torchvision is not None:
             return "torchvision"
         if self.export is not None:
@@ -422,6 +477,9 @@ class Config(Section):
     batch: BatchConfig = BatchConfig()
     preprocess: PreprocessConfig = PreprocessConfig()
     model: ModelConfig = ModelConfig()
+    # Several tasks per photo: task name → model block (in place of model:). Each photo is
+    # decoded once and its result has one section per task, under the task's name.
+    models: dict[str, ModelConfig] | None = None
     retry: RetryPolicyConfig = RetryPolicyConfig()
     stats: StatsConfig = StatsConfig()
     shutdown: ShutdownConfig = ShutdownConfig()
@@ -438,6 +496,31 @@ class Config(Section):
                              "_ . @ - and not starting with a dot (e.g. gpu0)")
         return instance
 
+    @field_validator("models")
+    @classmethod
+    def _tasks(cls, models: dict[str, ModelConfig] | None) -> dict[str, ModelConfig] | None:
+        if models is None:
+            return None
+        if not 1 <= len(models) <= MAX_TASKS:
+            raise ValueError(f"models: name 1 to {MAX_TASKS} tasks (task name: model block)")
+        for task, block in models.items():
+            if not re.fullmatch(TASK_NAME, task) or task in RESULT_FIELDS:
+                raise ValueError(f"models: task name {task!r}: lower-case letters, digits and _ "
+                                 f"(starting with a letter), none of the result's own fields "
+                                 f"({', '.join(sorted(RESULT_FIELDS))})")
+            if block.engine != "local":
+                raise ValueError(f"models.{task}: engine: ray serves one model: block; with "
+                                 "models: every task runs in this process")
+        if sum(block.output == "embed" for block in models.values()) > 1:
+            raise ValueError("models: at most one task may have output: embed (its vector is "
+                             "the one .npy file beside the result)")
+        return models
+
+    @property
+    def tasks(self) -> dict[str, ModelConfig]:
+        """Every task's model block: ``models:``, or ``model:`` alone under its own name."""
+        return self.models if self.models is not None else {"model": self.model}
+
     def resolved(self, base: Path) -> Config:
         """Relative paths resolve against ``base`` (the working directory), once, at load."""
 
@@ -449,17 +532,23 @@ class Config(Section):
         metrics = self.metrics.model_copy(
             update={"textfile": absolute(textfile) if textfile is not None else None})
         results_dir = absolute(self.results_dir)
-        model = self.model
-        if model.cache_dir is None:
-            from_systemd = os.environ.get(CACHE_DIRECTORY_ENV, "").split(":")[0]
-            cache_dir = absolute(Path(from_systemd)) if from_systemd else (
-                results_dir.parent / "cache")
-            model = model.model_copy(update={"cache_dir": cache_dir})
+        from_systemd = os.environ.get(CACHE_DIRECTORY_ENV, "").split(":")[0]
+        cache_dir = absolute(Path(from_systemd)) if from_systemd else (
+            results_dir.parent / "cache")
+
+        def cached(model: ModelConfig) -> ModelConfig:
+            if model.cache_dir is not None:
+                return model
+            return model.model_copy(update={"cache_dir": cache_dir})
+
+        models = (None if self.models is None
+                  else {task: cached(block) for task, block in self.models.items()})
         return self.model_copy(
             update={
                 "inbox": inbox,
                 "metrics": metrics,
-                "model": model,
+                "model": cached(self.model),
+                "models": models,
                 "results_dir": results_dir,
                 "done_dir": absolute(self.done_dir),
                 "failed_dir": absolute(self.failed_dir),
@@ -470,6 +559,16 @@ class Config(Section):
         """The name a file's outcome is filed under: its path in the inbox, prefixed with the
         inbox's folder name when there are several inboxes."""
         return f"{inbox.name}/{rel}" if len(self.inbox.paths) > 1 else rel
+
+
+MAX_TASKS = 8
+TASK_NAME = r"[a-z][a-z0-9_]{0,31}"
+# The result's own top-level fields: a task's section cannot take one of their names.
+RESULT_FIELDS = frozenset({
+    "source", "sha256", "size_bytes", "source_identity", "model", "device", "runtime",
+    "precision", "top_k", "embedding", "detections", "image", "timings_ms", "attempts",
+    "instance", "completed_at", "inboxd_version", "error",
+})
 
 
 class ConfigError(Exception):
@@ -540,6 +639,9 @@ def parse_config(text: str, source: str, overrides: dict[str, Any] | None = None
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(source, ["line 1: the top level must be a mapping of keys"])
+    if data.get("models") is not None and "model" in data:
+        # Asked of the file, not of the Config (whose dump, handed to a child, has both).
+        raise ConfigError(source, ["give model: (one task) or models: (several), not both"])
     if (nul_at := _nul_in(data, ())) is not None:
         # A YAML escape ("\0") puts a NUL where no path or name can hold one: every later
         # os call would raise ValueError, not a problem the user can read.

@@ -59,7 +59,7 @@ def permanent(reason_class: str, message: str) -> PermanentError:
 
 @dataclass(slots=True)
 class DecodedImage:
-    pixels: npt.NDArray[np.uint8]  # H×W×3, RGB, already resized and cropped
+    pixels: npt.NDArray[np.uint8]  # H×W×3, RGB, as the spec asked: a crop, or fitted (whole)
     width: int  # of the source image, after EXIF rotation
     height: int
     format: str | None
@@ -68,6 +68,10 @@ class DecodedImage:
     # (decode/tensor.py): a crop×crop×3 uint8 torch tensor there, counted in ``nbytes`` like
     # host pixels, so the preprocess cache's MB bound covers what the GPU holds for it.
     device_pixels: Any = None
+    # With several tasks (``models:``): the outputs of the other tasks' specs, in task order,
+    # made from the same decode (the photo is read and decoded once, each task's input cut or
+    # fitted from it).
+    others: tuple[npt.NDArray[np.uint8], ...] = ()
 
     @classmethod
     def on_device(cls, tensor: Any, width: int, height: int, format_: str | None,
@@ -76,9 +80,18 @@ class DecodedImage:
 
     @property
     def nbytes(self) -> int:
+        others = sum(int(array.nbytes) for array in self.others)
         if self.device_pixels is not None:
-            return int(self.device_pixels.numel() * self.device_pixels.element_size())
-        return int(self.pixels.nbytes)
+            return int(self.device_pixels.numel() * self.device_pixels.element_size()) + others
+        return int(self.pixels.nbytes) + others
+
+    def for_task(self, index: int) -> DecodedImage:
+        """Task ``index``'s own image (0: the first spec's), the photo's facts shared."""
+        if index == 0:
+            return DecodedImage(self.pixels, self.width, self.height, self.format, self.mode,
+                                self.device_pixels)
+        return DecodedImage(self.others[index - 1], self.width, self.height, self.format,
+                            self.mode)
 
     @property
     def model_input(self) -> Any:

@@ -19,7 +19,7 @@ from inboxd.decode.tensor import TensorDecoder
 from inboxd.item import PermanentError
 from PIL import Image
 
-from tests.decode.test_fidelity import photo_jpeg
+from support.photos import photo_jpeg
 from tests.decode.test_pool import SPEC, settings
 from tests.decode.test_tensor import bogus_huffman, cmyk_jpeg, jpeg_of
 

@@ -1,6 +1,6 @@
 """Every decode path ``preprocess.resize: fast`` (the default) takes keeps the fidelity contract.
 
-On the corpus of ``bench/corpus.py`` (300+ variants of the packaged real photos: cropped,
+On the corpus of ``support/corpus.py`` (300+ variants of the packaged real photos: cropped,
 rotated, mirrored, EXIF-oriented, 0.3-12 MP, JPEG at several qualities and subsamplings, HEIC,
 WebP, PNG), the real built-in model in eager fp32 on both sides, so only the decode differs: the
 fast decode against the exact one (torchvision's pixels) must agree on the top-1 class for at
@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 from inboxd.decode.pillow import RESIZINGS
 
-from bench import corpus, fidelity
+from bench import fidelity
+from support import corpus
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test`, not `make test-fast`
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 
-import numpy as np
 import pytest
 import torch
 from inboxd.config import ModelConfig
@@ -22,31 +21,10 @@ from inboxd.models.model import Model
 from PIL import Image
 from torchvision import transforms
 
-from tests.photos import photo_paths
+from support.photos import FIDELITY_SIZES as SIZES
+from support.photos import photo_jpeg
 
-# (photo, width × height): different photos at different sizes, each in 4:3 or 3:4.
-SIZES = {
-    "chelsea": (640, 480),
-    "coffee": (864, 1152),
-    "motorcycle": (1600, 1200),
-    "china": (2048, 1536),
-    "flower": (3000, 2250),
-    "rocket": (3000, 4000),
-}
-GRAIN_SIGMA = 3.0  # upscaled photos get a camera's noise, so JPEG treats them like photos
 MAX_SCORE_DIFF = 2e-3
-
-
-def photo_jpeg(name: str, size: tuple[int, int], seed: int) -> bytes:
-    with Image.open(photo_paths()[name]) as source:
-        rgb = source.convert("RGB").resize(size, Image.Resampling.BICUBIC)
-    noise = np.random.default_rng(seed).standard_normal((size[1], size[0], 3), np.float32)
-    noise *= GRAIN_SIGMA
-    noise += np.asarray(rgb, dtype=np.float32)
-    pixels = np.clip(noise, 0, 255).astype(np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="JPEG", quality=90)
-    return out.getvalue()
 
 
 @pytest.fixture(scope="module")

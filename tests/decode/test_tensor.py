@@ -20,14 +20,12 @@ from inboxd.models.loading import load_model
 from inboxd.models.model import Model
 from PIL import Image
 
-from tests.decode.test_fidelity import MAX_SCORE_DIFF, photo_jpeg
-from tests.decode.test_fidelity import SIZES as FIDELITY_SIZES
-from tests.photos import photo_paths
+from support.photos import DECODE_SIZES as SIZES
+from support.photos import photo_jpeg, photo_paths
+from tests.decode.test_fidelity import MAX_SCORE_DIFF
 
 MAX_PIXELS = 89_478_485
 CPU = torch.device("cpu")
-# The fidelity photos (0.3 to 12 MP, 4:3 and 3:4), a portrait of another shape and a square.
-SIZES = {**FIDELITY_SIZES, "grace_hopper": (512, 600), "astronaut": (1024, 1024)}
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Seeded mutations of real images, in every format the daemon decodes: the decoder fuzzer's
 inputs. Case ``n`` of seed ``s`` is always the same bytes, so any finding can be replayed.
 
-Seeds are real photos (tests/photos.py), made small so that a case decodes in milliseconds,
+Seeds are real photos (support/photos.py), made small so that a case decodes in milliseconds,
 saved in each format and its common variants (progressive JPEG, EXIF orientation, palette and
 16-bit PNG, lossless WebP, compressed TIFF, ...). Mutations are what breaks parsers: bit flips,
 interesting values over bytes and integer fields, truncation, duplicated and deleted chunks,
@@ -21,7 +21,7 @@ from functools import cache
 from inboxd.decode import formats  # noqa: F401  (registers the HEIF and JPEG XL plugins)
 from PIL import Image
 
-from tests.photos import photo_paths
+from support.photos import photo_paths
 
 FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 EXTENSION = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp",

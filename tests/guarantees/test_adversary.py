@@ -4,7 +4,6 @@ pauses longer than settle_ms, Ctrl-C during ``inboxd once``."""
 
 from __future__ import annotations
 
-import hashlib
 import signal
 import subprocess
 import sys
@@ -14,11 +13,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from support.harness import sha256_hex as sha
 from tests.conftest import drop, last_stats, make_image, read_json, wait_until, write_config
-
-
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def done_and_results(root: Path) -> dict[str, str]:

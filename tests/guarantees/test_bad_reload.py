@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from tests.conftest import DaemonProcess, drop, make_image, wait_until, write_config
-from tests.service.test_runner import NotifySocket
+from tests.fakes import NotifySocket
 
 ROOT = os.geteuid() == 0
 
@@ -93,7 +93,9 @@ def test_a_reload_of_an_undecodable_file_answers_ready_and_the_next_reload_works
         daemon.kill()
 
 
-@pytest.mark.parametrize("command", ["check-config", "run", "once"])
+# run reads the config as once does: its case (tens of seconds) only in the full suite.
+@pytest.mark.parametrize("command", ["check-config", pytest.param("run", marks=pytest.mark.slow),
+                                     "once"])
 def test_an_undecodable_config_exits_78_with_the_line_to_fix(tmp_path: Path,
                                                              command: str) -> None:
     config = write_config(tmp_path)
@@ -130,7 +132,7 @@ def mounted(where: Path, options: str) -> Iterator[Path]:
 
 
 @pytest.mark.skipif(not ROOT, reason="mounting a read-only or inode-starved tmpfs needs root")
-@pytest.mark.parametrize("command", ["run", "once"])
+@pytest.mark.parametrize("command", ["run", pytest.param("once", marks=pytest.mark.slow)])
 def test_a_read_only_inbox_exits_78_saying_so(tmp_path: Path, command: str) -> None:
     config = write_config(tmp_path)
     with mounted(tmp_path / "inbox", "ro,size=1m"):
@@ -141,7 +143,7 @@ def test_a_read_only_inbox_exits_78_saying_so(tmp_path: Path, command: str) -> N
 
 
 @pytest.mark.skipif(not ROOT, reason="mounting a read-only or inode-starved tmpfs needs root")
-@pytest.mark.parametrize("command", ["run", "once"])
+@pytest.mark.parametrize("command", ["run", pytest.param("once", marks=pytest.mark.slow)])
 def test_an_inbox_out_of_inodes_exits_75_to_be_restarted(tmp_path: Path, command: str) -> None:
     config = write_config(tmp_path)
     with mounted(tmp_path / "inbox", "size=1m,nr_inodes=16") as inbox:

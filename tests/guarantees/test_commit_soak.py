@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.overhead import NullModel  # the overhead bench's model: the same tiny commits
+from support.models import NullModel  # the overhead bench's model: the same tiny commits
 from tests.byo_models import export
 from tests.conftest import DaemonProcess, make_image, wait_until, write_config
 from tests.guarantees.test_crash_soak import check_outcomes

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
+from support.photos import photo_paths
 from tests.conftest import DaemonProcess, read_json, wait_until, write_config
 from tests.decode import bombs
 from tests.decode.processes import alive, decode_workers_in, decode_workers_of
-from tests.photos import photo_paths
 
 CRASHERS = Path(__file__).parent / "crashers"
 FAULTS = ("abort=abort,segv=segv,alloc=balloon,raise:RuntimeError=runtime,"

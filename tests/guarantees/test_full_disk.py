@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import DaemonProcess, drop, last_stats, make_image, wait_until, write_config
-from tests.service.test_runner import NotifySocket
+from tests.fakes import NotifySocket
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="loop devices and mounts need root")
 pytestmark = [pytest.mark.daemon, pytest.mark.slow, needs_root]

@@ -108,7 +108,7 @@ def test_an_exporter_stopped_as_it_starts_dies_with_the_daemon(tmp_path: Path) -
     """Before: ``die_with_parent`` ran in the exporter's ``main``; stopped before it, the
     exporter outlived the daemon (stopped, for ever). Every helper starts the same way
     (``children.HelperProcess``): the exporter stands for all of them."""
-    from tests.waiting import wait_until
+    from support.waiting import wait_until
 
     ran = subprocess.run([sys.executable, "-c", STOPPED_EXPORTER, str(tmp_path / "a.onnx")],
                          capture_output=True, text=True, timeout=60)

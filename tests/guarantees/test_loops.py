@@ -7,7 +7,6 @@ SIGTERM stops it)."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 import subprocess
@@ -21,13 +20,10 @@ from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.results import ResultEntry
 from inboxd.pipeline.wiring import Pipeline
 
+from support.harness import sha256_hex as sha
 from tests.conftest import drop, make_image, read_json, wait_until, write_config
 from tests.fakes import FakeModel
 from tests.files.test_retry import fail
-
-
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def backlog(config_path: Path, timeout_s: float = 60) -> None:

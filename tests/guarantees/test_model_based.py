@@ -11,9 +11,10 @@ for a while and continue it, reload a config file that cannot be used and then t
 and what a member of the inbox's group can do (issue
 33): a folder named like a done file or a result (its files can never be filed there: they
 end in failed/), links planted in the inbox's hidden folders (``.processing``, its ``.tmp``,
-the temp names ``inboxd submit`` used to use) and ``inboxd submit`` beside them, and
-``.processing`` swapped for a folder of the neighbour's own for a moment. The model (issue 36) is
-a bring-your-own ``.onnx`` that answers some batch sizes with the wrong number of rows.
+the temp names ``inboxd submit`` used to use) and ``inboxd submit`` beside them,
+``.processing`` swapped for a folder of the neighbour's own for a moment, and (issue 36)
+``.processing`` renamed away for good and replaced by one of the neighbour's. The model (issue
+36) is a bring-your-own ``.onnx`` that answers some batch sizes with the wrong number of rows.
 
 The reference model only tracks bytes (by sha256): every input must end exactly once in done/
 (with ``results/<its name>.json`` describing those bytes, or — for a byte-identical re-drop — an
@@ -32,7 +33,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
-import hashlib
 import os
 import random
 import signal
@@ -42,11 +42,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 from inboxd import cli
 from PIL import Image
 
+from support.harness import sha256_hex as sha
 from tests.byo_models import labels_file, onnx_wrong_rows
 from tests.conftest import DaemonProcess, read_json, write_config
 from tests.guarantees.test_stuck_helpers import helper_pids
@@ -57,10 +59,6 @@ KILL_EVERY_STEPS = 60  # on average: 5 kills in CI, ~33 in the soak
 NAMES = ["scan.png", "a.png", "b.png", "deep/c.png", "deep/er/d.png"]
 ROOT = os.geteuid() == 0
 NEIGHBOUR_UID = 42_421  # the owner of a .processing the neighbour made
-
-
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -110,7 +108,7 @@ class Reference:
 
 
 class World:
-    def __init__(self, root: Path, seed: int) -> None:
+    def __init__(self, root: Path, seed: int, models: dict[str, Any] | None = None) -> None:
         self.root = root
         self.rng = random.Random(seed)
         self.inbox = root / "inbox"
@@ -120,20 +118,23 @@ class World:
         self.ref = Reference()
         self.counter = 0
         self.ballast: Path | None = None
-        # The model answers batches of 3 to 7 with one row too few (issue 36): sizes the
-        # CPU's warm-up (1 and 8) and the start-up probe (2) never try, which batches gathered
-        # for up to 200 ms come in. Each such batch must be split until every photo has its
-        # own answer, and no photo may fail for its batch-mates.
-        model = onnx_wrong_rows(root / "wrong-rows.onnx", set(range(3, 8)))
+        if models:
+            chosen: dict[str, Any] = {"model": None, "models": models}
+        else:
+            # The model answers batches of 3 to 7 with one row too few (issue 36): sizes the
+            # CPU's warm-up (1 and 8) and the start-up probe (2) never try, which batches
+            # gathered for up to 200 ms come in. Each such batch must be split until every
+            # photo has its own answer, and no photo may fail for its batch-mates.
+            wrong = onnx_wrong_rows(root / "wrong-rows.onnx", set(range(3, 8)))
+            chosen = {"model": {"onnx": str(wrong), "labels": str(labels_file(root, 3))},
+                      "batch": {"max_size": 8, "max_delay_ms": 200}}
         self.config = write_config(
-            root, model={"onnx": str(model), "labels": str(labels_file(root, 3))},
-            batch={"max_size": 8, "max_delay_ms": 200},
-            inbox={"settle_ms": 100, "rescan_interval_s": 2},
+            root, inbox={"settle_ms": 100, "rescan_interval_s": 2},
             results_dir=str(self.outputs / "results"), done_dir=str(self.outputs / "done"),
             failed_dir=str(self.outputs / "failed"),
             capacity={"event_buffer": 32, "queue": 2, "preprocess_cache": 4, "retry_list": 64},
             retry={"max_attempts": 200, "backoff_initial_ms": 50, "backoff_max_ms": 400},
-            shutdown={"grace_s": 5})
+            shutdown={"grace_s": 5}, **chosen)
         self.daemon: DaemonProcess | None = None
         self.batch_splits = 0  # of the daemons before this one
         self.kills = 0
@@ -338,26 +339,52 @@ class World:
 
     def swap_processing(self) -> None:
         """The group can rename ``.processing`` away and make one of its own (with links
-        inside): for a moment, until an admin puts it back. Claims and moves meanwhile wait
-        (retried), and nothing goes through the neighbour's folder."""
+        inside): here swapped in one step (RENAME_EXCHANGE) and back a moment later. Nothing
+        goes through the neighbour's folder; the daemon may put its area back meanwhile
+        (issue 36: the neighbour's folder renamed aside, a fresh one made), and then the swap
+        back moves the daemon's folders about, which it puts right again."""
         processing = self.inbox / ".processing"
-        planted = self.inbox / ".processing-planted"
+        self.counter += 1
+        planted = self.inbox / f".processing-planted{self.counter}"
         planted.mkdir()
         (planted / "default").symlink_to(self.elsewhere)
         (planted / ".tmp").mkdir()
         (planted / ".tmp" / "default").symlink_to(self.outputs / "done")
         os.chown(planted, NEIGHBOUR_UID, NEIGHBOUR_UID)
-        # Swapped in one step (RENAME_EXCHANGE), and back: a rename away and a mkdir would
-        # leave a moment without .processing, in which the daemon makes its own afresh and
-        # the original, with the files in flight, cannot be put back (not handled: said in
-        # the closing note of issue 33).
         exchange(processing, planted)
         time.sleep(self.rng.choice([0.05, 0.3, 1.0]))
-        exchange(processing, planted)
+        with contextlib.suppress(FileNotFoundError):  # the daemon renamed it aside meanwhile
+            exchange(processing, planted)
+        if os.lstat(planted).st_uid != NEIGHBOUR_UID:
+            return  # a former area of the daemon's now, its to take back
         for link in (planted / "default", planted / ".tmp" / "default"):
             link.unlink()
         (planted / ".tmp").rmdir()
         planted.rmdir()
+
+    def replace_processing(self) -> None:
+        """Renamed away for good (not swapped back) and replaced by a folder of the
+        neighbour's own, with links inside, while files are in flight (issue 36): the daemon
+        puts its area back, takes every claimed file back from the renamed folder by
+        descriptor and goes on; a kill before it noticed leaves them for the restart's
+        takeover. Whatever is left in the renamed folder counts as waiting (``waiting``)."""
+        processing = self.inbox / ".processing"
+        self.counter += 1
+        planted = self.inbox / f".processing-planted{self.counter}"
+        planted.mkdir()
+        (planted / "default").symlink_to(self.elsewhere)
+        (planted / ".tmp").mkdir()
+        (planted / ".tmp" / "default").symlink_to(self.outputs / "done")
+        os.chown(planted, NEIGHBOUR_UID, NEIGHBOUR_UID)
+        with contextlib.suppress(FileNotFoundError):  # not there: the daemon makes it again
+            os.rename(processing, self.inbox / f".processing-moved{self.counter}")
+        try:
+            os.rename(planted, processing)
+        except OSError:  # the daemon made its own again first (not empty): nothing to replace
+            for link in (planted / "default", planted / ".tmp" / "default"):
+                link.unlink()
+            (planted / ".tmp").rmdir()
+            planted.rmdir()
 
     # -- what the system does --------------------------------------------------------------
 
@@ -425,7 +452,8 @@ class World:
         actions += self.stuck_helper_actions()
         actions += [(self.folder_like_an_outcome, 2), (self.plant_links, 2), (self.submit, 2)]
         if ROOT:
-            actions += [(self.fill_or_free_disk, 2), (self.swap_processing, 1)]
+            actions += [(self.fill_or_free_disk, 2), (self.swap_processing, 1),
+                        (self.replace_processing, 1)]
         if self.rng.random() < 1 / KILL_EVERY_STEPS:
             self.kill_and_restart()
             return "kill"
@@ -479,9 +507,12 @@ def where_are(root: Path, digest: str) -> list[str]:
     return found
 
 
-def run_model(tmp_path: Path, steps: int, seed: int) -> dict[str, int]:
+def run_model(tmp_path: Path, steps: int, seed: int,
+              models: dict[str, Any] | None = None) -> dict[str, int]:
+    """``models``: a ``models:`` block (several tasks per photo) in place of the default model;
+    every result must then hold each task's section."""
     print(f"model-based: {steps} steps, seed {seed} (replay: INBOXD_MODEL_SEED={seed})")
-    world = World(tmp_path, seed)
+    world = World(tmp_path, seed, models)
     mount = ROOT
     if mount:
         world.outputs.mkdir()
@@ -507,8 +538,11 @@ def run_model(tmp_path: Path, steps: int, seed: int) -> dict[str, int]:
                    if ended[d] > ref.must_end[d] + ref.may_vanish[d]}
         assert lost == {}, f"inputs without an outcome: {lost}"
         assert doubled == {}, f"inputs with two outcomes: {doubled}"
-        result_shas = {read_json(r)["sha256"] for r in (world.outputs / "results").rglob("*.json")
-                       if ".tmp" not in r.parts}
+        results = [read_json(r) for r in (world.outputs / "results").rglob("*.json")
+                   if ".tmp" not in r.parts]
+        result_shas = {result["sha256"] for result in results}
+        for task in models or {}:
+            assert all(task in result for result in results), f"a result without {task}"
         assert in_done <= result_shas, "bytes in done/ without any result"
         assert not (ref.corrupt & in_done), "a corrupt input was filed as a success"
         good_failed = {failed_shas[d]: failed_reasons[failed_shas[d]] for d in ref.must_end
@@ -555,6 +589,27 @@ def test_model_based_user_and_system_actions(tmp_path: Path) -> None:
     assert figures["kills"] >= 1
     assert figures["helper_stops"] >= 1 and figures["broken_reloads"] >= 1
     assert figures["batch_splits"] >= 1, "no batch came back with the wrong row count"
+
+
+@pytest.mark.daemon
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_model_based_with_several_tasks_per_photo(tmp_path: Path) -> None:
+    """The same guarantees with two tasks per photo (each its own model thread and calls out):
+    kill -9 mid-flood loses nothing and doubles nothing."""
+    from tests import detectors
+
+    (tmp_path / "models").mkdir()
+    labels = tmp_path / "models" / "labels.txt"
+    labels.write_text("\n".join(detectors.LABELS) + "\n")
+    onnx = detectors.yolo_onnx(tmp_path / "models" / "yolo.onnx")
+    figures = run_model(tmp_path, STEPS_CI,
+                        int(os.environ.get("INBOXD_MODEL_SEED", "20261201")), models={
+                            "labels": {"name": "efficientnet_lite0", "runtime": "torch",
+                                       "precision": "fp32"},
+                            "things": {"onnx": str(onnx), "output": "detect",
+                                       "labels": str(labels)}})
+    assert figures["kills"] >= 1  # as the one-task run: this seed kills once in its steps
 
 
 @pytest.mark.daemon

@@ -10,17 +10,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import getpass
 import os
 import resource
 import signal
 import subprocess
 import sys
+import tempfile
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from inboxd import cli
-from inboxd.config import ConfigError, load_config
+from inboxd.config import load_config
 from inboxd.files import retry_failed as retry
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.reading import read_and_hash
@@ -56,13 +59,18 @@ def as_neighbour(act: Callable[[], None]) -> None:
     if pid == 0:  # the child: never returns into pytest
         code = 1
         try:
+            # A pytest session that started meanwhile (another checkout's, as root) made its
+            # basetemp's root 0700 again: traversable once more, as shared_inbox left it.
+            with contextlib.suppress(OSError):
+                basetemp_root = Path(tempfile.gettempdir()) / f"pytest-of-{getpass.getuser()}"
+                os.chmod(basetemp_root, os.stat(basetemp_root).st_mode | 0o001)
             os.setgroups([GROUP_GID])
             os.setresgid(GROUP_GID, GROUP_GID, GROUP_GID)
             os.setresuid(NEIGHBOUR_UID, NEIGHBOUR_UID, NEIGHBOUR_UID)
             act()
             code = 0
         except BaseException as exc:  # reported through the exit status
-            print(f"neighbour: {exc!r}", file=sys.stderr)
+            print(f"neighbour: {exc!r}\n{traceback.format_exc()}", file=sys.stderr)
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
@@ -122,11 +130,13 @@ def test_a_planted_processing_folder_never_gets_done_emptied(
     started = subprocess.run([sys.executable, "-m", "inboxd", "once", "-c", str(config_path)],
                              capture_output=True, text=True, timeout=120)
     assert (done / "a.png").is_file(), "start-up emptied done/ through a planted link"
-    assert started.returncode == 78, started.stderr[-2000:]
-    assert "not the daemon's own folder" in started.stderr
-    lifecycle = Lifecycle(load_config(config_path))
-    with pytest.raises(LinkedFolder):
-        lifecycle.prepare()
+    # Not a reason to stop (issue 36): theirs is renamed aside, untouched, and ours made again.
+    assert started.returncode == 0, started.stderr[-2000:]
+    assert f"uid {NEIGHBOUR_UID}" in started.stderr
+    [aside] = [p for p in inbox.iterdir() if p.name.startswith(".processing.foreign-")]
+    assert (aside / ".tmp" / "default").resolve() == done.resolve()
+    assert os.stat(inbox / ".processing").st_uid == os.geteuid()
+    Lifecycle(load_config(config_path)).prepare()
     assert (done / "a.png").is_file()
 
 
@@ -148,11 +158,11 @@ def test_a_processing_folder_swapped_while_running_takes_no_claim_outside(
         (inbox / ".processing" / "default").symlink_to(outside)
 
     as_neighbour(plant)
-    with pytest.raises(LinkedFolder):
-        lifecycle.claim(inbox, "x.png")
+    claimed = lifecycle.claim(inbox, "x.png")  # into a fresh folder of ours (issue 36)
     lifecycle.unlock_instance()
     assert list(outside.iterdir()) == []
-    assert (inbox / "x.png").read_bytes() == b"a group member's photo"
+    assert claimed is not None and Path(claimed).read_bytes() == b"a group member's photo"
+    assert os.stat(Path(claimed).parent).st_uid == os.geteuid()
 
 
 def test_retry_does_not_follow_a_folder_replaced_by_a_link(
@@ -236,13 +246,18 @@ def test_submit_without_unnamed_files_cleans_its_temp_on_every_failure(
     assert os.listdir(inbox) == []
 
 
-def test_a_foreign_processing_folder_is_refused_with_a_clear_error(
+def test_a_foreign_processing_folder_is_moved_aside_not_a_reason_to_stop(
         layout: tuple[Path, Path], tmp_path: Path) -> None:
+    """It stopped every start with exit 78 (issue 36): a member could stop the service."""
     config_path, _ = layout
     inbox = tmp_path / "inbox"
     as_neighbour(lambda: (inbox / ".processing").mkdir())
-    with pytest.raises(ConfigError, match="not the daemon's own folder: owned by uid 42421"):
-        Lifecycle(load_config(config_path)).lock_instance()
+    lifecycle = Lifecycle(load_config(config_path))
+    lifecycle.lock_instance()
+    lifecycle.unlock_instance()
+    assert os.stat(inbox / ".processing").st_uid == os.geteuid()
+    [aside] = [p for p in inbox.iterdir() if p.name.startswith(".processing.foreign-")]
+    assert aside.name.startswith(f".processing.foreign-uid{NEIGHBOUR_UID}")
 
 
 def test_a_claimed_file_is_never_read_through_a_swapped_processing_folder(

@@ -62,8 +62,13 @@ def test_submit_refuses_a_fifo_or_a_device_named_like_a_photo(tmp_path: Path) ->
     assert (tmp_path / "inbox" / "good.png").read_bytes() == (shared / "good.png").read_bytes()
 
 
-@pytest.mark.parametrize("rel", ["sub/..", ".", ".processing/default/x.png", "a\0b.png", ["x"]],
-                         ids=["dotdot-leaf", "dot", "into-processing", "nul", "not-a-string"])
+# Each case runs inboxd once (tens of seconds): two in the fast tier, every one in the full suite.
+@pytest.mark.parametrize("rel", [
+    pytest.param("sub/..", id="dotdot-leaf"),
+    pytest.param(".", id="dot", marks=pytest.mark.slow),
+    pytest.param(".processing/default/x.png", id="into-processing"),
+    pytest.param("a\0b.png", id="nul", marks=pytest.mark.slow),
+    pytest.param(["x"], id="not-a-string", marks=pytest.mark.slow)])
 def test_retry_refuses_a_report_whose_path_no_inbox_file_has(tmp_path: Path, rel: object) -> None:
     """A report in failed/ edited (or written by a bug) to say the file came from ``sub/..``:
     before, retry returned it to ``inbox/sub/..t<token>``, a hidden name the daemon never takes

@@ -31,6 +31,7 @@ from inboxd.config import load_config
 from inboxd.pipeline.wiring import Pipeline
 from inboxd.service.metrics_http import LISTEN_BACKLOG, MAX_CONNECTIONS
 
+from support.harness import free_port
 from tests.conftest import (
     DaemonProcess,
     line_fields,
@@ -166,7 +167,7 @@ def null_model_config(tmp_path: Path, **sections: Any) -> Path:
     """A config with the overhead bench's tiny exported model: loads in a second."""
     import torch
 
-    from bench.overhead import NullModel
+    from support.models import NullModel
     from tests.byo_models import export
 
     torch.manual_seed(0)
@@ -181,12 +182,6 @@ def null_model_config(tmp_path: Path, **sections: Any) -> Path:
 
 def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def scrape(url: str) -> str:

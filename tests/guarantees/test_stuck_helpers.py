@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import DaemonProcess, drop, make_image, read_json, wait_until, write_config
-from tests.service.test_runner import NotifySocket
+from tests.fakes import NotifySocket
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test`, not `make test-fast`
 

@@ -36,7 +36,7 @@ from PIL import Image
 from torch import Tensor, nn
 from torchvision.models._meta import _IMAGENET_CATEGORIES
 
-from tests.photos import EXPECTED_TOP1, photo_paths
+from support.photos import EXPECTED_TOP1, photo_paths
 
 TOLERANCE = 1e-4
 # The built-in recipe, written out here rather than imported, so that a changed constant in the

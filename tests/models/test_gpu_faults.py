@@ -304,16 +304,6 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 @pytest.mark.gpu
 @gpu
-def test_a_real_cuda_oom_is_split_until_every_file_completes_back_at_baseline(
-        tmp_path: Path) -> None:
-    from bench.gpu_stages import oom_split
-
-    result = oom_split(dry_run=False, out=tmp_path)
-    assert result["status"] == "passed", result
-
-
-@pytest.mark.gpu
-@gpu
 def test_a_real_device_side_error_is_recognised_as_a_device_fault() -> None:
     """In a child process: the error leaves its CUDA context unusable."""
     code = ("import torch\nfrom inboxd.models.engines.interface import is_device_error\n"

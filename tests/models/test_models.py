@@ -37,6 +37,7 @@ from inboxd.models.sources import TORCHVISION_INPUT, Source, last_linear
 from PIL import Image
 from torch import nn
 
+from support.photos import photo_paths
 from tests.byo_models import (
     NUM_CLASSES,
     TOLERANCE,
@@ -51,7 +52,6 @@ from tests.byo_models import (
     vector,
 )
 from tests.conftest import REPO, make_image, run_interleaved, write_config
-from tests.photos import photo_paths
 
 PHOTOS = ("chelsea", "rocket", "camera")  # PNG and JPEG, RGB and greyscale, three sizes
 
@@ -101,7 +101,8 @@ def torchvision_section(files: dict[str, Path], **extra: Any) -> dict[str, Any]:
     ("model:\n  input:\n    resize: 200\n    crop: 224\n",
      "line 2: model.input: Value error, crop (224) must not be larger than resize (200)"),
     ("model:\n  input:\n    colour: rgb\n", "line 3: model.input.colour: Extra inputs"),
-    ("model:\n  output: vectors\n", "line 2: model.output: Input should be 'classify' or"),
+    ("model:\n  output: vectors\n",
+     "line 2: model.output: Input should be 'classify', 'embed' or 'detect'"),
 ])
 def test_model_config_errors_name_their_yaml_line(text: str, expected: str) -> None:
     with pytest.raises(ConfigError) as caught:
@@ -289,7 +290,8 @@ def test_cpu_batches_reuse_their_host_buffers_and_give_the_same_bits() -> None:
 # -- torch.export programs ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("max_size", [1, len(PHOTOS)])
+# Batches of one (a model call per photo) only in the full suite: the full batch shows the same.
+@pytest.mark.parametrize("max_size", [pytest.param(1, marks=pytest.mark.slow), len(PHOTOS)])
 def test_export_program_matches_the_program_called_directly(
     tmp_path: Path, files: dict[str, Path], photos: dict[str, Path], max_size: int
 ) -> None:
@@ -488,15 +490,32 @@ def test_readme_example_runs(title: str, tmp_path: Path, photos: dict[str, Path]
     one = {"chelsea": photos["chelsea"]}
     for n, block in enumerate(configs):
         root = tmp_path / f"run{n}"
-        model = {**yaml.safe_load(block)["model"], "device": "cpu"}
-        run_pipeline(root, one, model)
+        given = yaml.safe_load(block)
+        if "models" in given:  # several tasks: each task's section as a one-model result
+            tasks = {task: {**b, "device": "cpu"} for task, b in given["models"].items()}
+        else:
+            tasks = {"": {**given["model"], "device": "cpu"}}
+        if any(model.get("name") == "ocr" for model in tasks.values()):  # a photo with text
+            from support.text_images import receipt_total
+
+            one = {"total": receipt_total().save(tmp_path)}
+        if "models" in given:
+            run_pipeline(root, one, None, models=tasks)
+        else:
+            run_pipeline(root, one, tasks[""])
         for name, path in one.items():
             document = result(root, name, path)
-            if model.get("output") == "embed":
-                embedding = document["embedding"]
-                assert vector(root, name, path).shape == (embedding["dim"],)
-            else:
-                assert document["top_k"], document
+            for task, model in tasks.items():
+                section = document[task] if task else document
+                if model.get("name") == "ocr":
+                    assert section["ocr"]["full_text"] == "Total 348.20 EUR", document
+                elif model.get("output") == "embed":
+                    embedding = section["embedding"]
+                    assert vector(root, name, path).shape == (embedding["dim"],)
+                elif model.get("output") == "detect":
+                    assert isinstance(section["detections"], list), section
+                else:
+                    assert section["top_k"], document
 
 
 # -- on a GPU -------------------------------------------------------------------------------

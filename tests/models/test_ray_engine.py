@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +23,8 @@ from typing import Any
 import pytest
 import yaml
 
-from bench.ray_vs_local import tiny_program  # the bench's model: tests and figures agree
+from support.harness import free_port
+from support.models import tiny_program  # the bench's model: tests and figures agree
 from tests.conftest import (
     DaemonProcess,
     last_stats,
@@ -44,12 +44,6 @@ RESOURCE = "fakegpu"
 BRIDGE_GCS_TIMEOUT_S = "4"
 # Nodes the node-death test kills, at most, until one dies with a batch on it.
 MAX_NODE_KILLS = 3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return int(s.getsockname()[1])
 
 
 class LocalCluster:

@@ -27,7 +27,7 @@ from inboxd.models.runtimes import onnx as onnx_runtime
 from inboxd.models.runtimes.agreement import SCORE_TOLERANCE, probe_images
 from inboxd.models.runtimes.choice import choose, cpu_flags, native_bf16
 
-from tests.photos import photo_paths
+from support.photos import photo_paths
 
 CPUINFO = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 avx512f {extra}\n"
 
@@ -143,6 +143,7 @@ def test_fp16_stays_invalid_on_the_cpu(tmp_path: Path) -> None:
         load_model(ModelConfig(precision="fp16", cache_dir=tmp_path))
 
 
+@pytest.mark.slow  # the bf16 probe batch, emulated on a CPU without native bf16
 def test_precision_auto_with_torch_tries_bf16_only_on_native_bf16(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With native bf16 the candidate is bf16, kept only if the probe batch agrees with fp32
@@ -181,6 +182,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return fast.path
 
 
+@pytest.mark.slow  # a second real export (the fast tier keeps the fixture's, swapped in too)
 def test_the_swap_keeps_every_photo_within_the_contract(tmp_path: Path, exported: Path,
                                                         runtime_records: Records) -> None:
     """Built in the background, swapped in on the next batch: the same top-1 on every photo,
@@ -326,6 +328,7 @@ def test_a_runner_that_disagrees_is_not_swapped_in(tmp_path: Path, exported: Pat
     assert "does not agree" in runtime_records.fields()["RUNTIME_FAILURE"]
 
 
+@pytest.mark.slow  # a real export of a ResNet-18 program
 def test_a_pt2_program_gets_the_same_fast_path(tmp_path: Path) -> None:
     """Bring-your-own: a torch.export program is exported by the real exporter process (which
     rebuilds it from the config), checked and swapped in like the built-in model."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -16,24 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from inboxd.config import load_config
-from inboxd.pipeline.wiring import Pipeline
 
-from tests.conftest import make_image, read_json, write_config
-from tests.fakes import FakeModel, commit_in_this_process
+from support.harness import file_sha256 as sha
+from tests.conftest import make_image, read_json
+from tests.fakes import commit_in_this_process, pipeline_for
 
 FAST_RETRY = {"max_attempts": 4, "backoff_initial_ms": 5, "backoff_max_ms": 20}
 
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chattr +i needs root")
-
-
-def pipeline_for(root: Path, **sections: Any) -> Pipeline:
-    return Pipeline(load_config(write_config(root, **sections)), FakeModel())  # type: ignore[arg-type]
-
-
-def sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def files_in(folder: Path) -> dict[str, Path]:

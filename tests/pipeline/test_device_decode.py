@@ -18,8 +18,8 @@ from inboxd.models.loading import load_model
 from inboxd.pipeline.wiring import Pipeline
 from PIL import Image
 
+from support.photos import photo_jpeg
 from tests.conftest import write_config
-from tests.decode.test_fidelity import photo_jpeg
 from tests.decode.test_tensor import cmyk_jpeg, jpeg_of
 
 

@@ -15,13 +15,7 @@ from inboxd.config import load_config
 from inboxd.pipeline.wiring import Pipeline
 
 from tests.conftest import make_image, read_json, write_config
-from tests.fakes import POISON_RED, FakeModel, ScriptedWatch, commit_in_this_process
-
-
-def pipeline_for(root: Path, model: Any = None, watch: Any = None, **sections: Any) -> Pipeline:
-    config = load_config(write_config(root, **sections))
-    kwargs = {"watch": watch} if watch is not None else {}
-    return Pipeline(config, model or FakeModel(), **kwargs)
+from tests.fakes import POISON_RED, FakeModel, ScriptedWatch, commit_in_this_process, pipeline_for
 
 
 def outcome_names(root: Path) -> tuple[set[str], set[str]]:

@@ -11,16 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from inboxd.config import load_config
-from inboxd.pipeline.wiring import Pipeline
 
-from tests.conftest import make_image, write_config
-from tests.fakes import FakeModel
-
-
-def pipeline_for(root: Path, instance: str) -> Pipeline:
-    config = load_config(write_config(root, inbox={"settle_ms": 0}))
-    return Pipeline(config.model_copy(update={"instance": instance}), FakeModel())  # type: ignore[arg-type]
+from tests.conftest import make_image
+from tests.fakes import pipeline_for
 
 
 def test_start_up_takes_over_a_dead_instance_and_processes_its_files(
@@ -28,7 +21,7 @@ def test_start_up_takes_over_a_dead_instance_and_processes_its_files(
     processing = tmp_path / "inbox" / ".processing"
     make_image(processing / "a" / "sub" / "left.png")
     (processing / "a.lock").write_bytes(b"12345")  # a died: nobody holds its lock
-    pipeline = pipeline_for(tmp_path, "b")
+    pipeline = pipeline_for(tmp_path, instance="b", inbox={"settle_ms": 0})
     with caplog.at_level(logging.INFO, logger="inboxd"):
         asyncio.run(pipeline.process_backlog())
     assert (tmp_path / "results" / "sub" / "left.png.json").exists()
@@ -46,7 +39,7 @@ def test_a_file_that_crashes_each_instance_in_turn_still_fails(tmp_path: Path) -
     on it too; c's start-up takes b's over: crashed twice, it goes to failed/."""
     make_image(tmp_path / "inbox" / "killer.png")
     for instance in ("a", "b", "c"):
-        pipeline = pipeline_for(tmp_path, instance)
+        pipeline = pipeline_for(tmp_path, instance=instance, inbox={"settle_ms": 0})
         if instance != "c":
             async def crash(batch: Any) -> None:
                 raise RuntimeError("a bug that this file triggers")

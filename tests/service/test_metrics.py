@@ -37,6 +37,7 @@ from inboxd.service.metrics import Metrics
 from inboxd.stats import REASON_CLASSES, classify_failure
 from prometheus_client.parser import text_string_to_metric_families
 
+from support.harness import free_port
 from tests.conftest import REPO, DaemonProcess, make_image, wait_until, write_config
 from tests.fakes import FakeModel
 
@@ -57,12 +58,6 @@ TYPES = {
         "inboxd_inference_seconds")},
 }
 NODE_EXPORTER = "prometheus-node-exporter"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def scrape(url: str) -> dict[str, object]:

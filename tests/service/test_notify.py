@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
-import struct
 import time
 import uuid
 from collections.abc import Iterator
@@ -14,64 +12,20 @@ from pathlib import Path
 import pytest
 from inboxd.service.notify import Notifier
 
-_UCRED = struct.Struct("iII")  # pid, uid, gid
-
-
-class FakeSystemd:
-    """The receiving end of $NOTIFY_SOCKET, checking credentials as systemd does."""
-
-    def __init__(self, address: str, env_value: str) -> None:
-        self.address = address
-        self.env = {"NOTIFY_SOCKET": env_value}
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        self.sock.bind(address)
-        self.sock.settimeout(5.0)
-
-    def receive(self) -> tuple[str, int]:
-        """One datagram and the sender's pid from SCM_CREDENTIALS (NotifyAccess=main uses it)."""
-        data, ancdata, _flags, _addr = self.sock.recvmsg(4096, socket.CMSG_SPACE(_UCRED.size))
-        pids = [
-            _UCRED.unpack(cdata[: _UCRED.size])[0]
-            for level, kind, cdata in ancdata
-            if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS
-        ]
-        assert len(pids) == 1
-        return data.decode(), pids[0]
-
-    def messages(self, count: int) -> list[str]:
-        received = []
-        for _ in range(count):
-            text, pid = self.receive()
-            assert pid == os.getpid()
-            received.append(text)
-        return received
-
-    def assert_empty(self) -> None:
-        self.sock.settimeout(0.05)
-        with pytest.raises(TimeoutError):
-            self.sock.recv(4096)
-        self.sock.settimeout(5.0)
-
-    def close(self) -> None:
-        self.sock.close()
-        if not self.address.startswith("\0"):
-            Path(self.address).unlink(missing_ok=True)
+from tests.fakes import NotifySocket
 
 
 @pytest.fixture(params=["path", "abstract"])
-def systemd(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[FakeSystemd]:
+def systemd(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[NotifySocket]:
     if request.param == "path":
-        path = str(tmp_path / "notify.socket")
-        fake = FakeSystemd(path, path)
+        fake = NotifySocket(str(tmp_path / "notify.socket"))
     else:
-        name = f"inboxd-test-{uuid.uuid4().hex}"
-        fake = FakeSystemd("\0" + name, "@" + name)
+        fake = NotifySocket(f"@inboxd-test-{uuid.uuid4().hex}")
     yield fake
     fake.close()
 
 
-def test_lifecycle_sequence_is_sent_exactly(systemd: FakeSystemd) -> None:
+def test_lifecycle_sequence_is_sent_exactly(systemd: NotifySocket) -> None:
     notifier = Notifier(systemd.env)
     assert notifier.enabled
     notifier.extend_timeout(12.5)
@@ -81,7 +35,7 @@ def test_lifecycle_sequence_is_sent_exactly(systemd: FakeSystemd) -> None:
     notifier.reloading()
     notifier.ready()
     notifier.stopping()
-    got = systemd.messages(7)
+    got = systemd.from_this_process(7)
     assert got[:4] == [
         "EXTEND_TIMEOUT_USEC=12500000",
         "READY=1",
@@ -97,12 +51,12 @@ def test_lifecycle_sequence_is_sent_exactly(systemd: FakeSystemd) -> None:
     notifier.close()
 
 
-def test_monotonic_usec_is_clock_monotonic(systemd: FakeSystemd) -> None:
+def test_monotonic_usec_is_clock_monotonic(systemd: NotifySocket) -> None:
     notifier = Notifier(systemd.env)
     before = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
     notifier.reloading()
     after = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
-    (message,) = systemd.messages(1)
+    (message,) = systemd.from_this_process(1)
     usec = int(message.split("\n")[1].removeprefix("MONOTONIC_USEC="))
     assert before <= usec <= after
 
@@ -126,11 +80,11 @@ def test_unsupported_address_disables_notify() -> None:
 
 
 def test_survives_the_socket_disappearing(
-    systemd: FakeSystemd, caplog: pytest.LogCaptureFixture
+    systemd: NotifySocket, caplog: pytest.LogCaptureFixture
 ) -> None:
     notifier = Notifier(systemd.env)
     assert notifier.send("READY=1")
-    systemd.messages(1)
+    systemd.from_this_process(1)
     systemd.close()  # systemd gone: ENOENT for a path, ECONNREFUSED for an abstract name
     with caplog.at_level(logging.DEBUG, logger="inboxd.notify"):
         notifier.status("still running")
@@ -140,10 +94,10 @@ def test_survives_the_socket_disappearing(
     assert len(failures) == 1  # said once, then quiet
     assert "failed" in failures[0].getMessage()
 
-    again = FakeSystemd(systemd.address, systemd.env["NOTIFY_SOCKET"])  # systemd is back
+    again = NotifySocket(systemd.address)  # systemd is back
     try:
         assert notifier.send("WATCHDOG=1")
-        assert again.messages(1) == ["WATCHDOG=1"]
+        assert again.from_this_process(1) == ["WATCHDOG=1"]
     finally:
         again.close()
 

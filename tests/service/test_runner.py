@@ -19,40 +19,8 @@ import yaml
 from PIL import Image
 
 from tests.conftest import DaemonProcess, drop, make_image, wait_until, write_config
+from tests.fakes import NotifySocket
 from tests.journald import journald, wait_for_entries  # noqa: F401 (fixture)
-
-
-class NotifySocket:
-    """What systemd listens on: a datagram socket, at a path or an abstract @name."""
-
-    def __init__(self, address: str) -> None:
-        self.address = address
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind("\0" + address[1:] if address.startswith("@") else address)
-        self.sock.settimeout(0.05)
-        self.messages: list[str] = []
-
-    def drain(self) -> list[str]:
-        while True:
-            try:
-                self.messages.append(self.sock.recv(4096).decode())
-            except TimeoutError:
-                return self.messages
-
-    def wait_for(self, prefix: str, timeout_s: float = 120) -> str:
-        def found() -> str | None:
-            return next((m for m in self.drain() if m.startswith(prefix)), None)
-
-        return wait_until(found, timeout_s, f"a {prefix!r} notification")  # type: ignore[no-any-return]
-
-    def kinds(self) -> list[str]:
-        """The notification sequence with consecutive repeats collapsed (STATUS, WATCHDOG…)."""
-        sequence: list[str] = []
-        for message in self.drain():
-            kind = message.split("=", 1)[0]
-            if not sequence or sequence[-1] != kind:
-                sequence.append(kind)
-        return sequence
 
 
 @pytest.fixture(params=["path", "abstract"])
@@ -61,7 +29,7 @@ def notify_socket(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[No
                else f"@inboxd-test-{uuid.uuid4().hex}")
     sock = NotifySocket(address)
     yield sock
-    sock.sock.close()
+    sock.close()
 
 
 @pytest.mark.daemon

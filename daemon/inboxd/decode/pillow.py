@@ -1,4 +1,5 @@
-"""Bytes → an RGB uint8 crop with Pillow: orientation, mode, resize and crop as torchvision does.
+"""Bytes → an RGB uint8 image with Pillow: orientation, mode, then resize and crop as torchvision
+does (``center_crop``), or a resize that fits the whole photo in a square (``fit``).
 
 ``spec.resize_mode`` (``preprocess.resize``) picks one of ``RESIZINGS``: ``exact`` gives
 torchvision's pixels; ``fast`` lets libjpeg decode a large JPEG at 1/2-1/8 scale and resizes
@@ -19,6 +20,7 @@ from __future__ import annotations
 import functools
 import io
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -75,16 +77,20 @@ def _taken_names() -> str:
     return ", ".join(fmt.name for fmt in formats.decodable())
 
 
-def decode_image(data: bytes | BinaryIO, spec: PreprocessSpec, max_pixels: int) -> DecodedImage:
-    """Bytes (or a file open at its start) → RGB uint8 crop of ``spec.crop``², the way the model
-    was trained to see it (``spec.resize_mode`` says how exactly)."""
-    return decode_resized(data, spec, max_pixels, RESIZINGS[spec.resize_mode])
+def decode_image(data: bytes | BinaryIO, spec: PreprocessSpec, max_pixels: int,
+                 others: Sequence[PreprocessSpec] = ()) -> DecodedImage:
+    """Bytes (or a file open at its start) → RGB uint8 image, the way the model was trained to
+    see it: a crop of ``spec.crop``², or (``fit``) the whole photo within ``spec.crop``²
+    (``spec.resize_mode`` says how exactly). The image's width and height are the displayed
+    photo's (EXIF applied), so that geometry found in the pixels can be mapped back to it."""
+    return decode_resized(data, spec, max_pixels, RESIZINGS[spec.resize_mode], others)
 
 
 def decode_resized(data: bytes | BinaryIO, spec: PreprocessSpec, max_pixels: int,
-                   resizing: Resizing) -> DecodedImage:
+                   resizing: Resizing, others: Sequence[PreprocessSpec] = ()) -> DecodedImage:
     """``decode_image`` with the resizing given (the benchmark and the fidelity test compare
-    others)."""
+    others). ``others``: further specs (other tasks') made from the same decode, which is
+    drafted for the one that needs the most pixels."""
     source = io.BytesIO(data) if isinstance(data, bytes) else data
     prefix = source.read(len(jxl_header.CONTAINER_SIGNATURE))
     if prefix == b"":
@@ -110,14 +116,16 @@ def decode_resized(data: bytes | BinaryIO, spec: PreprocessSpec, max_pixels: int
                 # the resize target, so that the antialiased resize after it still sees enough
                 # pixels: drafting right down to the target (DCT scaling in place of the
                 # antialiased resize) moves scores past the contract (docs/decisions.md).
-                scale = min(1.0, resizing.draft_margin * spec.resize / min(width, height))
+                scale = max(s.draft_scale(width, height, resizing.draft_margin)
+                            for s in (spec, *others))
                 opened.draft("RGB", (max(1, round(width * scale)), max(1, round(height * scale))))
             opened.load()
             # In place: a copy of every unrotated image would double the peak for nothing.
             ImageOps.exif_transpose(opened, in_place=True)
             image = to_rgb(opened)
             oriented_w, oriented_h = _oriented_size(width, height, image)
-            pixels = resize_and_crop(image, spec, resizing.reducing_gap)
+            pixels = resized(image, spec, resizing.reducing_gap)
+            more = tuple(resized(image, other, resizing.reducing_gap) for other in others)
     except PermanentError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
@@ -142,7 +150,15 @@ def decode_resized(data: bytes | BinaryIO, spec: PreprocessSpec, max_pixels: int
         raise PermanentError("the JPEG XL decoder could not decode this image: corrupt or "
                              "truncated, or it needs more memory than "
                              "preprocess.decode_memory_mb allows") from exc
-    return DecodedImage(pixels, oriented_w, oriented_h, source_format, source_mode)
+    return DecodedImage(pixels, oriented_w, oriented_h, source_format, source_mode,
+                        others=more)
+
+
+def resized(image: Image.Image, spec: PreprocessSpec,
+            reducing_gap: float | None) -> np.ndarray:
+    if spec.kind == "center_crop":
+        return resize_and_crop(image, spec, reducing_gap)
+    return resize_to_fit(image, spec, reducing_gap)
 
 
 def _check_pixels(width: int, height: int, max_pixels: int) -> None:
@@ -214,3 +230,14 @@ def resize_and_crop(image: Image.Image, spec: PreprocessSpec,
     canvas = Image.new("RGB", (spec.crop, spec.crop))
     canvas.paste(window, (x0 - left, y0 - top))
     return np.asarray(canvas, dtype=np.uint8)
+
+
+def resize_to_fit(image: Image.Image, spec: PreprocessSpec,
+                  reducing_gap: float | None = None) -> np.ndarray:
+    """The whole image scaled to fit ``spec.crop``² (``decode.spec.fit_size``): no crop, no padding,
+    so its memory is bounded by the square whatever the aspect ratio."""
+    size = spec.output_size(*image.size)
+    if size == image.size:
+        return np.asarray(image, dtype=np.uint8)
+    resized = image.resize(size, INTERPOLATIONS[spec.interpolation], reducing_gap=reducing_gap)
+    return np.asarray(resized, dtype=np.uint8)

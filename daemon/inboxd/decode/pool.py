@@ -44,8 +44,7 @@ class DecodePool:
     def __init__(self, workers: int, settings: WorkerSettings) -> None:
         self.settings = settings
         self.env = worker_env()  # taken once: a replacement runs exactly as the first did
-        self.max_payload_bytes = settings.spec.crop ** 2 * 3
-        self.crop_shape = (settings.spec.crop, settings.spec.crop, 3)
+        self.max_payload_bytes = sum(spec.max_output_bytes for spec in settings.specs)
         self._spawner = ThreadPoolExecutor(1, thread_name_prefix="inboxd-decode-spawn",
                                            initializer=name_this_thread)
         # One slot per worker thread: a live worker, or None where starting one failed (the
@@ -269,8 +268,13 @@ class DecodePool:
         try:
             result = result_from(header, payload)
             # The model stacks crops into one batch: one of another shape would fail them all.
-            if result.image is not None and result.image.pixels.shape != self.crop_shape:
-                raise ValueError(f"a crop of shape {result.image.pixels.shape}")
+            if result.image is not None:
+                images = (result.image.pixels, *result.image.others)
+                if len(images) != len(self.settings.specs) or not all(
+                        spec.accepts_shape(image.shape)
+                        for spec, image in zip(self.settings.specs, images, strict=True)):
+                    raise ValueError(f"images of shapes {[i.shape for i in images]} for "
+                                     f"{[(s.kind, s.crop) for s in self.settings.specs]}")
         # A worker that lost its mind; OverflowError: JSON's Infinity where an int goes.
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             return _malformed(repr(exc))

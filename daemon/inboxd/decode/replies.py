@@ -47,10 +47,18 @@ def result_from(header: dict[str, Any], payload: bytearray) -> DecodeResult:
     if header.get("duplicate"):
         return DecodeResult(sha256, size_bytes, duplicate=True, peak_rss_bytes=peak,
                             identity=identity, held_for_writing=held)
-    shape = tuple(int(n) for n in header["shape"])
-    pixels = np.frombuffer(payload, dtype=np.uint8).reshape(shape)  # writable: a bytearray
-    image = DecodedImage(pixels, int(header["width"]), int(header["height"]),
-                         header.get("format"), str(header.get("mode")))
+    shapes = [tuple(int(n) for n in shape)
+              for shape in (header["shape"], *header.get("other_shapes", ()))]
+    arrays, offset = [], 0
+    for shape in shapes:  # each a view of the payload: writable (a bytearray), no copy
+        size = int(np.prod(shape))
+        arrays.append(np.frombuffer(payload, dtype=np.uint8, count=size,
+                                    offset=offset).reshape(shape))
+        offset += size
+    if offset != len(payload):
+        raise ValueError(f"{len(payload)} payload bytes for images of shapes {shapes}")
+    image = DecodedImage(arrays[0], int(header["width"]), int(header["height"]),
+                         header.get("format"), str(header.get("mode")), others=tuple(arrays[1:]))
     return DecodeResult(sha256, size_bytes, image=image, peak_rss_bytes=peak, identity=identity,
                         held_for_writing=held)
 

@@ -4,8 +4,9 @@ On a GPU the bytes go to nvJPEG through ``torchvision.io.decode_jpeg(list, devic
 on the CPU (the tests, and the parity they prove) the same call decodes with libjpeg-turbo, and
 everything after it is the same tensor code: EXIF orientation (read on the CPU from the header,
 ``decode/jpeg_header.py``) as flips/transposes, torchvision's antialiased ``resize`` of the
-shorter side, the centre crop with ``decode/pillow.py``'s arithmetic. The result is a
-``crop``×``crop``×3 uint8 tensor on the device, which the preprocess cache counts in its bytes.
+shorter side, the centre crop with ``decode/pillow.py``'s arithmetic (or, for a ``fit`` spec, the
+resize that fits the whole photo in ``crop``²). The result is a ``crop``×``crop``×3 (at most)
+uint8 tensor on the device, which the preprocess cache counts in its bytes.
 
 **Why torchvision, not torchcodec.** torchvision 0.29 deprecates its image decoders for
 torchcodec's. We still call torchvision's: it is installed wherever torch is, its batched
@@ -85,7 +86,10 @@ def resized_size(width: int, height: int, spec: PreprocessSpec) -> tuple[int, in
 
 
 def fits(header: JpegHeader, spec: PreprocessSpec) -> bool:
-    """False for extreme aspect ratios, which the CPU path handles in bounded memory."""
+    """False for extreme aspect ratios, which the CPU path handles in bounded memory (``fit``
+    is bounded by its square whatever the ratio)."""
+    if spec.kind != "center_crop":
+        return True
     new_w, new_h = resized_size(*header.oriented_size, spec)
     return new_w * new_h <= FULL_RESIZE_MAX_RATIO * spec.resize**2
 
@@ -110,8 +114,11 @@ def orient(image: torch.Tensor, orientation: int) -> torch.Tensor:
 
 
 def resize_and_crop(image: torch.Tensor, spec: PreprocessSpec) -> torch.Tensor:
-    """C×H×W uint8 → ``crop``×``crop``×3 uint8 (H×W×C, contiguous), as ``decode/pillow.py``."""
+    """C×H×W uint8 → ``crop``×``crop``×3 uint8 (H×W×C, contiguous), as ``decode/pillow.py``;
+    for a ``fit`` spec, the whole image within ``crop``² (``decode/pillow.py``'s resize_to_fit)."""
     height, width = image.shape[-2:]
+    if spec.kind != "center_crop":
+        return resize_to_fit(image, spec)
     new_w, new_h = resized_size(width, height, spec)
     mode = MODES[spec.interpolation]
     resized: torch.Tensor = F.resize(image, [new_h, new_w], interpolation=mode,
@@ -119,6 +126,16 @@ def resize_and_crop(image: torch.Tensor, spec: PreprocessSpec) -> torch.Tensor:
     left, top = round((new_w - spec.crop) / 2.0), round((new_h - spec.crop) / 2.0)
     crop = resized[:, top:top + spec.crop, left:left + spec.crop]
     return crop.permute(1, 2, 0).contiguous()
+
+
+def resize_to_fit(image: torch.Tensor, spec: PreprocessSpec) -> torch.Tensor:
+    height, width = image.shape[-2:]
+    new_w, new_h = spec.output_size(int(width), int(height))
+    if (new_w, new_h) != (width, height):
+        mode = MODES[spec.interpolation]
+        image = F.resize(image, [new_h, new_w], interpolation=mode,
+                         antialias=mode != F.InterpolationMode.NEAREST_EXACT)
+    return image.permute(1, 2, 0).contiguous()
 
 
 def _decode_many(datas: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

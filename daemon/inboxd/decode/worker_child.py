@@ -32,7 +32,7 @@ import inboxd
 from inboxd import testing, wire
 from inboxd.children import die_with_parent, protocol_fds
 from inboxd.decode.pillow import decode_image
-from inboxd.decode.spec import PreprocessSpec, resize_mode
+from inboxd.decode.spec import PreprocessSpec
 from inboxd.files.reading import classify, hash_stream, open_input
 from inboxd.files.settling import held_open_for_writing, identity, survive_lease_breaks
 from inboxd.item import PermanentError, TooLargeError, TransientError
@@ -101,10 +101,8 @@ def inject(faults: list[tuple[str, str]], path: str) -> None:
 
 class Worker:
     def __init__(self, init: dict[str, Any]) -> None:
-        spec = init["spec"]
-        self.spec = PreprocessSpec(spec["resize"], spec["crop"], spec["interpolation"],
-                                   tuple(spec["mean"]), tuple(spec["std"]),
-                                   resize_mode(spec["resize_mode"]))
+        self.spec = PreprocessSpec.from_dict(init["spec"])
+        self.other_specs = tuple(PreprocessSpec.from_dict(s) for s in init.get("other_specs", ()))
         self.max_pixels: int = init["max_image_pixels"]
         self.max_file_bytes: int = init["max_file_bytes"]
         self.decode_memory_bytes: int = init["decode_memory_bytes"]
@@ -166,7 +164,7 @@ class Worker:
                 if whole is None:
                     handle.seek(0)
                 image = decode_image(handle if whole is None else whole, self.spec,
-                                     self.max_pixels)
+                                     self.max_pixels, self.other_specs)
             # Asked on the file just read, with every byte of it behind us: the daemon
             # compares the identity with the claim's and gives a changing file back to settle.
             after = os.fstat(handle.fileno())
@@ -176,9 +174,15 @@ class Worker:
             raise TransientError("the file changed while it was being read; it is read again")
         if image is None:
             return {"ok": True, "duplicate": True, **state}, b""
-        return {"ok": True, "duplicate": False, **state, "shape": list(image.pixels.shape),
-                "width": image.width, "height": image.height, "format": image.format,
-                "mode": image.mode}, np.ascontiguousarray(image.pixels).data
+        header = {"ok": True, "duplicate": False, **state, "shape": list(image.pixels.shape),
+                  "width": image.width, "height": image.height, "format": image.format,
+                  "mode": image.mode}
+        if not image.others:
+            return header, np.ascontiguousarray(image.pixels).data
+        # One payload, the tasks' images one after another (a copy, only with several tasks).
+        header["other_shapes"] = [list(other.shape) for other in image.others]
+        return header, b"".join(np.ascontiguousarray(a).data for a in (image.pixels,
+                                                                       *image.others))
 
 
 def _error(exc: PermanentError | TransientError, state: dict[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,12 @@ class WorkerSettings:
     max_file_bytes: int
     decode_memory_bytes: int
     decode_timeout_s: float
+    # Further tasks' specs (``models:``): each file is decoded once and cut for every spec.
+    other_specs: tuple[PreprocessSpec, ...] = ()
+
+    @property
+    def specs(self) -> tuple[PreprocessSpec, ...]:
+        return (self.spec, *self.other_specs)
 
 
 class WorkerProcess:
@@ -50,6 +56,7 @@ class WorkerProcess:
         self.request_id = 0
         init = {**asdict(settings), "parent_pid": os.getpid()}
         init["spec"] = asdict(settings.spec)
+        init["other_specs"] = [asdict(spec) for spec in settings.other_specs]
         try:
             wire.send(self.requests, init)  # small: fits the pipe, never blocks
         except BaseException:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -91,3 +92,33 @@ def plan_watch(path: Path, mode: PollMode, statfs: StatfsFn = statfs_type) -> Wa
 def describe(plans: list[WatchPlan]) -> str:
     return "; ".join(f"{p.path}: {'polling' if p.polling else 'inotify'} ({p.filesystem}, "
                      f"{p.reason})" for p in plans)
+
+
+# inotify_add_watch(2) flags for a probe: any event will do, a folder only, never through a link.
+_IN_CREATE = 0x100
+_IN_ONLYDIR = 0x01000000
+_IN_DONT_FOLLOW = 0x02000000
+# Errors of a probe that say the user's inotify budget is spent (watches; instances).
+OUT_OF_WATCHES = {errno.ENOSPC, errno.EMFILE}
+
+
+def inotify_room(folders: Iterable[str | Path]) -> OSError | None:
+    """Whether inotify can watch every one of ``folders`` now: they are added to a probe
+    instance of our own, which is closed again (None: it could). The notify crate under
+    watchfiles adds a watch for each folder made after start-up and, when the user's watch
+    limit is reached, drops the failure without a word: this is how the watcher learns it.
+    A folder that is gone or is no folder is no answer about the budget and is skipped."""
+    fd = _libc.inotify_init1(os.O_CLOEXEC | os.O_NONBLOCK)
+    if fd < 0:
+        err = ctypes.get_errno()
+        return OSError(err, os.strerror(err))
+    try:
+        for folder in folders:
+            if _libc.inotify_add_watch(fd, os.fsencode(folder),
+                                       _IN_CREATE | _IN_ONLYDIR | _IN_DONT_FOLLOW) < 0:
+                err = ctypes.get_errno()
+                if err in OUT_OF_WATCHES:
+                    return OSError(err, os.strerror(err), str(folder))
+        return None
+    finally:
+        os.close(fd)

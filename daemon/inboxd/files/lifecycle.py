@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
+import threading
 import time
 from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
+from inboxd import logs
 from inboxd.config import Config, ConfigError
-from inboxd.files import instances, renames
+from inboxd.files import claim_area, instances, renames
 from inboxd.files.durable import (
     TmpDir,
     create_excl,
@@ -33,7 +36,7 @@ from inboxd.files.durable import (
     walk_files,
     write_tmp,
 )
-from inboxd.files.instances import LEDGER_SUFFIX, LOCK_WAIT_S, flock_within
+from inboxd.files.instances import LEDGER_SUFFIX, LOCK_WAIT_S
 from inboxd.files.layout import PROCESSING_DIRNAME, TMP_DIRNAME, processing_dir
 from inboxd.files.names import fit_name, relative_inside
 from inboxd.files.portable_names import filing_key
@@ -45,7 +48,7 @@ from inboxd.files.renames import (
     time_token,
 )
 from inboxd.files.results import ResultFiles, sha_token
-from inboxd.files.safe_paths import LinkedFolder, open_inside, split_rel
+from inboxd.files.safe_paths import ForeignFolder, LinkedFolder, open_inside, split_rel
 
 ERROR_SUFFIX = ".error.json"
 # Errors that say the process is short of something for now, not that the file has a problem.
@@ -60,6 +63,34 @@ class InstanceBusy(Exception):
     """Another live process holds this instance name on this inbox."""
 
 
+def _say_moved_aside(inbox: Path, moved: list[claim_area.MovedAside]) -> None:
+    for found in moved:
+        logs.emit(logging.WARNING, "claim_area_moved",
+                  f"{inbox / PROCESSING_DIRNAME} was {found.what} of uid {found.owner_uid}'s, "
+                  f"not inboxd's own: renamed aside to {inbox / found.aside} (left as it is) "
+                  "and made again. A member of the inbox's group can rename entries in it; "
+                  "nothing was lost", inbox=str(inbox), owner_uid=found.owner_uid,
+                  moved_aside=str(inbox / found.aside))
+
+
+def _say_put_back(report: claim_area.PutBack) -> None:
+    inbox = report.inbox
+    where = report.moved_to or "a folder inboxd can no longer name"
+    replaced = "; ".join(f"{found.what} of uid {found.owner_uid}'s was in its place, renamed "
+                         f"aside to {inbox / found.aside}" for found in report.moved_aside)
+    logs.emit(logging.WARNING, "claim_area_moved",
+              f"inboxd's claim area {inbox / PROCESSING_DIRNAME} was renamed away (to {where})"
+              + (f"; {replaced}" if replaced else "")
+              + f": made it again and took back its {report.taken_back} claimed entries by "
+              "descriptor, so nothing in flight is lost"
+              + (f" ({report.renamed} under a variant name, returned at the next start)"
+                 if report.renamed else "")
+              + ". A member of the inbox's group can rename entries in it",
+              inbox=str(inbox), moved_to=report.moved_to, taken_back=report.taken_back,
+              owner_uid=",".join(str(f.owner_uid) for f in report.moved_aside),
+              moved_aside=",".join(str(inbox / f.aside) for f in report.moved_aside))
+
+
 class Lifecycle:
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -69,7 +100,9 @@ class Lifecycle:
         self.results = ResultFiles(config.results_dir, self.tmp_dir,
                                    config.done_dir if policy == "move" else None,
                                    replace_kept=policy == "keep")
-        self._locks: list[int] = []
+        self._areas: dict[Path, claim_area.HeldArea] = {}  # by inbox, while locked
+        # Putting an area back (the claim thread, the io thread) is done by one at a time.
+        self._areas_lock = threading.Lock()
         self.max_file_bytes = config.preprocess.max_file_mb * 2**20
         self._done = os.fspath(config.done_dir)
         self._done_tmp = tmp_dir_in(config.done_dir, config.instance)
@@ -94,53 +127,93 @@ class Lifecycle:
                 self._done_tmp, *(self.processing_tmp(inbox) for inbox in self.config.inbox.paths)]
 
     def lock_instance(self) -> None:
-        """Hold ``<inbox>/.processing/<instance>.lock`` while we run. Two live daemons with one
-        instance name would each "recover" the other's claimed files; ``recover`` on a running
-        instance would pull files from under it. The kernel drops the lock when we die, however
-        we die, so a SIGKILLed instance never blocks its own restart; another instance that
-        found it free may hold it for a moment while it returns our files (``files.takeover``),
-        which is why we wait up to ``LOCK_WAIT_S`` before calling the name busy."""
-        if self._locks:
+        """Hold this instance's claim area in every inbox while we run
+        (``files.claim_area``): ``<inbox>/.processing/<instance>/`` by descriptor, and
+        ``<instance>.lock`` beside it. Two live daemons with one instance name would each
+        "recover" the other's claimed files; ``recover`` on a running instance would pull files
+        from under it. The kernel drops the lock when we die, however we die, so a SIGKILLed
+        instance never blocks its own restart; another instance that found it free may hold it
+        for a moment while it returns our files (``files.takeover``), which is why we wait up
+        to ``LOCK_WAIT_S`` before calling the name busy. Whatever a member of the inbox's group
+        put at ``.processing`` is renamed aside, and a fresh one made."""
+        if self._areas:
             return
         for inbox in self.config.inbox.paths:
             inbox.mkdir(parents=True, exist_ok=True)  # the configured folder: trusted
             try:
-                with open_inside(inbox, [PROCESSING_DIRNAME], create=True, own=True) as processing:
-                    fd = os.open(f"{self.config.instance}.lock", os.O_RDWR | os.O_CREAT
-                                 | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644, dir_fd=processing)
-            except LinkedFolder as exc:  # a link, or somebody else's (ForeignFolder)
+                area, moved = claim_area.open_area(inbox, self.config.instance,
+                                                    lock_wait_s=LOCK_WAIT_S)
+            except claim_area.LockHeld as held:
+                self.unlock_instance()
+                raise InstanceBusy(
+                    f"instance {self.config.instance!r} is already running on {inbox} "
+                    f"(pid {held.args[0]}); give each daemon on a shared inbox its own "
+                    "--instance") from None
+            except LinkedFolder as exc:  # <instance> inside our own folder: not ours either
                 self.unlock_instance()
                 raise ConfigError(str(inbox), [
                     f"{inbox / PROCESSING_DIRNAME}: {exc.strerror}. inboxd keeps the files it "
                     "works on there and never uses one it does not own"]) from None
             except OSError as exc:  # read-only, full: start-up says so (inbox_unusable)
                 self.unlock_instance()
-                # The lock is opened relative to .processing's descriptor: name the whole path
-                # (open_inside already does for the folders), so the message says which inbox.
+                # Opened relative to a descriptor: name the whole path, so the message says
+                # which inbox.
                 if isinstance(exc.filename, str) and not os.path.isabs(exc.filename):
                     exc.filename = str(inbox / PROCESSING_DIRNAME / exc.filename)
                 raise
-            if not flock_within(fd, LOCK_WAIT_S):
-                holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
-                os.close(fd)
-                self.unlock_instance()
-                raise InstanceBusy(
-                    f"instance {self.config.instance!r} is already running on {inbox} "
-                    f"(pid {holder}); give each daemon on a shared inbox its own --instance"
-                ) from None
-            os.ftruncate(fd, 0)
-            os.write(fd, str(os.getpid()).encode())
-            self._locks.append(fd)
+            self._areas[inbox] = area
+            if moved:
+                _say_moved_aside(inbox, moved)
 
     def lock_fds(self) -> list[int]:
         """The descriptors holding our instance locks (a helper that inherits them keeps the
         instance busy until it has gone too)."""
-        return list(self._locks)
+        return [area.lock for area in self._areas.values()]
 
     def unlock_instance(self) -> None:
-        for fd in self._locks:
-            os.close(fd)
-        self._locks.clear()
+        with self._areas_lock:
+            for area in self._areas.values():
+                area.close()
+            self._areas.clear()
+
+    def ensure_claim_areas(self) -> int:
+        """Put back every claim area whose name a member of the group moved or replaced
+        (``claim_area.put_back``), saying so once each; returns how many were put back. Cheap
+        when nothing moved (one ``lstat`` per inbox): called before each claim and every
+        ``AREA_CHECK_S``."""
+        put = 0
+        for inbox in list(self._areas):
+            with self._areas_lock:
+                before = self._areas.get(inbox)
+                put += self._put_back(inbox) is not before
+        return put
+
+    @contextlib.contextmanager
+    def _claim_area(self, inbox: Path) -> Iterator[claim_area.HeldArea | None]:
+        """The area held for ``inbox``, put back first if its name moved, and not put back
+        (its descriptors not closed) while the caller uses it; None when none is held (not
+        locked: a command that walks by name)."""
+        with self._areas_lock:
+            yield self._put_back(inbox)
+
+    def _put_back(self, inbox: Path) -> claim_area.HeldArea | None:
+        """With ``_areas_lock`` held: ``_claim_area``'s area (the held one if it cannot be put
+        back now: claims still go into it, and the next check tries again)."""
+        held = self._areas.get(inbox)
+        if held is None or not claim_area.name_moved(inbox, held):
+            return held
+        try:
+            fresh, report = claim_area.put_back(inbox, self.config.instance, held)
+        except (OSError, claim_area.LockHeld) as exc:
+            logs.emit(logging.ERROR, "claim_area_moved", f"{inbox / PROCESSING_DIRNAME} is "
+                      "not inboxd's claim area any more and cannot be made again now: "
+                      f"{exc!r}; claims go on into the folder inboxd holds, and it tries again",
+                      inbox=str(inbox), error=repr(exc))
+            return held
+        self._areas[inbox] = fresh
+        if report is not None:
+            _say_put_back(report)
+        return fresh
 
     def prepare(self) -> list[str]:
         """Create every folder, and drop temp files a killed run of this instance left.
@@ -183,16 +256,23 @@ class Lifecycle:
         inbox would otherwise let the rename take a file from outside it (``OSError`` ELOOP).
         """
         parts = rel.split("/")
-        with open_inside(inbox, parts[:-1]) as source_dir:
+        with self._claim_area(inbox) as area, open_inside(inbox, parts[:-1]) as source_dir:
             try:
-                # Into .processing/<instance>/ walked from the inbox and checked to be ours:
-                # the group can replace .processing with a folder of links.
-                placed = place_inside(parts[-1], source_dir, inbox,
-                                      f"{PROCESSING_DIRNAME}/{self.config.instance}/{rel}",
-                                      time_token(), own=True)
+                if area is None:  # not locked (a test, a command): walked from the inbox
+                    placed = place_inside(parts[-1], source_dir, inbox,
+                                          f"{PROCESSING_DIRNAME}/{self.config.instance}/{rel}",
+                                          time_token(), own=True)
+                    return os.path.join(inbox, placed)
+                if claim_area.identity(os.fstat(source_dir)) == claim_area.identity(
+                        os.fstat(area.folder)):
+                    return None  # our own area, renamed into sight since the check above
+                # Into the folder we hold, whatever its name is now: the group can rename
+                # .processing away and put a folder of links in its place.
+                placed = place_inside(parts[-1], source_dir, area.folder, rel, time_token(),
+                                      own=True)
             except FileNotFoundError:
                 return None
-        return os.path.join(inbox, placed)
+        return os.path.join(processing_dir(self.config, inbox), placed)
 
     def release(self, claimed: str | Path, inbox_path: str | Path) -> str | None:
         """Hand a claimed file back to the inbox, where a later scan finds it again (under a
@@ -235,10 +315,25 @@ class Lifecycle:
             rel = relative_inside(path, inbox)
             if rel is not None and rel.startswith(PROCESSING_DIRNAME + "/"):
                 folders, name = split_rel(rel)
-                with open_inside(inbox, folders, own=True) as folder:
+                folder = self._open_claimed_folder(inbox, folders)
+                try:
                     yield folder, name
+                finally:
+                    os.close(folder)
                 return
         yield None, path
+
+    def _open_claimed_folder(self, inbox: Path, folders: list[str]) -> int:
+        """The folder of a claimed file, walked from ``inbox`` and checked to be ours; when
+        that fails because our area's name moved, the area is put back and walked again."""
+        for attempt in range(2):
+            try:
+                with open_inside(inbox, folders, own=True) as folder:
+                    return os.dup(folder)
+            except (FileNotFoundError, ForeignFolder):
+                if attempt or not self.ensure_claim_areas():
+                    raise
+        raise AssertionError("unreachable")
 
     def source_mode(self, claimed: str | Path) -> int | None:
         """A claimed file's permission bits (what its result's mode follows: ``output_mode``),

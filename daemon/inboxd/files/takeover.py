@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from inboxd.files.claim_area import moved_areas
 from inboxd.files.instances import LEDGER_SUFFIX, LOCK_SUFFIX, Ledger, crashes_of, read_ledger
 from inboxd.files.layout import PROCESSING_DIRNAME
 from inboxd.files.lifecycle import CRASHES_BEFORE_FAILING, Lifecycle
@@ -55,24 +56,41 @@ class Sweep:
     refused: list[tuple[str, str]] = field(default_factory=list)
 
 
-def take_over_dead(lifecycle: Lifecycle) -> Sweep:
-    """Look at every other instance's folder in every inbox; take over the dead ones."""
+def take_over_dead(lifecycle: Lifecycle, only: str | None = None) -> Sweep:
+    """Look at every other instance's folder in every inbox; take over the dead ones. And
+    every instance's folder in a former claim area a member of the group renamed away
+    (``claim_area.moved_areas``), ours too: its lock is free once whoever held it died or
+    put its area back. ``only``: that instance's folders only (``inboxd recover``)."""
     sweep = Sweep()
     own = lifecycle.config.instance
     for inbox in lifecycle.config.inbox.paths:
-        try:
-            with open_inside(inbox, [PROCESSING_DIRNAME], own=True) as processing:
-                for name in _other_instances(processing, own, inbox / PROCESSING_DIRNAME, sweep):
-                    try:
-                        _take_over_one(lifecycle, inbox, processing, name, sweep)
-                    except OSError as exc:  # that instance's problem: the others still go
-                        sweep.refused.append((str(inbox / PROCESSING_DIRNAME / name),
-                                              f"cannot take it over now: {exc}"))
-        except LinkedFolder as exc:  # a link, or not ours (the group can make its own)
-            sweep.refused.append((str(inbox / PROCESSING_DIRNAME), exc.strerror or str(exc)))
-        except FileNotFoundError:
-            continue
+        if only is None:
+            try:
+                with open_inside(inbox, [PROCESSING_DIRNAME], own=True) as processing:
+                    _take_over_in(lifecycle, inbox, processing, PROCESSING_DIRNAME,
+                                  _other_instances(processing, own, inbox / PROCESSING_DIRNAME,
+                                                   sweep), sweep)
+            except LinkedFolder as exc:  # a link, or not ours (the group can make its own)
+                sweep.refused.append((str(inbox / PROCESSING_DIRNAME),
+                                      exc.strerror or str(exc)))
+            except FileNotFoundError:
+                pass
+        with moved_areas(inbox) as areas:
+            for area_name, area in areas:
+                names = _other_instances(area, "", inbox / area_name, sweep)
+                _take_over_in(lifecycle, inbox, area, area_name,
+                              [n for n in names if only is None or n == only], sweep)
     return sweep
+
+
+def _take_over_in(lifecycle: Lifecycle, inbox: Path, processing: int, area_name: str,
+                  names: list[str], sweep: Sweep) -> None:
+    for name in names:
+        try:
+            _take_over_one(lifecycle, inbox, processing, name, sweep, area_name)
+        except OSError as exc:  # that instance's problem: the others still go
+            sweep.refused.append((str(inbox / area_name / name),
+                                  f"cannot take it over now: {exc}"))
 
 
 def _other_instances(processing: int, own: str, where: Path, sweep: Sweep) -> list[str]:
@@ -95,8 +113,8 @@ def _other_instances(processing: int, own: str, where: Path, sweep: Sweep) -> li
 
 
 def _take_over_one(lifecycle: Lifecycle, inbox: Path, processing: int, name: str,
-                   sweep: Sweep) -> None:
-    where = inbox / PROCESSING_DIRNAME
+                   sweep: Sweep, area_name: str = PROCESSING_DIRNAME) -> None:
+    where = inbox / area_name
     try:
         lock = os.open(name + LOCK_SUFFIX, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC,
                        dir_fd=processing)
@@ -130,7 +148,8 @@ def _take_over_one(lifecycle: Lifecycle, inbox: Path, processing: int, name: str
             raise
         taken = TakenOver(inbox, name)
         try:
-            _return_all(lifecycle, inbox, name, folder, taken, sweep)
+            _return_all(lifecycle, inbox, name, folder, taken, sweep,
+                        None if area_name == PROCESSING_DIRNAME else processing)
         finally:
             os.close(folder)
             # Counted and said even when we stopped part-way.
@@ -154,10 +173,18 @@ class _Walk:
 
 
 def _return_all(lifecycle: Lifecycle, inbox: Path, instance: str, top: int,
-                taken: TakenOver, sweep: Sweep) -> None:
+                taken: TakenOver, sweep: Sweep, moved_area: int | None = None) -> None:
     """Every file under the folder ``top`` back to the inbox (or failed/), folders emptied and
-    removed bottom-up."""
-    walk = _Walk(lifecycle, inbox, instance, lifecycle.crash_counts(inbox), taken, sweep)
+    removed bottom-up. ``moved_area``: ``top`` is in a former claim area (that descriptor),
+    whose ledger counts too, and is left as it was (the name's owner in ``.processing`` may
+    be alive)."""
+    counts = lifecycle.crash_counts(inbox)
+    if moved_area is not None:
+        counts.append(read_ledger(instance + LEDGER_SUFFIX, moved_area))
+    walk = _Walk(lifecycle, inbox, instance, counts, taken, sweep)
+    if moved_area is not None:
+        _walk_back(walk, top)
+        return
     ledger_path = lifecycle.ledger_path(inbox, instance)
     walked = False
     try:

@@ -20,7 +20,8 @@ import torch
 
 from inboxd import logs
 from inboxd.config import ModelConfig
-from inboxd.models.model import Model
+from inboxd.models.model import Model, TaskModel
+from inboxd.models.ocr_model import OcrModel
 from inboxd.models.onnx_export import export_in_child
 from inboxd.models.runtimes import onnx as onnx_runtime
 from inboxd.models.runtimes.agreement import measure
@@ -133,10 +134,15 @@ class FastPath:
             self._thread.join(timeout_s)
 
 
-def runtime_fields(model: Model, fast: FastPath | None) -> dict[str, Any]:
+def runtime_fields(model: TaskModel, fast: FastPath | None) -> dict[str, Any]:
     """For the started record: what serves now, what was chosen and why, and on the CPU the
     capability the choice rests on."""
     fields: dict[str, Any] = {"RUNTIME": model.runtime, "PRECISION": model.precision}
+    if isinstance(model, OcrModel):
+        fields["RUNTIME_REASON"] = (f"the OCR networks run on ONNX Runtime's "
+                                    f"{model.providers[0]}")
+        if model.note is not None:
+            fields["MODEL_NOTE"] = model.note
     choice = model.choice
     if choice is not None:
         fields.update({"RUNTIME_CHOSEN": choice.runtime, "PRECISION_CHOSEN": choice.precision,

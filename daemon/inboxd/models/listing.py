@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from inboxd.config import Config
 from inboxd.decode.spec import PreprocessSpec
-from inboxd.models.model import Model
+from inboxd.models.model import Model, TaskModel
 
 
 def describe_input(spec: PreprocessSpec, color: str) -> str:
     channels = {"rgb": "RGB", "bgr": "BGR", "gray": "grey (luma on all 3 channels)"}[color]
+    if spec.kind == "fit":
+        return (f"each photo fitted whole into {spec.crop}×{spec.crop} ({spec.interpolation}, "
+                f"aspect ratio kept), {channels}, mean {list(spec.mean)}, std "
+                f"{list(spec.std)} (0-1 scale)")
     return (f"N×3×{spec.crop}×{spec.crop} float32, {channels}: shorter side resized to "
             f"{spec.resize} ({spec.interpolation}), center crop {spec.crop}, "
             f"mean {list(spec.mean)}, std {list(spec.std)} (0-1 scale)")
@@ -33,15 +37,36 @@ def builtin_lines() -> list[str]:
         f"    input: {describe_input(spec, 'rgb')}",
         f"    outputs: classify {lite.NUM_CLASSES} ImageNet classes, or embed "
         f"{lite.EMBEDDING_DIM}-dim",
+        "  ocr: PP-OCRv4 text detection, angle classifier and recognition in ONNX Runtime, "
+        "from the rapidocr-onnxruntime wheel (model: {name: ocr})",
+        "    outputs: text lines with score and polygon, and full_text",
     ]
 
 
-def configured_lines(config: Config, model: Model, where: str) -> list[str]:
+def configured_lines(config: Config, model: TaskModel, where: str) -> list[str]:
     info = model.info
     assert info is not None
+    if not isinstance(model, Model):
+        return [
+            f"configured ({where}):",
+            f"  {model.name}: {info.source}",
+            f"    input: the photo fitted within {model.spec.crop} px (never enlarged), "
+            "EXIF orientation applied",
+            f"    output: ocr: text lines with score and polygon (displayed pixels) and "
+            f"full_text; at most {config.model.max_regions} regions per photo, "
+            f"{config.capacity.ocr_crops} crops waiting for the recogniser",
+            f"    runs on: {model.device} (ONNX Runtime), precision {model.precision}, "
+            f"up to {config.batch.max_size} photos per batch",
+        ]
     if model.output == "classify":
         labels = config.model.labels or "ImageNet class names"
         output = f"classify: top {model.top_k} of {info.outputs} classes (labels: {labels})"
+    elif model.output == "detect":
+        detect = config.model.detect
+        output = (f"detect: up to {detect.max_detections} boxes per photo of {info.outputs} "
+                  f"classes, score > {detect.score_threshold}, class-wise NMS at IoU "
+                  f"{detect.iou_threshold} where the model has none inside; boxes in the "
+                  "displayed photo's pixels")
     else:
         output = (f"embed: a {info.outputs}-dim float32 vector per image, written as "
                   "<results_dir>/<file>.npy")

@@ -22,7 +22,7 @@ from torch import nn
 from inboxd.config import ConfigError, ModelConfig, ModelInputConfig
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.models.device import pick_device
-from inboxd.models.model import Model, ModelInfo, imagenet_labels
+from inboxd.models.model import Model, ModelInfo, TaskModel, imagenet_labels
 from inboxd.models.preflight import label_count_problem, problem, read_labels
 from inboxd.models.runtimes.agreement import measure
 from inboxd.models.runtimes.choice import Choice, choose, cpu_flags
@@ -42,7 +42,19 @@ PROBE_BATCH = 2
 BATCH_INDEPENDENCE_TOLERANCE = 1e-3
 
 
-def load_model(config: ModelConfig) -> Model:
+def load_model(config: ModelConfig) -> TaskModel:
+    if config.kind == "ocr":
+        from inboxd.models.ocr_model import load_ocr
+
+        return load_ocr(config, pick_device(config.device))
+    return load_network(config)
+
+
+def load_network(config: ModelConfig) -> Model:
+    if config.output == "detect":
+        from inboxd.models.detector import load_detector
+
+        return load_detector(config)
     device = pick_device("cpu" if config.kind == "onnx" and config.device == "auto"
                          else config.device)
     choice = choose_runtime(config, device)

@@ -19,7 +19,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -28,8 +28,11 @@ from torch import nn
 
 from inboxd.config import ConfigError
 from inboxd.decode.spec import PreprocessSpec
+from inboxd.item import DecodedImage
+from inboxd.models.detection import Detections
 from inboxd.models.host_buffers import HostStaging
 from inboxd.models.memory import cuda_memory_fields
+from inboxd.models.ocr.reader import OcrReading
 from inboxd.models.runtimes.runner import Runner
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -37,7 +40,7 @@ PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat
 # by 2**16 and rounded), so a ``color: gray`` model sees exactly the pixels Pillow would give.
 _LUMA_WEIGHTS = (19595, 38470, 7471)
 
-Output = Literal["classify", "embed"]
+Output = Literal["classify", "embed", "detect", "ocr"]
 Color = Literal["rgb", "bgr", "gray"]
 # One image for the model: H×W×3 uint8 RGB, a host array or a tensor already on the device.
 Pixels = npt.NDArray[np.uint8] | torch.Tensor
@@ -72,7 +75,21 @@ class Embedding:
         return float(np.linalg.norm(self.vector.astype(np.float64)))
 
 
-Prediction = Classification | Embedding
+# What one task says about one photo.
+TaskAnswer = Classification | Embedding | Detections | OcrReading
+
+
+@dataclass
+class TaskResults:
+    """One photo's answer from every task of a ``models:`` config, by task name: a prediction,
+    or the reason that task's model failed on this photo (an exception of its own)."""
+
+    sections: dict[str, TaskAnswer | Exception]
+    # How each task ran, for its section: task → (runtime, precision).
+    ran: dict[str, tuple[str, str]]
+
+
+Prediction = TaskAnswer | TaskResults
 
 
 def not_finite(prediction: Prediction) -> str | None:
@@ -82,6 +99,16 @@ def not_finite(prediction: Prediction) -> str | None:
     if isinstance(prediction, Embedding):
         bad = int(np.count_nonzero(~np.isfinite(prediction.vector)))
         return f"{bad} of the {prediction.dim} embedding values" if bad else None
+    if isinstance(prediction, TaskResults):
+        return None  # each section is checked on its own (a task's section says it)
+    if isinstance(prediction, OcrReading):
+        bad = sum(not math.isfinite(line.score) for line in prediction.lines)
+        return f"{bad} of the {len(prediction.lines)} line scores" if bad else None
+    if isinstance(prediction, Detections):
+        bad = sum(not math.isfinite(v) for box, score in zip(prediction.boxes,
+                                                              prediction.scores, strict=True)
+                  for v in (*box, score))
+        return f"{bad} of the detections' box coordinates and scores" if bad else None
     bad = sum(not math.isfinite(float(entry.get("score", 0.0))) for entry in prediction.top_k)
     return f"{bad} of the top-{len(prediction.top_k)} scores" if bad else None
 
@@ -103,11 +130,69 @@ class ModelInfo:
     max_batch: int | None = None  # a .pt2 program's bound on its dynamic batch dimension
 
 
+class TaskModel(Protocol):
+    """What the model stage, its engines and the result writer ask of a model: ``Model`` (one
+    torch or ONNX network) and ``OcrModel`` (models/ocr: three networks and the steps between)."""
+
+    before_forward: Callable[[int], None] | None
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def output(self) -> Output: ...
+
+    @property
+    def spec(self) -> PreprocessSpec: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def info(self) -> ModelInfo | None: ...
+
+    @property
+    def max_batch(self) -> int | None: ...
+
+    @property
+    def choice(self) -> Any: ...
+
+    @property
+    def on_gpu(self) -> bool: ...
+
+    @property
+    def batches_overlap(self) -> bool: ...
+
+    @property
+    def runtime(self) -> str: ...
+
+    @property
+    def precision(self) -> str: ...
+
+    def input_of(self, image: DecodedImage) -> Any: ...
+
+    def predict(self, images: Sequence[Any]) -> Sequence[Prediction]: ...
+
+    def check_batch_size(self, max_size: int) -> None: ...
+
+    def warm_up_sizes(self, max_size: int) -> list[int]: ...
+
+    def warm_up(self, sizes: Sequence[int]) -> float: ...
+
+    def health_problem(self) -> str | None: ...
+
+    def memory_fields(self) -> dict[str, int]: ...
+
+
 class Model:
     """One network with its preprocessing, labels, output kind and device.
 
     ``network`` must already be in eval mode (a ``torch.export`` program cannot be switched).
     """
+
+    # Whether the CUDA launch/collect split (engines/cuda_overlap.py) may run its batches: it
+    # stages equal-sized crops, which a detector's fitted photos are not.
+    batches_overlap = True
 
     def __init__(
         self,
@@ -183,6 +268,11 @@ class Model:
         if runner.precision == "fp32" or runner.runtime != "torch":
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=PRECISIONS[runner.precision])
+
+    def input_of(self, image: DecodedImage) -> Pixels:
+        """What ``predict`` takes for one decoded photo: its pixels (host or device)."""
+        pixels: Pixels = image.model_input
+        return pixels
 
     def to_device(self, images: Sequence[Pixels]) -> torch.Tensor:
         """N×H×W×3 uint8 on the device. Host arrays are stacked (pinned on a GPU, so the copy

@@ -28,8 +28,17 @@ from inboxd.files.durable import output_full
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.names import relative_inside
 from inboxd.item import ModelError, PermanentError, TransientError, WorkItem
+from inboxd.models.detection import Detections
 from inboxd.models.engines.interface import Outcome
-from inboxd.models.model import Embedding, Model, Prediction, not_finite
+from inboxd.models.model import (
+    Embedding,
+    Prediction,
+    TaskAnswer,
+    TaskModel,
+    TaskResults,
+    not_finite,
+)
+from inboxd.models.ocr.reader import OcrReading
 from inboxd.pipeline.outcomes import Outcomes, RunIO, utc_now
 
 HANDOFF_BATCHES = 1
@@ -70,15 +79,17 @@ class ResultWriter:
     def __init__(
         self,
         config: Config,
-        model: Model,
+        model: TaskModel,
         lifecycle: Lifecycle,
         commits: Commits,
         outcomes: Outcomes,
         run_io: RunIO[Any],
         clock: Callable[[], float],
+        tasks: dict[str, TaskModel] | None = None,
     ) -> None:
         self.config = config
         self.model = model
+        self.tasks = tasks or {}  # models: each task's model, for its section
         self.lifecycle = lifecycle
         self.commits = commits
         self.outcomes = outcomes
@@ -135,6 +146,8 @@ class ResultWriter:
     async def _write(self, batch: list[Outcome]) -> None:
         good: list[tuple[WorkItem, Prediction]] = []
         for item, outcome in batch:
+            if isinstance(outcome, TaskResults):
+                outcome = _checked_sections(outcome)
             why = None if isinstance(outcome, Exception) else not_finite(outcome)
             if why is not None:  # the same input gives the same numbers: no retry
                 outcome = ModelError(f"the model's output for this file is not a number "
@@ -191,7 +204,7 @@ class ResultWriter:
         """One try at filing ``good`` (the commit process's answer, errors included)."""
         entries = [CommitEntry(item.key, item.sha256 or "", self.document(item, result),
                                item.claimed_path, item.inbox_path,
-                               result.vector if isinstance(result, Embedding) else None)
+                               _vector(result))
                    for item, result in good]
         sent: list[Future[Committed]] = []  # filled by the io thread, even if cancelled
         try:
@@ -231,6 +244,22 @@ class ResultWriter:
         """The result JSON as filed under the file's own key (``files.commits.filed_document``
         adjusts it when another name is taken)."""
         image = item.image_info
+        if isinstance(result, TaskResults):
+            # One section per task under its name; what ran where is each section's own.
+            return {
+                "source": item.key,
+                "sha256": item.sha256,
+                "size_bytes": item.size_bytes,
+                "source_identity": list(item.identity) if item.identity else None,
+                **{task: self._section(task, outcome, result, item)
+                   for task, outcome in result.sections.items()},
+                "image": image,
+                "timings_ms": item.timings_ms(self.clock()),
+                "attempts": item.attempts + 1,
+                "instance": self.config.instance,
+                "completed_at": utc_now(),
+                "inboxd_version": __version__,
+            }
         return {
             "source": item.key,
             "sha256": item.sha256,
@@ -240,7 +269,7 @@ class ResultWriter:
             "device": str(self.model.device),
             "runtime": item.runtime or self.model.runtime,
             "precision": item.precision or self.model.precision,
-            **self._output(result, item.key),
+            **self._output(result, item),
             "image": image,
             "timings_ms": item.timings_ms(self.clock()),
             "attempts": item.attempts + 1,
@@ -249,15 +278,58 @@ class ResultWriter:
             "inboxd_version": __version__,
         }
 
-    def _output(self, result: Prediction, name: str) -> dict[str, Any]:
+    def _section(self, task: str, outcome: Prediction | Exception, result: TaskResults,
+                 item: WorkItem) -> dict[str, Any]:
+        model = self.tasks[task]
+        runtime, precision = result.ran.get(task, ("", ""))
+        section: dict[str, Any] = {"model": model.name, "device": str(model.device),
+                                   "runtime": runtime or model.runtime,
+                                   "precision": precision or model.precision}
+        if isinstance(outcome, Exception):
+            # This task failed on this photo; the photo's other answers stand.
+            return {**section, "error": str(outcome) or type(outcome).__name__,
+                    "reason_class": (outcome.reason_class
+                                     if isinstance(outcome, PermanentError | TransientError)
+                                     else "model")}
+        return {**section, **self._output(outcome, item)}
+
+    def _output(self, result: Prediction, item: WorkItem) -> dict[str, Any]:
+        if isinstance(result, Detections):
+            # In the displayed photo's pixels, whatever size the model saw it at.
+            return {"detections": result.in_photo(item.image_info["width"],
+                                                  item.image_info["height"])}
         if isinstance(result, Embedding):
             return {"embedding": {
-                "file": os.path.basename(self.lifecycle.results.vector_file(name)),
+                "file": os.path.basename(self.lifecycle.results.vector_file(item.key)),
                 "dim": result.dim,
                 "norm": round(result.norm, 6),
                 "dtype": str(result.vector.dtype),
             }}
+        if isinstance(result, OcrReading):
+            return {"ocr": result.as_json()}
+        assert not isinstance(result, TaskResults)
         return {"top_k": result.top_k}
+
+
+def _checked_sections(result: TaskResults) -> TaskResults:
+    """A section whose numbers are not finite becomes that task's model error."""
+    sections: dict[str, TaskAnswer | Exception] = {}
+    for task, outcome in result.sections.items():
+        why = None if isinstance(outcome, Exception) else not_finite(outcome)
+        sections[task] = outcome if why is None else ModelError(
+            f"the model's output for this file is not a number ({why} are NaN or infinite)")
+    return TaskResults(sections, result.ran)
+
+
+def _vector(result: Prediction) -> Any:
+    """The embedding written beside the result (``models:`` allows one embedding task)."""
+    if isinstance(result, Embedding):
+        return result.vector
+    if isinstance(result, TaskResults):
+        for outcome in result.sections.values():
+            if isinstance(outcome, Embedding):
+                return outcome.vector
+    return None
 
 
 def _send(commits: Commits, entries: list[CommitEntry], sent: list[Future[Committed]]) -> None:

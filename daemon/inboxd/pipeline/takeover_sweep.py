@@ -1,15 +1,22 @@
 """Dead instances on a shared inbox: at start-up and every ``inbox.rescan_interval_s``, the
 files another instance had claimed before it died go back to the inbox (``files.takeover``),
 where the scan finds them again. Each takeover is one ``instance_taken_over`` journal record;
-what is left alone on purpose (a folder without a lock, a planted link) is said once."""
+what is left alone on purpose (a folder without a lock, a planted link) is said once.
+
+And this instance's own claim areas: every ``AREA_CHECK_S`` their names are compared with the
+folders held, and one a member of the group moved or replaced is put back
+(``Lifecycle.ensure_claim_areas``), so that the claimed paths in flight lead to their files
+again before their next step needs them."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from inboxd import logs
+from inboxd.files.claim_area import AREA_CHECK_S
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.takeover import Sweep, take_over_dead
 from inboxd.stats import Stats
@@ -20,7 +27,7 @@ MAX_REPORTED = 256
 
 class Takeovers:
     def __init__(self, lifecycle: Lifecycle, stats: Stats,
-                 run_io: Callable[[Callable[[], Sweep]], Awaitable[Sweep]],
+                 run_io: Callable[[Callable[[], Any]], Awaitable[Any]],
                  interval_s: float, on_returned: Callable[[], None]) -> None:
         self.lifecycle = lifecycle
         self.stats = stats
@@ -70,6 +77,18 @@ class Takeovers:
         logs.emit(logging.WARNING, "takeover_error",
                   f"cannot look for dead instances' files: {exc}", error=str(exc))
         return 0
+
+    async def watch_claim_areas(self) -> None:
+        while True:
+            await asyncio.sleep(AREA_CHECK_S)
+            try:
+                put_back = await self.run_io(self.lifecycle.ensure_claim_areas)
+            except OSError as exc:
+                logs.emit(logging.WARNING, "takeover_error",
+                          f"cannot look at the claim areas: {exc}", error=str(exc))
+                continue
+            if put_back:
+                self.on_returned()  # what a former area held may be back in the inbox
 
     async def run(self) -> None:
         while True:

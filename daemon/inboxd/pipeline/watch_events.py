@@ -1,4 +1,5 @@
-"""The boundary to the OS watcher: ``watchfiles.awatch`` in production, a script in tests."""
+"""The boundary to the OS watcher: inotify (``files/inotify.py``) or, for polled inboxes,
+``watchfiles.awatch`` in production; a script in tests."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from pathlib import Path
 from typing import Protocol
 
 import watchfiles
+
+from inboxd.files.inotify import TreeWatch
+from inboxd.files.names import folder_skipped
 
 # Let awatch hand over changes at most this long after they happen: the intake's settle time
 # is the real "is it finished" test, so a long debounce only adds latency (during a flood the
@@ -21,7 +25,8 @@ ChangeSet = set[tuple[watchfiles.Change, str]]
 
 
 class WatchFn(Protocol):
-    """The boundary to the OS watcher: ``watchfiles.awatch`` in production, a script in tests."""
+    """The boundary to the OS watcher: inotify (``files/inotify.py``) or, for polled inboxes,
+``watchfiles.awatch`` in production; a script in tests."""
 
     def __call__(
         self, *paths: Path, recursive: bool, stop_event: asyncio.Event,
@@ -33,12 +38,61 @@ def real_awatch(
     *paths: Path, recursive: bool, stop_event: asyncio.Event,
     force_polling: bool = False, poll_delay_ms: int = 1000,
 ) -> AsyncIterator[ChangeSet]:
+    """inotify where it sees the writes, watchfiles' poller where it does not. Not
+    watchfiles' inotify: a path that is not UTF-8 sets an error in it that never clears, and
+    one file so named, renamed back and forth, restarted the watcher at each rename."""
+    if force_polling:
+        return polled_awatch(*paths, recursive=recursive, stop_event=stop_event,
+                             poll_delay_ms=poll_delay_ms)
+    return inotify_awatch(*paths, recursive=recursive, stop_event=stop_event)
+
+
+async def inotify_awatch(*paths: Path, recursive: bool,
+                         stop_event: asyncio.Event) -> AsyncIterator[ChangeSet]:
+    """Change sets as awatch yields them: after the first event, more are gathered every
+    WATCH_STEP_MS for at most WATCH_DEBOUNCE_MS, then handed over; until ``stop_event``."""
+    watch = TreeWatch([str(path) for path in paths], recursive, folder_skipped)
+    loop = asyncio.get_running_loop()
+    readable = asyncio.Event()
+    loop.add_reader(watch.fd, readable.set)
+    try:
+        while not stop_event.is_set():
+            readable.clear()
+            raw = watch.read()
+            if not raw:
+                await _either(readable, stop_event)
+                continue
+            deadline_s = loop.time() + WATCH_DEBOUNCE_MS / 1000
+            while loop.time() < deadline_s:
+                await asyncio.sleep(WATCH_STEP_MS / 1000)
+                more = watch.read()
+                if not more:
+                    break
+                raw |= more
+            yield {(watchfiles.Change(change), path) for change, path in raw}
+    finally:
+        loop.remove_reader(watch.fd)
+        watch.close()
+
+
+async def _either(first: asyncio.Event, second: asyncio.Event) -> None:
+    waits = [asyncio.ensure_future(first.wait()), asyncio.ensure_future(second.wait())]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+
+
+def polled_awatch(
+    *paths: Path, recursive: bool, stop_event: asyncio.Event, poll_delay_ms: int = 1000,
+) -> AsyncIterator[ChangeSet]:
     return watchfiles.awatch(
         *paths,
         recursive=recursive,
         stop_event=stop_event,
         # Explicit, so that WATCHFILES_FORCE_POLLING in the environment cannot decide.
-        force_polling=force_polling,
+        force_polling=True,
         poll_delay_ms=poll_delay_ms,
         debounce=WATCH_DEBOUNCE_MS,
         step=WATCH_STEP_MS,

@@ -1,16 +1,19 @@
-"""Stage 1: notice files. watchfiles ``awatch`` on every inbox, a scan at start-up, and rescans.
+"""Stage 1: notice files. inotify on every inbox (``files/inotify.py``; watchfiles' poller
+where inotify cannot see the writes), a scan at start-up, and rescans.
 
 Watch first, then scan what is already there (a file dropped in between is seen by one or
 both; the event buffer de-duplicates). Rescans run every ``inbox.rescan_interval_s``, after any
-watcher error (watchfiles silently drops inotify queue overflows), and as soon as the event
-buffer has room again after it had to defer paths, so a flood drains at full speed without
-waiting for the timer. While such a backlog waits on disk the scans find every file, so the
-watcher is stopped (watchfiles gathers changes without a bound until it is next asked: memory
-that grew with the flood) and started again, with a rescan of its start gap, once a scan has
-taken everything. A folder moved or copied in is walked when its own event arrives
-(inotify reports the folder, not what it holds). Inboxes on network filesystems are polled
-(``files/filesystems.py``, per ``inbox.poll``), and so is everything once inotify runs out of
-watches (said once, with the sysctl). Names not taken are said once (``pipeline/walk.py``).
+watcher error (an inotify queue overflow among them), and as soon as the event buffer has room
+again after it had to defer paths, so a flood drains at full speed without waiting for the
+timer. While such a backlog waits on disk the scans find every file, so the watcher is stopped
+(changes gather until it is next asked: memory that would grow with the flood) and started
+again, with a rescan of its start gap, once a scan has taken everything. A folder moved or
+copied in is walked when its own event arrives (inotify reports the folder, not what it
+holds). Inboxes on network filesystems are polled (``files/filesystems.py``, per
+``inbox.poll``), and so is everything once inotify runs out of watches, at start-up or for a
+folder made later (said once, with the sysctl), until a probe finds room for every folder
+again. Names not taken are said once (``pipeline/walk.py``); a name that is not UTF-8 is a
+name like any other, to the watcher too.
 """
 
 from __future__ import annotations
@@ -26,7 +29,14 @@ from pathlib import Path
 import watchfiles
 
 from inboxd import logs
-from inboxd.files.filesystems import PollMode, StatfsFn, WatchPlan, plan_watch, statfs_type
+from inboxd.files.filesystems import (
+    PollMode,
+    StatfsFn,
+    WatchPlan,
+    inotify_room,
+    plan_watch,
+    statfs_type,
+)
 from inboxd.files.names import NameFilter, folder_skipped
 from inboxd.pipeline.event_buffer import EventBuffer
 from inboxd.pipeline.walk import Walker
@@ -77,6 +87,8 @@ class Watcher:
         self.plans: list[WatchPlan] = [plan_watch(inbox, poll, statfs) for inbox in inboxes]
         self.poll_interval_ms = poll_interval_ms
         self._out_of_watches = False  # inotify's limit was hit: every inbox is polled since
+        self._said_out_of_watches = False
+        self.inotify_room = inotify_room
         self.walker = Walker(names, recursive, stats)
         self._new_folders: list[tuple[str, Path]] = []  # (folder, inbox) to walk at once
 
@@ -142,6 +154,8 @@ class Watcher:
         if not self.backlog_on_disk:  # nor did the watcher defer anything meanwhile
             self._resume_watching()
         self._check_inbox_identity()
+        if self._out_of_watches:
+            self._watch_again_if_room()
         return seen
 
     async def _notice_under(self, folder: str | Path, inbox: Path) -> tuple[int, bool]:
@@ -198,10 +212,17 @@ class Watcher:
 
     async def run_watch(self) -> None:
         """Feed watcher events into the buffer; restart the watcher after any error or pause."""
+        restarted = False
         while not self._stop.is_set():
             await self._watching.wait()
             if self._stop.is_set():
                 return
+            if restarted:
+                # A file that came after the rescan asked for at the stop, and before the new
+                # watcher (or poller: it reports changes to what it first saw) started, would
+                # wait for the timer: one more rescan once it runs.
+                asyncio.get_running_loop().call_later(STARTUP_RESCAN_S, self.request_rescan)
+            restarted = True
             self._watch_stop = asyncio.Event()
             try:
                 for inbox in self.inboxes:
@@ -213,12 +234,7 @@ class Watcher:
             except* Exception as failures:  # watchfiles raises plain RuntimeError/OSError
                 exc = failures.exceptions[0]
                 if _out_of_watches(exc) and not self._out_of_watches:
-                    self._out_of_watches = True
-                    logs.emit(logging.WARNING, "watch_error",
-                              f"inotify watch limit reached ({exc}); polling every inbox "
-                              f"every {self.poll_interval_ms} ms instead. To use inotify, "
-                              "raise it: `sysctl -w fs.inotify.max_user_watches=524288`, and "
-                              "the same in /etc/sysctl.d/", error=str(exc))
+                    self._watches_ran_out(exc)
                 else:
                     logs.emit(logging.WARNING, "watch_error",
                               f"watcher failed ({exc}); rescanning and restarting it",
@@ -239,6 +255,30 @@ class Watcher:
             while self._new_folders:  # walked now, not at the next rescan
                 folder, inbox = self._new_folders.pop()
                 await self._notice_under(folder, inbox)
+
+    def _watches_ran_out(self, exc: BaseException) -> None:
+        """Poll every inbox from now on, until a probe finds room for inotify again (after a
+        scan, ``_watch_again_if_room``); said once per run, with the fix."""
+        self._out_of_watches = True
+        if self._said_out_of_watches:
+            return
+        self._said_out_of_watches = True
+        logs.emit(logging.WARNING, "watch_error",
+                  f"inotify watch limit reached ({exc}); polling every inbox every "
+                  f"{self.poll_interval_ms} ms instead until it has room again. To use "
+                  "inotify, raise it: `sysctl -w fs.inotify.max_user_watches=524288`, and the "
+                  "same in /etc/sysctl.d/", error=str(exc))
+
+    def _watch_again_if_room(self) -> None:
+        """Polling for want of watches: if inotify could now watch every folder it would
+        (every folder of the inotify inboxes), start the watcher again on inotify."""
+        inotify = [plan.path for plan in self.plans if not plan.polling]
+        if not inotify or self.inotify_room(_folders_of(inotify, self.recursive)) is not None:
+            return
+        self._out_of_watches = False
+        logs.emit(logging.INFO, "watching", "inotify has room for every folder again: "
+                  "watching the inboxes with it instead of polling")
+        self._watch_stop.set()
 
     def _take(self, changes: ChangeSet) -> None:
         for change, raw in changes:
@@ -293,6 +333,18 @@ class Watcher:
 def _out_of_watches(exc: BaseException) -> bool:
     """inotify_add_watch's ENOSPC, as the notify crate words it, or as a plain OSError."""
     return "watch limit" in str(exc) or (isinstance(exc, OSError) and exc.errno == errno.ENOSPC)
+
+
+def _folders_of(inboxes: list[Path], recursive: bool) -> list[str]:
+    """Every folder the watcher watches in these inboxes (``files/inotify.py``)."""
+    if not recursive:
+        return [str(inbox) for inbox in inboxes]
+    folders = []
+    for inbox in inboxes:
+        for folder, dirs, _ in os.walk(inbox):
+            dirs[:] = [d for d in dirs if not folder_skipped(d)]
+            folders.append(folder)
+    return folders
 
 
 def _identity(folder: Path) -> tuple[int, int]:

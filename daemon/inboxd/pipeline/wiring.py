@@ -36,7 +36,10 @@ from inboxd.files.names import NameFilter
 from inboxd.item import WorkItem
 from inboxd.models.engines.interface import DeviceFault, ModelEngine
 from inboxd.models.engines.local import LocalEngine
-from inboxd.models.model import Model
+from inboxd.models.model import TaskModel
+from inboxd.models.ocr_model import OcrModel
+from inboxd.models.tasks import TasksEngine
+from inboxd.models.tasks import memory_fields as task_memory_fields
 from inboxd.os_threads import name_this_thread
 from inboxd.pipeline.batcher import Batcher
 from inboxd.pipeline.event_buffer import EventBuffer
@@ -64,18 +67,25 @@ class Pipeline:
     def __init__(
         self,
         config: Config,
-        model: Model,
+        model: TaskModel,
         watch: WatchFn = real_awatch,
         clock: Callable[[], float] = time.monotonic,
         lifecycle: Lifecycle | None = None,
         engine: ModelEngine | None = None,
+        tasks: dict[str, TaskModel] | None = None,
     ) -> None:
+        """``tasks``: a ``models:`` config's models by task name (``model`` is then the first),
+        each photo decoded once for all of them and answered in one result."""
         self.config = config
         self.model = model
+        self.tasks = tasks
+        # Every task's model (the one model: alone without models:).
+        self.models: list[TaskModel] = list(tasks.values()) if tasks is not None else [model]
         self.clock = clock
         capacity = config.capacity
         self.stats = Stats(clock)
-        self.stats.memory_probe = model.memory_fields
+        self.stats.memory_probe = (model.memory_fields if tasks is None
+                                   else lambda: task_memory_fields(tasks))
         self.lifecycle = lifecycle or Lifecycle(config)
         self.io_executor = ThreadPoolExecutor(1, thread_name_prefix="inboxd-io",
                                               initializer=name_this_thread)
@@ -104,16 +114,20 @@ class Pipeline:
         pre = config.preprocess
         # The model says what its input is; preprocess.resize says how exactly the workers
         # make it (the GPU route's tensors are torchvision's either way).
+        specs = [dataclasses.replace(m.spec, resize_mode=pre.resize)
+                 for m in (tasks.values() if tasks is not None else [model])]
         self.decode_pool = DecodePool(pre.workers, WorkerSettings(
-            dataclasses.replace(model.spec, resize_mode=pre.resize), pre.max_image_pixels,
-            pre.max_file_mb << 20, pre.decode_memory_mb << 20, pre.decode_timeout_s))
+            specs[0], pre.max_image_pixels, pre.max_file_mb << 20, pre.decode_memory_mb << 20,
+            pre.decode_timeout_s, tuple(specs[1:])))
+        # The device decoder makes one crop per file; several tasks' cuts come from the workers.
+        gpu_decode = pre.gpu_decode if len(specs) == 1 else "off"
         self.preprocessor = Preprocessor(
             self.queue, self.cache, self.decode_pool, pre.workers, pre.files_per_request,
             on_error=self.outcomes.error,
             existing_sha256=self.lifecycle.results.recorded_sha256,
             on_duplicate=lambda item: self.outcomes.duplicate(item, item.key),
             on_changing=self.outcomes.give_back_held, clock=clock,
-            device_route=device_route.build(pre.gpu_decode, model.device, model.spec,
+            device_route=device_route.build(gpu_decode, model.device, model.spec,
                                             pre.max_image_pixels, pre.max_file_mb << 20,
                                             decoders_for(pre.workers)),
         )
@@ -124,8 +138,10 @@ class Pipeline:
         )
         self.commits: Commits = CommitProcess(config, self.lifecycle)
         self.writer = ResultWriter(config, model, self.lifecycle, self.commits, self.outcomes,
-                                   self.run_io, clock)
-        self.engine = engine or LocalEngine(model)
+                                   self.run_io, clock, tasks)
+        self.engine = engine or (LocalEngine(model) if tasks is None else TasksEngine(
+            tasks, {task: LocalEngine(m) for task, m in tasks.items()},
+            capacity.in_flight_batches))
         self.worker = ModelStage(self.engine, self.batcher, self.writer.submit, clock,
                                   release=self.outcomes.release,
                                   on_device_fault=self._device_fault,
@@ -133,6 +149,12 @@ class Pipeline:
                                   in_flight=capacity.in_flight_batches)
         self.stats.register(self.buffer, self.queue, self.preprocessor, self.cache, self.batcher,
                             self.worker, self.writer, self.writer.committing, self.retry_list)
+        if isinstance(self.engine, TasksEngine):
+            self.stats.register(*self.engine.layers.values())
+        for each in self.models:
+            if isinstance(each, OcrModel):  # the OCR task's fan-out: crops for the recogniser
+                each.crops.resize(capacity.ocr_crops)
+                self.stats.register(each.crops)
         self._intake_tasks: list[asyncio.Task[None]] = []
         self._processing_tasks: list[asyncio.Task[None]] = []
         self.crashed: BaseException | None = None
@@ -234,6 +256,7 @@ class Pipeline:
             self._spawn(self._intake_tasks, self.watcher.run_watch(), "watcher")
             self._spawn(self._intake_tasks, self.watcher.run_scans(), "scanner")
             self._spawn(self._intake_tasks, self.takeovers.run(), "takeover")
+            self._spawn(self._intake_tasks, self.takeovers.watch_claim_areas(), "claim-areas")
         self._spawn(self._intake_tasks, self.intake.run(), "intake")
 
     def stats_fields(self, reset: bool = True) -> dict[str, Any]:
@@ -360,6 +383,9 @@ class Pipeline:
         self.cache.resize(capacity.preprocess_cache, capacity.preprocess_cache_mb)
         self.retry_list.capacity = capacity.retry_list
         self.worker.resize(capacity.in_flight_batches)
+        for each in self.models:
+            if isinstance(each, OcrModel):
+                each.crops.resize(capacity.ocr_crops)
         self.batcher.configure(config.batch.max_size, config.batch.max_delay_ms)
         self.config = self.config.model_copy(
             update={"capacity": capacity, "batch": config.batch, "stats": config.stats}

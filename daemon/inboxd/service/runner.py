@@ -28,7 +28,9 @@ from inboxd.models import faults
 from inboxd.models.device import device_fields, with_device_defaults
 from inboxd.models.engines.choice import load_here, make_engine
 from inboxd.models.fast_path import runtime_fields
+from inboxd.models.model import Model, TaskModel
 from inboxd.models.onnx_probe import daemon_sizes, probe_in_child
+from inboxd.models.tasks import TasksEngine
 from inboxd.pipeline.stalls import DEFAULT_PATIENCE_S
 from inboxd.pipeline.wiring import Pipeline
 from inboxd.service.notify import Notifier, abort_with_stacks
@@ -39,6 +41,20 @@ EXTEND_EVERY_S = 10
 STATUS_EVERY_S = 2.0
 # What SIGHUP changes without a restart; everything else is logged as "needs restart".
 LIVE_SECTIONS = ("capacity", "batch", "stats")
+
+
+def load_tasks(config: Config) -> dict[str, TaskModel]:
+    """A ``models:`` config's models by task name ({} for one ``model:``), each checked as a
+    ``model:`` is; a problem names the task's key."""
+    if config.models is None:
+        return {}
+    tasks = {}
+    for task, block in config.models.items():
+        try:
+            tasks[task] = load_here(block)
+        except ConfigError as exc:
+            raise ConfigError(f"models.{task}", exc.problems) from exc
+    return tasks
 
 
 class Service:
@@ -76,13 +92,23 @@ class Service:
         started = time.perf_counter()
         extending = asyncio.create_task(self._extend_start_timeout())
         try:
-            if self.config.model.kind == "onnx":  # a graph may ask for any memory: try it aside
-                await asyncio.to_thread(probe_in_child, self.config.model,
-                                        daemon_sizes(self.config))
-            model = await asyncio.to_thread(load_here, self.config.model)
+            blocks = (list(self.config.models.values()) if self.config.models is not None
+                      else [self.config.model])
+            for block in blocks:
+                if block.kind == "onnx":  # a graph may ask for any memory: try it aside
+                    await asyncio.to_thread(probe_in_child, block, daemon_sizes(self.config))
+            tasks = await asyncio.to_thread(load_tasks, self.config)
+            model = next(iter(tasks.values())) if tasks else await asyncio.to_thread(
+                load_here, self.config.model)
+            batch_bounds = [m.max_batch for m in (tasks or {"": model}).values()
+                            if m.max_batch is not None]
             self.config, profile = with_device_defaults(  # unset keys follow the device
-                self.config, model.device, model.max_batch)
-            engine = make_engine(self.config, model)
+                self.config, model.device, min(batch_bounds, default=None))
+            engine = make_engine(self.config, model) if not tasks else TasksEngine(
+                tasks, {task: make_engine(self.config.model_copy(update={"model": block}),
+                                          tasks[task])
+                        for task, block in self.config.tasks.items()},
+                self.config.capacity.in_flight_batches)
             try:
                 warmed, warm_s = await engine.warm_up(self.config.batch.max_size)
             except BaseException:
@@ -102,13 +128,19 @@ class Service:
                    f"{device['COMPUTE_CAPABILITY']}, {int(device['GPU_MEMORY_BYTES']) / 2**30:.0f}"
                    f" GiB, driver {device['NVIDIA_DRIVER']}, CUDA {device['CUDA_RUNTIME']}, "
                    f"cuDNN {device['CUDNN_VERSION']})")
-        self.pipeline = Pipeline(self.config, model, lifecycle=lifecycle, engine=engine)
+        self.pipeline = Pipeline(self.config, model, lifecycle=lifecycle, engine=engine,
+                                 tasks=tasks or None)
         plans = self.pipeline.watcher.plans
         runtime = runtime_fields(model, engine.fast)
         state = runtime.get("RUNTIME_STATE")
         ran = (f"{model.runtime} {model.precision}"
                + (" (onnxruntime being prepared in the background)" if state == "building" else "")
                )
+        if tasks:  # every task, what it runs and where, in the record and its message
+            source = " (tasks " + "; ".join(
+                f"{task}: {m.name} {m.output} on {m.device}, {m.runtime} {m.precision}"
+                for task, m in tasks.items()) + ")"
+            runtime["TASKS"] = ",".join(tasks)
         logs.emit(logging.INFO, "started",
                   f"inboxd {__version__}: model {model.name}{source} on {on}, runs {ran}, "
                   f"loaded and warmed up in {time.perf_counter() - started:.1f} s; watching "
@@ -119,19 +151,21 @@ class Service:
                   instance=self.config.instance, version=__version__,
                   watch=",".join("polling" if p.polling else "inotify" for p in plans),
                   filesystems=",".join(p.filesystem for p in plans))
-        self._warn_if_slower_than_watchdog(model.batch_seconds)
+        self._warn_if_slower_than_watchdog(
+            [m.batch_seconds for m in (tasks or {"": model}).values() if isinstance(m, Model)])
         if self.metrics is not None:
             self.metrics.attach(self.pipeline)
         return self.pipeline
 
-    def _warn_if_slower_than_watchdog(self, batch_seconds: dict[int, float]) -> None:
+    def _warn_if_slower_than_watchdog(self, measured: list[dict[int, float]]) -> None:
         """A batch that takes longer than the watchdog's patience (half ``WatchdogSec=``) stops
         the pings at its first real batch and gets the service restarted, again and again:
         say so now, with the fix, since the warm-up has just measured it."""
         patience_s = self.notifier.watchdog_interval_s()
-        if patience_s is None or not batch_seconds:
+        timings = [entry for batch_seconds in measured for entry in batch_seconds.items()]
+        if patience_s is None or not timings:
             return
-        size, took_s = max(batch_seconds.items(), key=lambda entry: entry[1])
+        size, took_s = max(timings, key=lambda entry: entry[1])
         if took_s < patience_s:
             return
         logs.emit(logging.WARNING, "watchdog_too_short",
@@ -266,7 +300,7 @@ class Service:
             # In a thread: a config on a hung network filesystem must not stop the event loop.
             new = await asyncio.to_thread(load_checked_config, self.config_path, self.overrides)
             new, _ = with_device_defaults(new, pipeline.model.device, pipeline.model.max_batch)
-            if (self.config.model.kind == "onnx"
+            if (self.config.model.kind == "onnx" and isinstance(pipeline.model, Model)
                     and new.batch.max_size not in pipeline.model.batch_seconds):
                 # A size never run yet: tried aside first, as at start-up.
                 await asyncio.to_thread(probe_in_child, self.config.model, [new.batch.max_size])

@@ -34,7 +34,7 @@ from PIL import Image
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
-from tests.waiting import wait_until  # noqa: E402 (found through REPO, just above)
+from support.waiting import wait_until  # noqa: E402 (found through REPO, just above)
 
 OUT = Path(sys.argv[1] if len(sys.argv) > 1 else "/probe-out")
 UNIT = "inboxd.service"

@@ -6,7 +6,7 @@ from inboxd.config import Config, ModelConfig
 from inboxd.models.engines.interface import ModelEngine
 from inboxd.models.engines.local import LocalEngine
 from inboxd.models.fast_path import FastPath
-from inboxd.models.model import Model
+from inboxd.models.model import Model, TaskModel
 
 
 def here(config: ModelConfig) -> ModelConfig:
@@ -19,22 +19,25 @@ def here(config: ModelConfig) -> ModelConfig:
                                      "runtime": "torch"})
 
 
-def load_here(config: ModelConfig) -> Model:
+def load_here(config: ModelConfig) -> TaskModel:
     from inboxd.models.loading import load_model
 
     return load_model(here(config))
 
 
-def make_engine(config: Config, model: Model) -> ModelEngine:
+def make_engine(config: Config, model: TaskModel) -> ModelEngine:
     if config.model.engine == "ray":
         from inboxd.models.engines.ray_serve import RayEngine
 
+        assert isinstance(model, Model)  # the config refuses engine: ray for name: ocr
         return RayEngine(model, config.model, config.batch.max_size)
     return LocalEngine(model, fast=fast_path(config.model, model))
 
 
-def fast_path(config: ModelConfig, model: Model) -> FastPath | None:
+def fast_path(config: ModelConfig, model: TaskModel) -> FastPath | None:
     """The ONNX Runtime runner to bring in, where the choice was onnxruntime and torch serves."""
+    if not isinstance(model, Model):
+        return None  # name: ocr runs in ONNX Runtime from the start
     choice = model.choice
     if choice is None or choice.runtime != "onnxruntime" or model.runtime != "torch":
         return None

@@ -26,6 +26,7 @@ import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import torch
 
@@ -34,7 +35,7 @@ from inboxd.item import ModelError, TransientError, WorkItem
 from inboxd.models.engines.cuda_overlap import Overlap
 from inboxd.models.engines.interface import DeviceFault, ModelEngine, Outcome, is_device_error
 from inboxd.models.fast_path import FastPath
-from inboxd.models.model import Model
+from inboxd.models.model import Model, TaskModel
 from inboxd.os_threads import name_this_thread
 
 # The CLI looks for a live thread of this name at exit: a hung model call must not keep the
@@ -43,7 +44,7 @@ THREAD_NAME_PREFIX = "inboxd-model"
 
 
 class LocalEngine(ModelEngine):
-    def __init__(self, model: Model, overlap: bool | None = None,
+    def __init__(self, model: TaskModel, overlap: bool | None = None,
                  fast: FastPath | None = None) -> None:
         """``overlap``: launch/collect split (default: on CUDA only; a test forces it).
         ``fast``: a faster runner to bring in (``models/fast_path.py``), swapped in on the
@@ -55,7 +56,10 @@ class LocalEngine(ModelEngine):
         if fast is not None:
             fast.on_exported = self._swap_soon
         self.warmed_sizes: set[int] = set()
-        self.overlap = Overlap(model) if (model.on_gpu if overlap is None else overlap) else None
+        wanted = model.on_gpu and model.batches_overlap if overlap is None else overlap
+        # The launch/collect split drives torch on the device: only a Model wants it (an
+        # OcrModel says batches_overlap False), or a test's stand-in for one that forces it.
+        self.overlap = Overlap(cast(Model, model)) if wanted else None
         # Results wait here, so the model thread can launch the next batch meanwhile; a model
         # stage may send a second call while one is out only when that helps (CUDA).
         self.collector = (ThreadPoolExecutor(1, thread_name_prefix=f"{THREAD_NAME_PREFIX}-results",
@@ -118,12 +122,12 @@ class LocalEngine(ModelEngine):
             self.collector.shutdown(wait=False, cancel_futures=True)
 
 
-def infer_splitting(model: Model, items: list[WorkItem]) -> list[Outcome]:
+def infer_splitting(model: TaskModel, items: list[WorkItem]) -> list[Outcome]:
     """Run ``items`` through the model, halving the batch on failure until each input either
     has a result or an error of its own. Raises ``DeviceFault`` when the device is at fault."""
     started = time.perf_counter()
     try:
-        predictions = model.predict([item.image.model_input for item in items
+        predictions = model.predict([model.input_of(item.image) for item in items
                                      if item.image is not None])
         # Inside the try: an answer that does not pair up with the batch (``UnfitAnswer``,
         # or a count that does not match) is this batch's model error, never a crash.
@@ -156,7 +160,7 @@ def infer_splitting(model: Model, items: list[WorkItem]) -> list[Outcome]:
     return [(items[0], ModelError(f"the model failed on this input: {why}"))]
 
 
-def _halves(model: Model, items: list[WorkItem], why: str) -> list[Outcome]:
+def _halves(model: TaskModel, items: list[WorkItem], why: str) -> list[Outcome]:
     middle = len(items) // 2
     logs.emit(logging.WARNING, "batch_split", f"{why} at batch size {len(items)}: retrying as "
               f"{middle} + {len(items) - middle}", batch_size=len(items), reason=why)

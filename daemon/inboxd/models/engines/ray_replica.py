@@ -49,7 +49,7 @@ def model_files(config: ModelConfig) -> dict[str, bytes]:
 class Replica:
     def __init__(self, model_config: dict[str, Any], files: dict[str, bytes],
                  max_batch_size: int) -> None:
-        from inboxd.models.loading import load_model
+        from inboxd.models.loading import load_network
 
         self.folder = tempfile.TemporaryDirectory(prefix="inboxd-replica-")
         update: dict[str, Path] = {}
@@ -60,7 +60,7 @@ class Replica:
             path.write_bytes(data)
             update[key] = path
         config = ModelConfig.model_validate(model_config).model_copy(update=update)
-        self.model: Model = load_model(config)
+        self.model: Model = load_network(config)
         self.model.warm_up(self.model.warm_up_sizes(max_batch_size))
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self.broken: str | None = None

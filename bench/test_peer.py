@@ -18,7 +18,7 @@ from PIL import Image
 
 from bench.offline import load, prepare
 from bench.peer import ensure_model
-from tests.photos import photo_paths
+from support.photos import photo_paths
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test`, not `make test-fast`
 

@@ -1,5 +1,5 @@
 """The fidelity corpus: a few hundred real-photo variants, made deterministically from the photos
-that ship inside installed wheels (``tests/photos.py``: scikit-image, matplotlib, scikit-learn;
+that ship inside installed wheels (``support/photos.py``: scikit-image, matplotlib, scikit-learn;
 nothing is downloaded).
 
 Each photo gets ``VARIANTS_PER_PHOTO`` variants: cropped to a random window and aspect ratio,
@@ -15,7 +15,7 @@ recipe and the versions of the encoders, so a changed recipe builds a new folder
 mixing with an old one. Builders race safely: each writes a folder of its own and renames it
 into place; the first rename wins.
 
-    python -m bench.corpus        # build (or find) it and print a summary
+    python -m support.corpus        # build (or find) it and print a summary
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from tests.photos import photo_paths
+from support.photos import photo_paths
 
 CORPUS_DIR_ENV = "INBOXD_CORPUS_DIR"
 DEFAULT_DIR = Path(__file__).resolve().parents[1] / "var" / "corpus"
@@ -57,7 +57,7 @@ ORIENTATION_TAG = 0x0112
 @dataclass(frozen=True, slots=True)
 class Variant:
     file: str  # inside the corpus folder
-    source: str  # tests.photos short name
+    source: str  # support.photos short name
     geometry: str  # one of GEOMETRIES
     fmt: str  # JPEG, HEIC, WEBP, PNG
     quality: int | None

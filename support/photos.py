@@ -14,8 +14,12 @@ ImageNet class (``astronaut``: a person in a space suit) are in ``photo_paths()`
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
+
+import numpy as np
+from PIL import Image
 
 # A folder with copies of the files below, for a machine without those packages (the GPU
 # machine: bench/fetch_gpu_wheels.sh copies them to .wheels/photos).
@@ -74,3 +78,29 @@ def photo_paths() -> dict[str, Path]:
     for name, file in _SKLEARN.items():
         found[name] = Path(sklearn.datasets.__file__).parent / "images" / file
     return {name: path for name, path in found.items() if path.is_file()}
+
+
+# (photo, width × height): different photos at different sizes, each in 4:3 or 3:4.
+FIDELITY_SIZES = {
+    "chelsea": (640, 480),
+    "coffee": (864, 1152),
+    "motorcycle": (1600, 1200),
+    "china": (2048, 1536),
+    "flower": (3000, 2250),
+    "rocket": (3000, 4000),
+}
+# The fidelity photos, a portrait of another shape and a square (the tensor decode, the GPU check).
+DECODE_SIZES = {**FIDELITY_SIZES, "grace_hopper": (512, 600), "astronaut": (1024, 1024)}
+GRAIN_SIGMA = 3.0  # upscaled photos get a camera's noise, so JPEG treats them like photos
+
+
+def photo_jpeg(name: str, size: tuple[int, int], seed: int) -> bytes:
+    with Image.open(photo_paths()[name]) as source:
+        rgb = source.convert("RGB").resize(size, Image.Resampling.BICUBIC)
+    noise = np.random.default_rng(seed).standard_normal((size[1], size[0], 3), np.float32)
+    noise *= GRAIN_SIGMA
+    noise += np.asarray(rgb, dtype=np.float32)
+    pixels = np.clip(noise, 0, 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="JPEG", quality=90)
+    return out.getvalue()

@@ -1,0 +1,269 @@
+"""This instance's claim area in an inbox (``<inbox>/.processing/<instance>/`` and its lock),
+held by descriptor while the daemon runs, and put back when a member of the inbox's group
+moves it.
+
+The inbox is writable by its group (the shipped 2770), so any member can rename
+``.processing`` to another name and make a folder of their own in its place: two calls.
+Nothing inside the area is theirs to change (the daemon's own folders, 0755), but its name is.
+So the name is never trusted to lead to the area:
+
+* claims go into the folder held open, not through the name: a claim never lands in a
+  member's folder and never fails because the name moved;
+* before each claim, and every ``AREA_CHECK_S`` from the pipeline, the name is compared with
+  the folder held (one ``lstat``). When they differ the area is put back (``put_back``):
+  whatever sits at the name now (a member's folder, a link, a file) is renamed aside to
+  ``.processing.foreign-uid<N>-<token>`` (hidden: never scanned, never opened, never emptied),
+  a fresh ``.processing`` is made (or one another instance made meanwhile is joined), and
+  every claimed file is moved by descriptor from the folder held into the fresh one under the
+  same name — so every claimed path the pipeline holds leads to the same file again.
+* a member can only rename ``.processing`` *within* the inbox: moving a folder to another
+  parent needs write permission on the folder itself (its ``..`` changes), which the group
+  lacks. So a former area stays findable (``moved_areas``): a folder at the top of the inbox,
+  the daemon's own, holding ``*.lock`` files. If the daemon died before it put its area back,
+  the next start, every takeover sweep and ``inboxd recover`` return the files from it once its
+  locks are free (``files.takeover``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import os
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from inboxd.files.instances import LEDGER_SUFFIX, LOCK_SUFFIX, LOCK_WAIT_S, flock_within
+from inboxd.files.layout import PROCESSING_DIRNAME
+from inboxd.files.renames import first_free, rename_noreplace, time_token
+from inboxd.files.safe_paths import DIR_FLAGS, OWN_FOLDER_MODE, not_own, open_inside
+
+# How often the pipeline compares the name with the area it holds (claims compare first too).
+AREA_CHECK_S = 1.0
+# Whatever is found at ``.processing`` that is not the daemon's own goes aside under this.
+FOREIGN_PREFIX = f"{PROCESSING_DIRNAME}.foreign-"
+# A member who makes a new ``.processing`` each time one is moved aside can keep this up for a
+# while; the area held keeps working meanwhile, and the next check tries again.
+OPEN_TRIES = 8
+
+
+class LockHeld(Exception):
+    """Another live process holds this instance's lock on this inbox (``args[0]``: its pid,
+    as it wrote it, or "?")."""
+
+
+@dataclass
+class HeldArea:
+    """The descriptors of ``.processing``, ``.processing/<instance>`` and ``<instance>.lock``
+    (flocked), and which folder ``.processing`` was (device, inode) when opened."""
+
+    processing: int
+    folder: int
+    lock: int
+    identity: tuple[int, int]
+
+    def close(self) -> None:
+        for fd in (self.folder, self.processing, self.lock):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+@dataclass
+class MovedAside:
+    """Something found at ``.processing`` that was not the daemon's own, renamed aside."""
+
+    owner_uid: int
+    what: str  # "a folder", "a symbolic link", ...
+    aside: str  # its name now, in the inbox
+
+
+@dataclass
+class PutBack:
+    """What ``put_back`` found and did, for one warning."""
+
+    inbox: Path
+    moved_to: str  # where the area held is now ("" when it has no name any more)
+    moved_aside: list[MovedAside] = field(default_factory=list)
+    taken_back: int = 0  # claimed entries moved by descriptor into the fresh area
+    renamed: int = 0  # of those, put under a variant name (their pipeline path is lost)
+
+
+def identity(info: os.stat_result) -> tuple[int, int]:
+    return info.st_dev, info.st_ino
+
+
+def open_area(inbox: Path, instance: str, held: HeldArea | None = None,
+              lock_wait_s: float = LOCK_WAIT_S) -> tuple[HeldArea, list[MovedAside]]:
+    """``inbox/.processing/<instance>`` and its lock, made where missing. Whatever sits at
+    ``.processing`` that is not the daemon's own is renamed aside first, never opened as ours.
+    ``held``: the area held now; if the name leads back to it, it is returned as it is.
+    ``LockHeld`` when another process holds the lock; ``OSError`` from the inbox as is."""
+    moved: list[MovedAside] = []
+    inbox_fd = os.open(inbox, DIR_FLAGS)  # the configured folder: trusted
+    try:
+        owners = frozenset({os.fstat(inbox_fd).st_uid, os.geteuid(), 0})
+        for _ in range(OPEN_TRIES):
+            processing = _open_own(inbox_fd, owners, moved)
+            if processing is None:
+                continue
+            if held is not None and identity(os.fstat(processing)) == held.identity:
+                os.close(processing)
+                return held, moved
+            try:
+                return _hold(processing, instance, lock_wait_s), moved
+            except BaseException:
+                os.close(processing)
+                raise
+        raise OSError(errno.EAGAIN, f"{inbox / PROCESSING_DIRNAME} was replaced {OPEN_TRIES} "
+                      "times in a row while inboxd made it again; trying again later")
+    finally:
+        os.close(inbox_fd)
+
+
+def _open_own(inbox_fd: int, owners: frozenset[int], moved: list[MovedAside]) -> int | None:
+    """``.processing`` opened if it is the daemon's own folder; otherwise made (missing) or
+    moved aside (anything else), and None: look again."""
+    try:
+        fd = os.open(PROCESSING_DIRNAME, DIR_FLAGS, dir_fd=inbox_fd)
+    except FileNotFoundError:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(PROCESSING_DIRNAME, OWN_FOLDER_MODE, dir_fd=inbox_fd)
+        return None
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        _move_aside(inbox_fd, moved)
+        return None
+    if not_own(os.fstat(fd), owners) is None:
+        return fd
+    os.close(fd)
+    _move_aside(inbox_fd, moved)
+    return None
+
+
+def _move_aside(inbox_fd: int, moved: list[MovedAside]) -> None:
+    try:
+        info = os.stat(PROCESSING_DIRNAME, dir_fd=inbox_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    what = ("a folder" if stat.S_ISDIR(info.st_mode) else "a symbolic link"
+            if stat.S_ISLNK(info.st_mode) else "a file" if stat.S_ISREG(info.st_mode)
+            else "a special file")
+    try:
+        aside = first_free(f"{FOREIGN_PREFIX}uid{info.st_uid}", time_token(),
+                           lambda name: rename_noreplace(PROCESSING_DIRNAME, name,
+                                                         inbox_fd, inbox_fd))
+    except FileNotFoundError:
+        return  # gone meanwhile: the next look makes a fresh one
+    moved.append(MovedAside(info.st_uid, what, aside))
+
+
+def _hold(processing: int, instance: str, lock_wait_s: float) -> HeldArea:
+    with open_inside(processing, [instance], create=True, own=True) as folder:
+        folder = os.dup(folder)
+    try:
+        lock = os.open(f"{instance}{LOCK_SUFFIX}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+                       | os.O_NOFOLLOW, 0o644, dir_fd=processing)
+    except BaseException:
+        os.close(folder)
+        raise
+    if not flock_within(lock, lock_wait_s):
+        holder = os.read(lock, 32).decode(errors="replace").strip() or "?"
+        os.close(lock)
+        os.close(folder)
+        raise LockHeld(holder)
+    os.ftruncate(lock, 0)
+    os.write(lock, str(os.getpid()).encode())
+    return HeldArea(processing, folder, lock, identity(os.fstat(processing)))
+
+
+def name_moved(inbox: Path, held: HeldArea) -> bool:
+    """Whether ``inbox/.processing`` no longer names the folder ``held``."""
+    try:
+        info = os.lstat(inbox / PROCESSING_DIRNAME)
+    except FileNotFoundError:
+        return True
+    return identity(info) != held.identity
+
+
+def put_back(inbox: Path, instance: str, held: HeldArea) -> tuple[HeldArea, PutBack | None]:
+    """A fresh area at the name, holding every claimed entry of ``held`` (moved by
+    descriptor, under the same names); ``held``'s descriptors are closed. None: the name led
+    back to ``held`` after all."""
+    fresh, moved = open_area(inbox, instance, held)
+    if fresh is held:
+        return held, None
+    report = PutBack(inbox, _where(held.processing), moved)
+    for name in sorted(os.listdir(held.folder)):
+        placed = first_free(name, time_token(), functools.partial(
+            _rename_into, name, held.folder, fresh.folder))
+        report.taken_back += 1
+        report.renamed += placed != name
+    # Its crash counts follow it; one the fresh area has already is newer.
+    with contextlib.suppress(OSError):
+        rename_noreplace(instance + LEDGER_SUFFIX, instance + LEDGER_SUFFIX,
+                         held.processing, fresh.processing)
+    with contextlib.suppress(OSError):
+        os.rmdir(instance, dir_fd=held.processing)
+    held.close()
+    return fresh, report
+
+
+def _rename_into(name: str, source_dir: int, target_dir: int, candidate: str) -> None:
+    rename_noreplace(name, candidate, source_dir, target_dir)
+
+
+def _where(fd: int) -> str:
+    """Where the folder ``fd`` is now, as the kernel names it (for the log only)."""
+    try:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+    return "" if path.endswith(" (deleted)") else path
+
+
+@contextlib.contextmanager
+def moved_areas(inbox: Path) -> Iterator[list[tuple[str, int]]]:
+    """Former claim areas in ``inbox``: (name, descriptor) of each folder at its top, other
+    than ``.processing``, that is the daemon's own and holds a ``*.lock`` file — only the
+    daemon makes such a folder, and the group can rename one only within the inbox. Closed on
+    leaving."""
+    found: list[tuple[str, int]] = []
+    try:
+        inbox_fd = os.open(inbox, DIR_FLAGS)
+    except FileNotFoundError:
+        yield found
+        return
+    try:
+        owners = frozenset({os.fstat(inbox_fd).st_uid, os.geteuid(), 0})
+        with os.scandir(inbox_fd) as entries:
+            names = [e.name for e in entries
+                     if e.name != PROCESSING_DIRNAME and e.is_dir(follow_symlinks=False)]
+        for name in names:
+            fd = _former_area(inbox_fd, name, owners)
+            if fd is not None:
+                found.append((name, fd))
+        yield found
+    finally:
+        for _, fd in found:
+            os.close(fd)
+        os.close(inbox_fd)
+
+
+def _former_area(inbox_fd: int, name: str, owners: frozenset[int]) -> int | None:
+    try:
+        fd = os.open(name, DIR_FLAGS, dir_fd=inbox_fd)
+    except OSError:
+        return None
+    try:
+        if not_own(os.fstat(fd), owners) is None:
+            with os.scandir(fd) as entries:
+                if any(entry.name.endswith(LOCK_SUFFIX) and entry.is_file(follow_symlinks=False)
+                       for entry in entries):
+                    return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None

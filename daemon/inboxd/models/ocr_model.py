@@ -1,0 +1,128 @@
+"""``model: {name: ocr}`` behind the interface the model stage and the engines use: a batch of
+decoded photos in, one ``OcrReading`` per photo out.
+
+The three networks run in ONNX Runtime: on ONNX Runtime's CUDA provider when the configured
+device is a GPU and the installed onnxruntime has it, else on the CPU (``note`` says why, for
+the ``started`` record). The decoder gives the photo fitted within RapidOCR's working size,
+never enlarged (``fit_within``): the detector sizes its own input from it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from inboxd.config import ModelConfig
+from inboxd.decode.spec import PreprocessSpec
+from inboxd.item import DecodedImage
+from inboxd.models.model import ModelInfo, Output
+from inboxd.models.ocr.assets import OcrAssets, OcrAssetsMissing, find_assets
+from inboxd.models.ocr.reader import CropLayer, OcrReader, OcrReading, OcrSettings
+from inboxd.models.preflight import problem
+
+NAME = "ocr"
+
+# A photo's input: its fitted pixels and its displayed (width, height).
+OcrInput = tuple[npt.NDArray[np.uint8], tuple[int, int]]
+_BLANK_SIDE = 64
+
+
+class OcrModel:
+    """The OCR task's model. Runs on one thread at a time (the local engine's model thread)."""
+
+    output: Output = "ocr"
+    labels: list[str] | None = None
+    top_k = 0
+    color = "rgb"
+    max_batch: int | None = None
+    choice: Any = None
+    runtime = "onnxruntime"
+    precision = "fp32"
+    batches_overlap = False  # ONNX Runtime's own sessions: nothing of torch's split applies
+
+    def __init__(self, reader: OcrReader, device: torch.device, providers: list[str],
+                 note: str | None, assets: OcrAssets) -> None:
+        self.name = NAME
+        self.reader = reader
+        self.crops: CropLayer = reader.crops
+        self.device = device
+        self.providers = providers
+        self.note = note  # why the networks run where they do, when it is not where asked
+        self.spec = PreprocessSpec(reader.settings.max_side_px, reader.settings.max_side_px,
+                                   "bilinear", (0.5, 0.5, 0.5), (0.5, 0.5, 0.5),
+                                   kind="fit_within")
+        self.info: ModelInfo | None = ModelInfo("ocr", assets.description, 0, 0)
+        self.before_forward: Callable[[int], None] | None = None  # the fault tests' seam
+
+    @property
+    def on_gpu(self) -> bool:
+        """False: nothing of it is torch on a device (the engine's CUDA overlap is torch's)."""
+        return False
+
+    def input_of(self, image: DecodedImage) -> OcrInput:
+        pixels = image.model_input
+        if isinstance(pixels, torch.Tensor):  # decoded on the GPU (nvJPEG)
+            pixels = pixels.cpu().numpy()
+        return pixels, (image.width, image.height)
+
+    def predict(self, images: Sequence[Any]) -> list[OcrReading]:
+        if self.before_forward is not None:
+            self.before_forward(len(images))
+        return [self.reader.read(pixels, displayed) for pixels, displayed in images]
+
+    def check_batch_size(self, max_size: int) -> None:
+        """Any batch size: photos are read one after another, their crops batched."""
+
+    def warm_up_sizes(self, max_size: int) -> list[int]:
+        return [1]
+
+    def warm_up(self, sizes: Sequence[int]) -> float:
+        started = time.perf_counter()
+        self.predict([self._blank()])
+        return time.perf_counter() - started
+
+    def _blank(self) -> OcrInput:
+        return np.full((_BLANK_SIDE, _BLANK_SIDE, 3), 255, np.uint8), (_BLANK_SIDE, _BLANK_SIDE)
+
+    def health_problem(self) -> str | None:
+        try:
+            self.predict([self._blank()])
+        except Exception as exc:  # any failure here means the input was not the cause
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def memory_fields(self) -> dict[str, int]:
+        return {}
+
+
+def load_ocr(config: ModelConfig, device: torch.device) -> OcrModel:
+    import onnxruntime as ort
+
+    from inboxd.models.runtimes.onnx import session_options
+
+    try:
+        assets = find_assets()
+    except OcrAssetsMissing as exc:
+        raise problem(str(exc)) from exc
+    providers, note = ["CPUExecutionProvider"], None
+    if device.type == "cuda":
+        if "CUDAExecutionProvider" in ort.get_available_providers():
+            providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        else:
+            note = ("the installed onnxruntime has no CUDA provider: OCR runs on the CPU "
+                    "(install onnxruntime-gpu for the GPU)")
+            device = torch.device("cpu")
+    threads = torch.get_num_threads()
+
+    def session(path: Any) -> Any:
+        return ort.InferenceSession(str(path), session_options(threads), providers=providers)
+
+    settings = OcrSettings(max_regions=config.max_regions)
+    reader = OcrReader(session(assets.detector), session(assets.angle_classifier),
+                       session(assets.recogniser), settings, CropLayer(CropLayer.DEFAULT))
+    return OcrModel(reader, device, providers, note, assets)

@@ -1,0 +1,180 @@
+"""Several tasks per photo (``models:``): one read and one decode per photo, each task its own
+input cut from it, one result with a section per task, and a task that fails on one photo
+leaving the other tasks' answers and the photo's one outcome intact."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from inboxd.config import ConfigError, load_config
+from inboxd.decode import pillow
+from inboxd.decode.pool import DecodePool
+from inboxd.decode.spec import PreprocessSpec, fit_size
+from inboxd.item import DecodedImage, ModelError, TransientError, WorkItem
+from inboxd.models.tasks import joined, task_copy
+from PIL import Image
+
+from tests import detectors
+from tests.conftest import write_config
+from tests.decode.test_pool import settings
+
+MAX_PIXELS = 89_478_485
+CROP = PreprocessSpec(256, 224, "bicubic", (0.5,) * 3, (0.5,) * 3)
+FIT = PreprocessSpec.fit(320, "bilinear", (0.0,) * 3, (1.0,) * 3)
+
+
+def png(size: tuple[int, int], value: int | None = None) -> bytes:
+    rng = np.random.default_rng(size[0])
+    pixels = (np.full((size[1], size[0], 3), value, np.uint8) if value is not None
+              else rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_one_decode_gives_each_task_its_own_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opened and decoded once; the crop is the one-task crop, the fitted image the one-task
+    fitted image, to the bit."""
+    data = png((900, 600))
+    opened = []
+    real_open = pillow.Image.open
+
+    def counting_open(*args: Any, **kwargs: Any) -> Image.Image:
+        opened.append(1)
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(pillow.Image, "open", counting_open)
+    both = pillow.decode_image(data, CROP, MAX_PIXELS, [FIT])
+    assert len(opened) == 1
+    assert both.pixels.shape == (224, 224, 3) and both.others[0].shape == (213, 320, 3)
+    assert both.nbytes == 224 * 224 * 3 + 213 * 320 * 3  # the cache counts every task's bytes
+    assert np.array_equal(both.pixels, pillow.decode_image(data, CROP, MAX_PIXELS).pixels)
+    assert np.array_equal(both.others[0], pillow.decode_image(data, FIT, MAX_PIXELS).pixels)
+    assert np.array_equal(both.for_task(1).pixels, both.others[0])
+    assert (both.for_task(1).width, both.for_task(1).height) == (900, 600)
+
+
+def test_a_decode_worker_replies_with_every_task_s_input_for_one_read(tmp_path: Path) -> None:
+    pool = DecodePool(1, replace(settings(CROP), other_specs=(FIT,)))
+    try:
+        paths = []
+        for n, size in enumerate([(900, 600), (500, 1000)]):
+            paths.append(tmp_path / f"{n}.png")
+            paths[-1].write_bytes(png(size))
+        results = pool.decode_many([(p, None) for p in paths])
+        assert pool.answered == 2  # one answer per file, holding both tasks' images
+        for result, size in zip(results, [(900, 600), (500, 1000)], strict=True):
+            assert result.error is None and result.image is not None, result
+            w, h = fit_size(*size, 320)
+            assert result.image.pixels.shape == (224, 224, 3)
+            assert [o.shape for o in result.image.others] == [(h, w, 3)]
+    finally:
+        pool.close()
+
+
+def item_with(image: DecodedImage) -> WorkItem:
+    item = WorkItem(Path("/in"), "a.png", "a.png", "/in/.processing/a.png")
+    item.image = image
+    return item
+
+
+def test_a_task_s_own_failure_stays_in_its_section_and_a_transient_one_retries_the_photo(
+) -> None:
+    image = DecodedImage(np.zeros((224, 224, 3), np.uint8), 10, 10, "PNG", "RGB",
+                         others=(np.zeros((32, 32, 3), np.uint8),))
+    item = item_with(image)
+    twins = [task_copy(item, 0), task_copy(item, 1)]
+    assert twins[1].image is not None and twins[1].image.pixels.shape == (32, 32, 3)
+    failed = ModelError("the model failed on this input: boom")
+    detections = detectors_result()
+    photo, outcome = joined(item, {"labels": (twins[0], failed), "things": (twins[1],
+                                                                            detections)})
+    assert photo is item
+    assert not isinstance(outcome, Exception)
+    assert outcome.sections == {"labels": failed, "things": detections}  # type: ignore[union-attr]
+    _, again = joined(item, {"labels": (twins[0], TransientError("CUDA out of memory")),
+                             "things": (twins[1], detections)})
+    assert isinstance(again, TransientError)
+
+
+def detectors_result() -> Any:
+    from inboxd.models.detection import Detections
+
+    return Detections([[1.0, 2.0, 3.0, 4.0]], [0.5], [0], ["cat"], (32, 32))
+
+
+def test_models_config_is_checked_with_the_task_s_key(tmp_path: Path) -> None:
+    config = write_config(tmp_path, model=None, models={
+        "labels": {"name": "efficientnet_lite0"},
+        "things": {"onnx": str(tmp_path / "missing.onnx"), "output": "detect"}})
+    done = subprocess.run([sys.executable, "-m", "inboxd", "check-config", "-c", str(config)],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 78
+    assert "models.things.onnx: cannot read" in done.stderr
+    both = tmp_path / "both.yaml"
+    both.write_text("model: {name: efficientnet_lite0}\nmodels: {labels: {}}\n")
+    with pytest.raises(ConfigError, match=r"give model: \(one task\) or models: \(several\), not"):
+        load_config(both)
+
+
+@pytest.fixture(scope="module")
+def tasks_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("tasks")
+    labels = root / "labels.txt"
+    labels.write_text("\n".join(detectors.LABELS) + "\n")
+    # Fails on a photo whose letterbox is brighter than 0.6 on average: a real model error.
+    onnx = detectors.yolo_onnx(root / "yolo.onnx", fails_above_mean=0.6)
+    return write_config(root, model=None, models={
+        "labels": {"name": "efficientnet_lite0", "runtime": "torch", "precision": "fp32",
+                   "top_k": 3},
+        "text": {"name": "ocr"},
+        "things": {"onnx": str(onnx), "output": "detect", "labels": str(labels),
+                   "detect": {"score_threshold": detectors.SCORE_THRESHOLD}}})
+
+
+@pytest.mark.daemon
+def test_one_result_holds_every_task_s_section_and_a_task_s_failure_leaves_the_rest(
+        tasks_config: Path) -> None:
+    root = tasks_config.parent
+    from support.text_images import receipt_total
+
+    (root / "models").mkdir(exist_ok=True)
+    photos = {"dark.png": png((640, 480), 20), "noisy.png": png((500, 800)),
+              "bright.png": png((640, 480), 250),
+              "receipt.png": receipt_total().save(root / "models").read_bytes()}
+    for name, data in photos.items():
+        (root / "inbox" / name).write_bytes(data)
+    done = subprocess.run([sys.executable, "-m", "inboxd", "once", "-c", str(tasks_config)],
+                          capture_output=True, text=True, cwd=root, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in photos:
+        result = json.loads((root / "results" / f"{name}.json").read_text())
+        assert "top_k" not in result and "model" not in result  # sections only
+        labels, things, text = result["labels"], result["things"], result["text"]
+        assert text["model"] == "ocr" and "full_text" in text["ocr"]
+        if name == "receipt.png":
+            assert text["ocr"]["full_text"] == "Total 348.20 EUR"
+        assert labels["model"] == "efficientnet_lite0" and len(labels["top_k"]) == 3
+        assert things["model"] == "yolo.onnx" and things["runtime"] == "onnxruntime"
+        width, height = result["image"]["width"], result["image"]["height"]
+        if name == "bright.png":  # the detector raises on it
+            assert "detections" not in things
+            assert things["reason_class"] == "model"
+            assert "the model failed on this input" in things["error"]
+        else:
+            assert things["detections"] == detectors.expected_boxes(width, height)
+        assert (root / "done" / name).is_file()
+    assert not list((root / "failed").glob("*")) if (root / "failed").exists() else True
+    listed = subprocess.run([sys.executable, "-m", "inboxd", "models", "-c", str(tasks_config)],
+                            capture_output=True, text=True, cwd=root, timeout=600)
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    assert "task labels" in listed.stdout and "task things" in listed.stdout
+    assert "detect: up to 100 boxes" in listed.stdout
