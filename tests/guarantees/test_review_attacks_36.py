@@ -86,15 +86,21 @@ def test_an_inbox_on_a_filesystem_without_permissions_is_refused_saying_so(
     """An inbox on exFAT (a camera's card, a USB stick): every folder reads mode 0777, so the
     daemon's .processing is refused, rightly (any local user could write into it), but the
     message said "someone replaced it — move it aside and look inside": nobody did, and no
-    move helps. It must name the filesystem's lack of permissions and the mount option."""
+    move helps. Since .processing that is not the daemon's own is moved aside and made again,
+    each start moved 8 aside and exited 75, for systemd to start it again: a restart loop
+    leaving 8 folders in the inbox each time. It must exit 78, naming the filesystem's lack of
+    permissions and the mount option, and leave the inbox as it was."""
     with exfat(tmp_path / "usb") as usb:
         (usb / "inbox").mkdir()
         daemon = daemon_factory(write_config(tmp_path, inbox={"paths": [str(usb / "inbox")]}))
-        assert daemon.proc.wait(120) == 78
+        code = daemon.proc.wait(120)
         daemon.stop()
         output = "\n".join(daemon.lines)
         assert "does not keep Unix permissions" in output and "umask=022" in output, output
         assert "someone replaced it" not in output
+        assert code == 78, output
+        # Not moved aside and made again, start after start: nothing left in the inbox but it.
+        assert sorted(os.listdir(usb / "inbox")) == [".processing"]
 
 
 def test_a_batch_bigger_than_the_room_left_files_what_fits_rather_than_waiting_for_ever(
