@@ -38,7 +38,15 @@ from pathlib import Path
 from inboxd.files.instances import LEDGER_SUFFIX, LOCK_SUFFIX, LOCK_WAIT_S, flock_within
 from inboxd.files.layout import PROCESSING_DIRNAME
 from inboxd.files.renames import first_free, rename_noreplace, time_token
-from inboxd.files.safe_paths import DIR_FLAGS, OWN_FOLDER_MODE, not_own, open_inside
+from inboxd.files.safe_paths import (
+    DIR_FLAGS,
+    MODELESS,
+    OWN_FOLDER_MODE,
+    ForeignFolder,
+    keeps_no_modes,
+    not_own,
+    open_inside,
+)
 
 # How often the pipeline compares the name with the area it holds (claims compare first too).
 AREA_CHECK_S = 1.0
@@ -138,7 +146,13 @@ def _open_own(inbox_fd: int, owners: frozenset[int], moved: list[MovedAside]) ->
         return None
     if not_own(os.fstat(fd), owners) is None:
         return fd
-    os.close(fd)
+    try:
+        # Ours, yet writable by others, because the filesystem keeps no permissions (exFAT):
+        # every fresh one would be too, so moving it aside would only repeat, start after start.
+        if keeps_no_modes(fd, owners):
+            raise ForeignFolder(errno.EPERM, MODELESS, PROCESSING_DIRNAME)
+    finally:
+        os.close(fd)
     _move_aside(inbox_fd, moved)
     return None
 

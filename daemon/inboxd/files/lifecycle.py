@@ -488,20 +488,22 @@ class Lifecycle:
         token = sha_token(sha) if isinstance(sha, str) else time_token()
         mode = output_mode(None if claimed is None else self.source_mode(claimed))
         filing = filing_key(key, self._failed_tmp.path)
-        if filing != key:  # failed/'s filesystem cannot hold the name: its portable form
-            report, key = {**report, "filed_as": filing}, filing
-        tmp = write_tmp(self._failed_tmp.path, json_bytes(report), ERROR_SUFFIX, mode)
+        report_as = _ReportAs(self._failed_tmp.path, report, mode, portable=filing != key)
+        key = filing  # failed/'s filesystem cannot hold the name: its portable form
         try:
+            # Written first: a full failed/ is met before anything moves (its folder is made).
+            report_as.tmp_for(key)
             try:
-                return self._file_failure(claimed, key, tmp, token)
+                return self._file_failure(claimed, key, report_as, token)
             except LinkedFolder:
                 if "/" not in key:
                     raise
-                return self._file_failure(claimed, key.rpartition("/")[2], tmp, token)
+                return self._file_failure(claimed, key.rpartition("/")[2], report_as, token)
         finally:
-            unlink_quietly(tmp)
+            report_as.discard()
 
-    def _file_failure(self, claimed: str | Path | None, key: str, tmp: str, token: str) -> str:
+    def _file_failure(self, claimed: str | Path | None, key: str, report_as: _ReportAs,
+                      token: str) -> str:
         failed_dir = self.config.failed_dir
         folders, leaf = split_rel(key)
         folders = [fit_name(part, "") for part in folders]
@@ -512,7 +514,7 @@ class Lifecycle:
                     continue
                 report_name = fit_name(name, ERROR_SUFFIX)
                 try:
-                    rename_noreplace(tmp, report_name, None, folder)
+                    rename_noreplace(report_as.tmp_for(variant), report_name, None, folder)
                 except FileExistsError:
                     continue
                 os.fsync(folder)
@@ -544,6 +546,33 @@ class Lifecycle:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(report_name, dir_fd=folder)
             raise
+
+
+class _ReportAs:
+    """A failure's report, in a temp file ready to be renamed in under the name its file is
+    filed as. A name failed/'s filesystem cannot hold is filed under its portable form, and
+    the report says which (``filed_as``): the variant actually taken, never the form a real
+    file of that very name (``a%3F.jpg`` beside ``a?.jpg``) already holds."""
+
+    def __init__(self, tmp_dir: Path, report: dict[str, Any], mode: int,
+                 portable: bool) -> None:
+        self.tmp_dir, self.report, self.mode, self.portable = tmp_dir, report, mode, portable
+        self._tmp: str | None = None
+        self._written_for: str | None = None
+
+    def tmp_for(self, variant: str) -> str:
+        if self._tmp is not None and (not self.portable or self._written_for == variant):
+            return self._tmp
+        self.discard()
+        report = {**self.report, "filed_as": variant} if self.portable else self.report
+        self._tmp = write_tmp(self.tmp_dir, json_bytes(report), ERROR_SUFFIX, self.mode)
+        self._written_for = variant
+        return self._tmp
+
+    def discard(self) -> None:
+        if self._tmp is not None:
+            unlink_quietly(self._tmp)
+            self._tmp = None
 
 
 def _lexists(name: str, folder: int | None) -> bool:

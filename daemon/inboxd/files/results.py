@@ -102,6 +102,12 @@ class ResultFiles:
         """:meth:`json_path` as a ``str``, for the per-file path."""
         return output_str(self._results, name, JSON_SUFFIX)
 
+    def filed_json_file(self, key: str) -> str:
+        """Where ``key``'s own result is (its plain name, as ``after_success: keep`` files
+        it): :meth:`json_file` of the portable form of ``key`` where this filesystem cannot
+        hold ``key`` (``portable_names.filing_key``). A full disk's error is raised."""
+        return self.json_file(filing_key(key, self._tmp))
+
     def vector_file(self, name: str) -> str:
         return output_str(self._results, name, VECTOR_SUFFIX)
 

@@ -61,6 +61,27 @@ def not_own(info: os.stat_result, owners: frozenset[int]) -> str | None:
     return None
 
 
+MODELESS = ("this filesystem does not keep Unix permissions (FAT, exFAT or NTFS through FUSE, "
+            "an SMB share without them): any local user could write into the daemon's own "
+            "folders there. Put the inbox on a filesystem that keeps them, or mount this one "
+            "with the daemon's uid and umask=022 (exfat-fuse, vfat: -o uid=UID,umask=022)")
+
+
+def keeps_no_modes(fd: int, owners: frozenset[int]) -> bool:
+    """Whether the folder ``fd``, ours and writable by others, is so because its filesystem
+    keeps no permissions (a chmod changes nothing), not because someone made it so. Only our
+    own folder is tried, and only tightened: a folder found writable by others is still
+    refused, for the user to look inside."""
+    info = os.fstat(fd)
+    if info.st_uid not in owners:
+        return False
+    try:
+        os.fchmod(fd, stat.S_IMODE(info.st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
+    except OSError:
+        return True  # refused outright: FUSE drivers without permissions answer EPERM
+    return bool(os.fstat(fd).st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
 @contextlib.contextmanager
 def open_inside(root: str | Path | int, parts: Sequence[str], create: bool = False,
                 own: bool = False) -> Iterator[int]:
@@ -80,6 +101,8 @@ def open_inside(root: str | Path | int, parts: Sequence[str], create: bool = Fal
                 os.close(fd)
                 fd = child
                 if own and (why := not_own(os.fstat(fd), owners)) is not None:
+                    if keeps_no_modes(fd, owners):
+                        raise ForeignFolder(errno.EPERM, f"{part}: {MODELESS}", part)
                     raise ForeignFolder(errno.EPERM, f"{part} is not the daemon's own folder: "
                                         f"{why}; someone replaced it — move it aside and look "
                                         "inside", part)

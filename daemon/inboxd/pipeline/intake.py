@@ -258,8 +258,13 @@ class Intake:
     def _already_done(self, rel: str, inbox: Path, st: os.stat_result) -> bool:
         """With ``after_success: keep`` sources stay in the inbox: skip those whose result
         describes this very file (same inode, size and mtime); anything else, also another
-        photo moved over it with an older mtime, gets a fresh result."""
-        path = self.lifecycle.results.json_file(self.config.key_for(inbox, rel))
+        photo moved over it with an older mtime, gets a fresh result. Looked up where the
+        result is filed: under the portable form of a name results/ cannot hold (exFAT:
+        ``a?.jpg``), or such a photo is claimed, inferred and put back for ever."""
+        try:
+            path = self.lifecycle.results.filed_json_file(self.config.key_for(inbox, rel))
+        except OSError:  # results/ full: claimed, and held there like any other photo
+            return False
         try:
             with open(path, "rb") as handle:
                 recorded = json.load(handle).get("source_identity")

@@ -168,7 +168,11 @@ class ResultWriter:
                 good.append((item, outcome))
         if not good:
             return
-        committed = await self._commit(good)
+        for part, committed in await self._commit(good):
+            await self._settle(part, committed)
+
+    async def _settle(self, good: list[tuple[WorkItem, Prediction]],
+                      committed: Committed) -> None:
         if committed.error is not None:
             why = committed.error.strerror or str(committed.error)
             for item, _ in good:
@@ -186,29 +190,43 @@ class ResultWriter:
                 # The result is durable: only the move is retried, never the work.
                 await self.outcomes.finish_later(item, problem)
 
-    async def _commit(self, good: list[tuple[WorkItem, Prediction]]) -> Committed:
-        """``good``'s results filed and their sources moved, by the commit process. A results
-        folder that cannot take more holds the batch here, its predictions kept, until a probe
-        finds room (``pipeline/full_outputs.py``); then it is sent again, its documents made
-        anew (they say when they were filed)."""
+    async def _commit(self, good: list[tuple[WorkItem, Prediction]]
+                      ) -> list[tuple[list[tuple[WorkItem, Prediction]], Committed]]:
+        """``good``'s results filed and their sources moved, by the commit process: each part
+        sent with what it came to. A results folder that cannot take more holds the batch
+        here, its predictions kept, until a probe finds room (``pipeline/full_outputs.py``);
+        then it is sent again, its documents made anew (they say when they were filed). A
+        batch refused again after a probe passed is bigger than the room there is (a probe
+        writes less than a batch of vectors): it is sent in halves, so what fits is filed
+        rather than the whole batch waiting while ``df`` shows free space."""
+        held = False
         while True:
-            entries = [CommitEntry(item.key, item.sha256 or "", self.document(item, result),
-                                   item.claimed_path, item.inbox_path,
-                                   _vector(result))
-                       for item, result in good]
-            sent: list[Future[Committed]] = []  # filled by the io thread, even if cancelled
-            try:
-                await self.run_io(functools.partial(_send, self.commits, entries, sent))
-                committed = await asyncio.wrap_future(sent[0])
-            except asyncio.CancelledError:
-                # A stop past its grace period: the commit process still commits what it was
-                # sent (cancelling cannot stop it); ``count_abandoned`` counts it afterwards.
-                self.abandoned.append((good, sent))
-                raise
+            committed = await self._send(good)
             if committed.error is None or not output_full(committed.error):
-                return committed
+                return [(good, committed)]
+            if held and len(good) > 1:
+                half = len(good) // 2
+                return [*await self._commit(good[:half]), *await self._commit(good[half:])]
             await self.outcomes.outputs.hold(self._full_folder(committed.error),
                                              committed.error)
+            held = True
+
+    async def _send(self, good: list[tuple[WorkItem, Prediction]]) -> Committed:
+        """One try at filing ``good`` (the commit process's answer, errors included)."""
+        entries = [CommitEntry(item.key, item.sha256 or "", self.document(item, result),
+                               item.claimed_path, item.inbox_path,
+                               _vector(result))
+                   for item, result in good]
+        sent: list[Future[Committed]] = []  # filled by the io thread, even if cancelled
+        try:
+            await self.run_io(functools.partial(_send, self.commits, entries, sent))
+            committed = await asyncio.wrap_future(sent[0])
+        except asyncio.CancelledError:
+            # A stop past its grace period: the commit process still commits what it was
+            # sent (cancelling cannot stop it); ``count_abandoned`` counts it afterwards.
+            self.abandoned.append((good, sent))
+            raise
+        return committed
 
     def _full_folder(self, error: OSError) -> str:
         """The folder a commit's full-disk error is about: results/ (its temp folder is in
