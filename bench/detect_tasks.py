@@ -151,7 +151,7 @@ def steady_files_per_s(results: Path) -> float:
 
 def in_letterbox(box: list[float], width: int, height: int) -> list[float]:
     from inboxd.decode.spec import fit_size
-    from inboxd.models.detection import placement
+    from inboxd.models.detect.geometry import placement
 
     w, h = fit_size(width, height, SIDE)
     where = placement(w, h, SIDE)

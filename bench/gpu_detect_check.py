@@ -60,7 +60,7 @@ def detection(dry_run: bool, out: Path) -> dict[str, Any]:
     import torchvision
     from inboxd.config import DetectConfig, ModelConfig
     from inboxd.decode.pillow import decode_image
-    from inboxd.models.detection import Detections
+    from inboxd.models.detect.geometry import Detections
     from inboxd.models.loading import load_model
 
     from bench.photos import jpegs

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 from inboxd.decode.spec import fit_size
-from inboxd.models.detection import placement
+from inboxd.models.detect.geometry import placement
 from onnx import TensorProto, helper, numpy_helper
 
 SIDE = 64

@@ -20,8 +20,8 @@ import yaml
 from inboxd.config import ConfigError, ModelConfig
 from inboxd.decode.pillow import decode_image
 from inboxd.exit_codes import EX_CONFIG
-from inboxd.models.detection import Detections
-from inboxd.models.detector import Detector
+from inboxd.models.detect.geometry import Detections
+from inboxd.models.detect_model import Detector
 from inboxd.models.loading import load_model
 from PIL import Image
 

@@ -106,7 +106,7 @@ def test_a_task_s_own_failure_stays_in_its_section_and_a_transient_one_retries_t
 
 
 def detectors_result() -> Any:
-    from inboxd.models.detection import Detections
+    from inboxd.models.detect.geometry import Detections
 
     return Detections([[1.0, 2.0, 3.0, 4.0]], [0.5], [0], ["cat"], (32, 32))
 

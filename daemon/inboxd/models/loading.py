@@ -52,7 +52,7 @@ def load_model(config: ModelConfig) -> TaskModel:
 
 def load_network(config: ModelConfig) -> Model:
     if config.output == "detect":
-        from inboxd.models.detector import load_detector
+        from inboxd.models.detect_model import load_detector
 
         return load_detector(config)
     device = pick_device("cpu" if config.kind == "onnx" and config.device == "auto"

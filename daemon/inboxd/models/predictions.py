@@ -21,7 +21,7 @@ from inboxd.decode.spec import PreprocessSpec
 from inboxd.item import DecodedImage
 
 if TYPE_CHECKING:  # torch's and OpenCV's: loaded only where a detector or OCR runs
-    from inboxd.models.detection import Detections
+    from inboxd.models.detect.geometry import Detections
     from inboxd.models.ocr.reader import OcrReading
 
 # Pillow's convert("L") in fixed point (ITU-R 601-2 luma: 0.299 R + 0.587 G + 0.114 B, scaled
@@ -86,7 +86,7 @@ def not_finite(prediction: Prediction) -> str | None:
     if reading is not None and isinstance(prediction, reading):
         bad = sum(not math.isfinite(line.score) for line in prediction.lines)
         return f"{bad} of the {len(prediction.lines)} line scores" if bad else None
-    detections = loaded_class("inboxd.models.detection", "Detections")
+    detections = loaded_class("inboxd.models.detect.geometry", "Detections")
     if detections is not None and isinstance(prediction, detections):
         bad = sum(not math.isfinite(v) for box, score in zip(prediction.boxes,
                                                               prediction.scores, strict=True)

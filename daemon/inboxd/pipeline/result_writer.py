@@ -44,7 +44,7 @@ from inboxd.models.weights import weights_sha256
 from inboxd.pipeline.outcomes import Outcomes, RunIO, utc_now
 
 if TYPE_CHECKING:
-    from inboxd.models.detection import Detections
+    from inboxd.models.detect.geometry import Detections
     from inboxd.models.ocr.reader import OcrReading
 
 HANDOFF_BATCHES = 1
@@ -317,7 +317,7 @@ class ResultWriter:
     def _output(self, result: Prediction, item: WorkItem) -> dict[str, Any]:
         # A detector's or OCR's answer can only come from a daemon that loaded their modules
         # (torch, OpenCV); asking for their classes otherwise would load them here.
-        detections = loaded_class("inboxd.models.detection", "Detections")
+        detections = loaded_class("inboxd.models.detect.geometry", "Detections")
         if detections is not None and isinstance(result, detections):
             # In the displayed photo's pixels, whatever size the model saw it at.
             return {"detections": cast("Detections", result).in_photo(

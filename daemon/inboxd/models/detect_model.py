@@ -3,7 +3,7 @@
 Two sources. An ``.onnx`` detector in ONNX Runtime, in the YOLO layout (an Ultralytics export:
 one output N×(4+classes)×candidates, no NMS inside) or the boxes layout (NMS inside: boxes,
 scores and labels outputs, or one N×K×6 output), fed the letterbox it was trained on
-(``models/detection.py``). A torchvision detection architecture with a local state_dict, fed
+(``models/detect/geometry.py``). A torchvision detection architecture with a local state_dict, fed
 each fitted photo as it is: its own transform normalises and resizes, and its own
 post-processing (NMS included) maps boxes back to that photo.
 
@@ -27,7 +27,7 @@ from torch import nn
 
 from inboxd.config import ModelConfig
 from inboxd.decode.spec import PreprocessSpec
-from inboxd.models.detection import (
+from inboxd.models.detect.geometry import (
     Detections,
     Layout,
     PostProcess,
