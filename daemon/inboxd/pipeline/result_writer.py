@@ -254,35 +254,24 @@ class ResultWriter:
     def document(self, item: WorkItem, result: Prediction) -> dict[str, Any]:
         """The result JSON as filed under the file's own key (``files.commits.filed_document``
         adjusts it when another name is taken)."""
-        image = item.image_info
         if isinstance(result, TaskResults):
-            # One section per task under its name; what ran where is each section's own.
-            return {
-                "source": item.key,
-                "sha256": item.sha256,
-                "size_bytes": item.size_bytes,
-                "source_identity": list(item.identity) if item.identity else None,
-                **{task: self._section(task, outcome, result, item)
-                   for task, outcome in result.sections.items()},
-                "image": image,
-                "timings_ms": item.timings_ms(self.clock()),
-                "attempts": item.attempts + 1,
-                "instance": self.config.instance,
-                "completed_at": utc_now(),
-                "inboxd_version": __version__,
+            answer = self._answer(item, result)  # what ran where is each section's own
+        else:
+            answer = {
+                "model": self.model.name,
+                "model_sha256": self.model_sha256,
+                "device": str(self.model.device),
+                "runtime": item.runtime or self.model.runtime,
+                "precision": item.precision or self.model.precision,
+                **self._output(result, item),
             }
         return {
             "source": item.key,
             "sha256": item.sha256,
             "size_bytes": item.size_bytes,
             "source_identity": list(item.identity) if item.identity else None,
-            "model": self.model.name,
-            "model_sha256": self.model_sha256,
-            "device": str(self.model.device),
-            "runtime": item.runtime or self.model.runtime,
-            "precision": item.precision or self.model.precision,
-            **self._output(result, item),
-            "image": image,
+            **answer,
+            "image": item.image_info,
             "timings_ms": item.timings_ms(self.clock()),
             "attempts": item.attempts + 1,
             "instance": self.config.instance,
