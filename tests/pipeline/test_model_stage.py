@@ -70,7 +70,7 @@ def run(root: Path, engine: Any, files: int, watch_status: bool = False,
         make_image(root / "inbox" / f"f{n:03}.png", size=(8, 8), color=(n % 200 + 20, 0, 0))
     pipeline = Pipeline(config, FakeModel(), engine=engine)  # type: ignore[arg-type]
     if watch_status:
-        engine.status = pipeline.status_line
+        engine.status = pipeline.report.status_line
     asyncio.run(pipeline.process_backlog())
     return pipeline
 
@@ -83,7 +83,7 @@ def test_a_parallel_engine_gets_up_to_in_flight_batches_calls_and_never_more(
                    batch={"max_size": 2, "max_delay_ms": 0}, preprocess={"workers": 2})
     assert pipeline.stats.counters.completed == 120
     assert engine.max_out == 3, "the bound was reached, and held"
-    fields = pipeline.log_stats()
+    fields = pipeline.report.log_stats()
     assert fields["IN_FLIGHT_CAPACITY"] == 3 and fields["IN_FLIGHT_HIGH_WATER"] == 3
 
 
@@ -105,7 +105,7 @@ def test_an_unreachable_engine_holds_the_batch_without_spending_an_attempt(
     assert pipeline.worker.unavailable_since_s is None, "reachable again, and logged as such"
     # systemctl status says so while it lasts (STATUS=), and not once it is over.
     assert "model unreachable for" in engine.seen[1], engine.seen
-    assert "unreachable" not in pipeline.status_line()
+    assert "unreachable" not in pipeline.report.status_line()
 
 
 def test_the_ray_block_is_checked_without_connecting_or_importing_ray(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ def test_start_up_takes_over_a_dead_instance_and_processes_its_files(
         asyncio.run(pipeline.process_backlog())
     assert (tmp_path / "results" / "sub" / "left.png.json").exists()
     assert pipeline.stats.counters.taken_over == 1
-    assert pipeline.log_stats()["TAKEN_OVER"] == 1
+    assert pipeline.report.log_stats()["TAKEN_OVER"] == 1
     taken = [r for r in caplog.records if getattr(r, "inboxd_event", "") == "instance_taken_over"]
     assert len(taken) == 1
     assert taken[0].inboxd_fields["DEAD_INSTANCE"] == "a"  # type: ignore[attr-defined]

@@ -14,10 +14,8 @@ together: the order things start in and the order they drain in are checked agai
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Coroutine, Iterable
@@ -34,7 +32,6 @@ from inboxd.files.commits import Commits
 from inboxd.files.layout import inbox_writable
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.names import NameFilter
-from inboxd.files.stats_file import StatsFile
 from inboxd.item import WorkItem
 from inboxd.models.engines.interface import DeviceFault, ModelEngine
 from inboxd.models.engines.local import LocalEngine
@@ -54,7 +51,7 @@ from inboxd.pipeline.preprocess_cache import PreprocessCache
 from inboxd.pipeline.queue import PipelineQueue
 from inboxd.pipeline.result_writer import ResultWriter
 from inboxd.pipeline.retry_list import RetryList
-from inboxd.pipeline.stalls import DEFAULT_PATIENCE_S, Stall, StallClock
+from inboxd.pipeline.status import PipelineReport
 from inboxd.pipeline.takeover_sweep import Takeovers
 from inboxd.pipeline.watch_events import WatchFn, real_awatch
 from inboxd.pipeline.watcher import Watcher
@@ -171,18 +168,11 @@ class Pipeline:
         self.device_fault: DeviceFault | None = None
         # Set by a stage crash or a device fault: the service stops (and exits non-zero).
         self.crash_event = asyncio.Event()
-        self._stats_changed = asyncio.Event()
-        # What the idle check compares (``log_stats``): the counters at the last record, whether
-        # work went on then, and when a record was last logged.
-        self._counters_seen: tuple[Any, ...] = dataclasses.astuple(self.stats.counters)
-        self._was_busy = True  # the first record always comes
-        self._stats_logged_s = -math.inf
-        # Each record logged, also where `inboxd stats -c` finds it without a journal.
-        self.stats_file = StatsFile(config)
-        # Called after each stats record (every stats.interval_s and at shutdown): the
-        # metrics textfile is written here, so it is exactly as fresh as the journal.
-        self.on_stats: list[Callable[[], None]] = []
-        self.stall_clock = StallClock(clock)
+        # The stats record, STATUS= and the stall list: what the pipeline says about itself.
+        self.report = PipelineReport(
+            config, self.stats, clock, buffer=self.buffer, queue=self.queue, cache=self.cache,
+            decode_pool=self.decode_pool, worker=self.worker, engine=self.engine,
+            commits=self.commits, outcomes=self.outcomes, outputs=self.outputs)
 
     async def run_io(self, work: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.io_executor, work)
@@ -276,62 +266,6 @@ class Pipeline:
             self._spawn(self._intake_tasks, self.takeovers.watch_claim_areas(), "claim-areas")
         self._spawn(self._intake_tasks, self.intake.run(), "intake")
 
-    def stats_fields(self, reset: bool = True) -> dict[str, Any]:
-        """The whole ``stats`` record (every field declared in ``inboxd.stats.FIELDS``);
-        ``reset=False`` for a scrape, which must not start a new interval."""
-        fields = self.stats.snapshot(reset)
-        # The cache's second bound, in bytes (the generic layer fields count items).
-        fields.update(PREPROCESS_CACHE_BYTES=self.cache.size_bytes,
-                      PREPROCESS_CACHE_CAPACITY_BYTES=self.cache.capacity_bytes,
-                      PREPROCESS_CACHE_HIGH_WATER_BYTES=self.cache.high_water_bytes)
-        # A remote engine's own figures (engine: ray: per-replica latency, lost batches).
-        fields.update(self.engine.stats_fields())
-        down_since_s = self.worker.unavailable_since_s
-        fields["MODEL_UNAVAILABLE_S"] = (round(self.clock() - down_since_s, 3)
-                                         if down_since_s is not None else 0)
-        fields.update(OUTPUT_FULL_S=round(self.outputs.waited_s(), 3),
-                      OUTPUT_FULL_WAITS=self.outputs.waits, OUTPUT_PROBES=self.outputs.probes)
-        return fields
-
-    def log_stats(self, quiet_when_idle: bool = False) -> dict[str, Any]:
-        """The stats record. ``quiet_when_idle`` (the periodic one): logged while work goes on,
-        once when it stops, and otherwise only every ``stats.heartbeat_s`` — an idle daemon
-        does not fill the journal with identical records (the metrics still update)."""
-        fields = self.stats_fields()
-        counters = self.stats.counters
-        moved = dataclasses.astuple(counters)
-        busy = moved != self._counters_seen or any(
-            value for key, value in fields.items() if key.endswith("_SIZE"))
-        self._counters_seen = moved
-        now_s = self.clock()
-        if (not quiet_when_idle or busy or self._was_busy
-                or now_s - self._stats_logged_s >= self.config.stats.heartbeat_s):
-            logs.emit(
-                logging.INFO, "stats",
-                f"completed={counters.completed} failed={counters.failed} "
-                f"queue={self.queue.qsize()}/{self.queue.maxsize} "
-                f"buffer={self.buffer.size}/{self.buffer.capacity} "
-                f"files/s={fields['FILES_PER_S']:.1f}",
-                instance=self.config.instance,
-                **fields,
-            )
-            self.stats_file.append(fields)
-            self._stats_logged_s = now_s
-        self._was_busy = busy
-        for hook in self.on_stats:
-            hook()
-        return fields
-
-    async def run_stats(self) -> None:
-        while True:
-            self._stats_changed.clear()
-            # A reload that shortens the interval takes effect at once, not after the old one.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stats_changed.wait(), self.config.stats.interval_s)
-                self._was_busy = True  # a reload: the next record shows the new capacities
-                continue
-            self.log_stats(quiet_when_idle=True)
-
     # -- the two modes -----------------------------------------------------------------------
 
     async def serve(
@@ -345,64 +279,12 @@ class Pipeline:
         self.prepare()
         self.start_processing()
         self.start_intake(watch=True)
-        stats_task = asyncio.create_task(self.run_stats(), name="stats")
+        stats_task = asyncio.create_task(self.report.run_stats(), name="stats")
         on_ready()
         await stop.wait()
         on_stopping()
         stats_task.cancel()
         await self.shutdown(self.config.shutdown.grace_s, force)
-
-    def status_line(self, patience_s: float = DEFAULT_PATIENCE_S) -> str:
-        """The one line systemd shows in ``systemctl status`` (STATUS=), stalled stages last."""
-        counters = self.stats.counters
-        down_since_s = self.worker.unavailable_since_s
-        down = ("" if down_since_s is None else
-                f"model unreachable for {self.clock() - down_since_s:.0f} s (reconnecting), ")
-        stalled = "".join(f"; {stall}" for stall in self.stalls(patience_s) if stall.shown)
-        full = self.outputs.status()
-        waiting = f"{down}{full}, " if full else down
-        return (f"{waiting}queue {self.queue.qsize()}/{self.queue.maxsize}, "
-                f"buffer {self.buffer.size}/{self.buffer.capacity}, "
-                f"{counters.completed} completed, {counters.failed} failed, "
-                f"{self.stats.recent_files_per_s():.1f} files/s{stalled}")
-
-    def stalls(self, patience_s: float) -> list[Stall]:
-        """Every stage holding work that has not moved (``pipeline.stalls``); ``patience_s``:
-        the watchdog's ping interval, the least time any stage is given."""
-        counters = self.stats.counters
-        progress = (counters.enqueued, counters.completed, counters.failed, counters.retried,
-                    counters.released, self.decode_pool.answered, self.worker.batches_done,
-                    self.commits.replies)
-        active = self.outcomes.active()
-        # Waiting for a model cluster to come back, or for room in a full output folder, is no
-        # stall: each is shown as what it is.
-        waiting = (active > 0 and self.worker.unavailable_since_s is None
-                   and not self.outputs.full)
-        clock = self.stall_clock
-        now = clock.look(progress, waiting)
-        found: list[Stall] = []
-        busy_since_s = self.worker.busy_since_s
-        if busy_since_s is not None:
-            found.append(Stall("model", now - clock.since(busy_since_s),
-                               self.worker.call_limit_s(patience_s), " (on one batch)"))
-        commit_waits_s = self.commits.stalled_s()
-        if commit_waits_s is not None:
-            stopped = self.commits.stopped()
-            found.append(Stall("commit", now - clock.since(now - commit_waits_s), patience_s,
-                               f" (its process, pid {self.commits.pid}, is "
-                               "stopped: SIGCONT it, or restart inboxd)" if stopped else ""))
-        timeout_s = self.config.preprocess.decode_timeout_s
-        for pid, stopped_s in self.decode_pool.stopped_workers():
-            found.append(Stall(f"decode worker {pid}", stopped_s, detail=" (stopped from "
-                               f"outside; replaced after {timeout_s:g} s, its file retried)"))
-        if waiting and not any(stall.shown for stall in found):
-            # The longest a stage may legitimately take without any counter moving: a decode
-            # (its counted time, then as long again stopped) or a model call, then one interval.
-            limit_s = patience_s + 2 * max(timeout_s, self.worker.call_limit_s(patience_s))
-            found.append(Stall("pipeline", now - clock.since(clock.moved_s), limit_s,
-                               f" ({active} file(s) in flight, nothing moved)",
-                               shown_after_s=patience_s))
-        return found
 
     def apply_live(self, config: Config) -> None:
         """SIGHUP: the new capacities, batch and stats settings take effect now; the rest of
@@ -420,7 +302,7 @@ class Pipeline:
         self.config = self.config.model_copy(
             update={"capacity": capacity, "batch": config.batch, "stats": config.stats}
         )
-        self._stats_changed.set()
+        self.report.reconfigure(self.config)
 
     async def process_backlog(self, progress: Callable[[], None] | None = None,
                               stop: asyncio.Event | None = None) -> None:
@@ -494,7 +376,7 @@ class Pipeline:
         # After a crash what was in flight stays claimed: the next start-up returns it, and
         # fails the file instead if it was in flight at the crash before this one too.
         self.lifecycle.unlock_instance()
-        self.log_stats()
+        self.report.log_stats()
 
     async def _drain(self) -> None:
         await self.queue.join()

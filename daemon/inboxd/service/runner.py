@@ -243,7 +243,7 @@ class Service:
             self.force.set()  # after a device fault the stages still drain (back to disk)
 
     def status_line(self, pipeline: Pipeline) -> str:
-        line = pipeline.status_line(self._patience_s)
+        line = pipeline.report.status_line(self._patience_s)
         if self.reload_failure is None:
             return line
         return f"reload failed, old configuration kept ({self.reload_failure}); {line}"
@@ -264,7 +264,7 @@ class Service:
             return
         self._patience_s = interval_s
         while True:
-            overdue = [stall for stall in pipeline.stalls(interval_s) if stall.overdue]
+            overdue = [stall for stall in pipeline.report.stalls(interval_s) if stall.overdue]
             if not overdue:
                 self.notifier.watchdog()
             else:
