@@ -230,7 +230,7 @@ class Pipeline:
         # A commit process that died is a kill, not the doing of the files in flight.
         if not isinstance(exc, CommitProcessFailed):
             try:
-                self.lifecycle.record_crash(f"stage {task.get_name()} crashed: {exc!r}",
+                self.lifecycle.crash_ledger.record(f"stage {task.get_name()} crashed: {exc!r}",
                                             self._inside(task.get_name()))
             except OSError as record_error:
                 logs.log.error("cannot record which files were in flight: %s", record_error)
