@@ -125,7 +125,7 @@ def commit_in_this_process(pipeline: Pipeline) -> None:
     """Run ``pipeline``'s group commits in this process, on ``pipeline.lifecycle``, so that a
     test can fake a disk at the filesystem boundary (a monkeypatched ``Lifecycle``), which the
     commit process would never see. Before the pipeline starts."""
-    pipeline.commits = pipeline.writer.commits = pipeline.report.commits = InProcess(
+    pipeline.commits = pipeline.result_writer.commits = pipeline.report.commits = InProcess(
         pipeline.lifecycle)
 
 

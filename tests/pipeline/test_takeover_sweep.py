@@ -43,7 +43,7 @@ def test_a_file_that_crashes_each_instance_in_turn_still_fails(tmp_path: Path) -
         if instance != "c":
             async def crash(batch: Any) -> None:
                 raise RuntimeError("a bug that this file triggers")
-            pipeline.writer._write = crash  # type: ignore[method-assign]
+            pipeline.result_writer._write = crash  # type: ignore[method-assign]
         asyncio.run(pipeline.process_backlog())
         assert (pipeline.crashed is not None) == (instance != "c")
     report = json.loads((tmp_path / "failed" / "killer.png.error.json").read_text())

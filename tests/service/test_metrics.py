@@ -323,8 +323,9 @@ def test_paths_that_are_not_claimed_are_counted_as_ignored(tmp_path: Path) -> No
     pipeline = Pipeline(config, FakeModel())  # type: ignore[arg-type]
     make_image(inbox / "real.png")
     (inbox / "folder.png").mkdir()
-    pipeline.buffer.offer(str(inbox / "gone.png"), inbox, 0.0)  # its writer removed it meanwhile
-    pipeline.buffer.offer(str(inbox / "folder.png"), inbox, 0.0)
+    # its writer removed it meanwhile
+    pipeline.event_buffer.offer(str(inbox / "gone.png"), inbox, 0.0)
+    pipeline.event_buffer.offer(str(inbox / "folder.png"), inbox, 0.0)
     asyncio.run(pipeline.process_backlog())
     counters = pipeline.stats.counters
     assert (counters.completed, counters.ignored) == (1, 2)

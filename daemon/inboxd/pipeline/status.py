@@ -39,11 +39,11 @@ class PipelineReport:
         stats: Stats,
         clock: Callable[[], float],
         *,
-        buffer: EventBuffer,
+        event_buffer: EventBuffer,
         queue: PipelineQueue,
-        cache: PreprocessCache,
+        preprocess_cache: PreprocessCache,
         decode_pool: DecodePool,
-        worker: ModelStage,
+        model_stage: ModelStage,
         engine: ModelEngine,
         commits: Commits,
         outcomes: Outcomes,
@@ -52,11 +52,11 @@ class PipelineReport:
         self.config = config
         self.stats = stats
         self.clock = clock
-        self.buffer = buffer
+        self.event_buffer = event_buffer
         self.queue = queue
-        self.cache = cache
+        self.preprocess_cache = preprocess_cache
         self.decode_pool = decode_pool
-        self.worker = worker
+        self.model_stage = model_stage
         self.engine = engine
         self.commits = commits
         self.outcomes = outcomes
@@ -84,12 +84,12 @@ class PipelineReport:
         ``reset=False`` for a scrape, which must not start a new interval."""
         fields = self.stats.snapshot(reset)
         # The cache's second bound, in bytes (the generic layer fields count items).
-        fields.update(PREPROCESS_CACHE_BYTES=self.cache.size_bytes,
-                      PREPROCESS_CACHE_CAPACITY_BYTES=self.cache.capacity_bytes,
-                      PREPROCESS_CACHE_HIGH_WATER_BYTES=self.cache.high_water_bytes)
+        fields.update(PREPROCESS_CACHE_BYTES=self.preprocess_cache.size_bytes,
+                      PREPROCESS_CACHE_CAPACITY_BYTES=self.preprocess_cache.capacity_bytes,
+                      PREPROCESS_CACHE_HIGH_WATER_BYTES=self.preprocess_cache.high_water_bytes)
         # A remote engine's own figures (engine: ray: per-replica latency, lost batches).
         fields.update(self.engine.stats_fields())
-        down_since_s = self.worker.unavailable_since_s
+        down_since_s = self.model_stage.unavailable_since_s
         fields["MODEL_UNAVAILABLE_S"] = (round(self.clock() - down_since_s, 3)
                                          if down_since_s is not None else 0)
         fields.update(OUTPUT_FULL_S=round(self.outputs.waited_s(), 3),
@@ -113,7 +113,7 @@ class PipelineReport:
                 logging.INFO, "stats",
                 f"completed={counters.completed} failed={counters.failed} "
                 f"queue={self.queue.qsize()}/{self.queue.maxsize} "
-                f"buffer={self.buffer.size}/{self.buffer.capacity} "
+                f"buffer={self.event_buffer.size}/{self.event_buffer.capacity} "
                 f"files/s={fields['FILES_PER_S']:.1f}",
                 instance=self.config.instance,
                 **fields,
@@ -138,14 +138,14 @@ class PipelineReport:
     def status_line(self, patience_s: float = DEFAULT_PATIENCE_S) -> str:
         """The one line systemd shows in ``systemctl status`` (STATUS=), stalled stages last."""
         counters = self.stats.counters
-        down_since_s = self.worker.unavailable_since_s
+        down_since_s = self.model_stage.unavailable_since_s
         down = ("" if down_since_s is None else
                 f"model unreachable for {self.clock() - down_since_s:.0f} s (reconnecting), ")
         stalled = "".join(f"; {stall}" for stall in self.stalls(patience_s) if stall.shown)
         full = self.outputs.status()
         waiting = f"{down}{full}, " if full else down
         return (f"{waiting}queue {self.queue.qsize()}/{self.queue.maxsize}, "
-                f"buffer {self.buffer.size}/{self.buffer.capacity}, "
+                f"buffer {self.event_buffer.size}/{self.event_buffer.capacity}, "
                 f"{counters.completed} completed, {counters.failed} failed, "
                 f"{self.stats.recent_files_per_s():.1f} files/s{stalled}")
 
@@ -154,20 +154,20 @@ class PipelineReport:
         the watchdog's ping interval, the least time any stage is given."""
         counters = self.stats.counters
         progress = (counters.enqueued, counters.completed, counters.failed, counters.retried,
-                    counters.released, self.decode_pool.answered, self.worker.batches_done,
+                    counters.released, self.decode_pool.answered, self.model_stage.batches_done,
                     self.commits.replies)
         active = self.outcomes.active()
         # Waiting for a model cluster to come back, or for room in a full output folder, is no
         # stall: each is shown as what it is.
-        waiting = (active > 0 and self.worker.unavailable_since_s is None
+        waiting = (active > 0 and self.model_stage.unavailable_since_s is None
                    and not self.outputs.full)
         clock = self.stall_clock
         now = clock.look(progress, waiting)
         found: list[Stall] = []
-        busy_since_s = self.worker.busy_since_s
+        busy_since_s = self.model_stage.busy_since_s
         if busy_since_s is not None:
             found.append(Stall("model", now - clock.since(busy_since_s),
-                               self.worker.call_limit_s(patience_s), " (on one batch)"))
+                               self.model_stage.call_limit_s(patience_s), " (on one batch)"))
         commit_waits_s = self.commits.stalled_s()
         if commit_waits_s is not None:
             stopped = self.commits.stopped()
@@ -181,7 +181,7 @@ class PipelineReport:
         if waiting and not any(stall.shown for stall in found):
             # The longest a stage may legitimately take without any counter moving: a decode
             # (its counted time, then as long again stopped) or a model call, then one interval.
-            limit_s = patience_s + 2 * max(timeout_s, self.worker.call_limit_s(patience_s))
+            limit_s = patience_s + 2 * max(timeout_s, self.model_stage.call_limit_s(patience_s))
             found.append(Stall("pipeline", now - clock.since(clock.moved_s), limit_s,
                                f" ({active} file(s) in flight, nothing moved)",
                                shown_after_s=patience_s))

@@ -98,23 +98,24 @@ class Pipeline:
         self.io_executor = ThreadPoolExecutor(1, thread_name_prefix="inboxd-io",
                                               initializer=name_this_thread)
 
-        self.buffer = EventBuffer(capacity.event_buffer)
+        self.event_buffer = EventBuffer(capacity.event_buffer)
         self.held = HeldFiles.from_config(config, clock)
         self.queue = PipelineQueue(capacity.queue)
-        self.cache = PreprocessCache(capacity.preprocess_cache, capacity.preprocess_cache_mb)
+        self.preprocess_cache = PreprocessCache(capacity.preprocess_cache,
+                                                capacity.preprocess_cache_mb)
         self.retry_list = RetryList(capacity.retry_list, self._requeue, clock)
         self.outputs = FullOutputs(config, self.run_io, clock, self.lifecycle.tmp_dir_of)
         self.outcomes = Outcomes(config, self.lifecycle, self.stats, self.retry_list,
                                  self.run_io, clock, held=self.held, outputs=self.outputs)
         self.watcher = Watcher(
             config.inbox.paths, config.inbox.recursive, NameFilter(config.inbox.include),
-            self.buffer, self.stats, config.inbox.rescan_interval_s, clock, watch,
+            self.event_buffer, self.stats, config.inbox.rescan_interval_s, clock, watch,
             poll=config.inbox.poll, poll_interval_ms=config.inbox.poll_interval_ms,
         )
         self.takeovers = Takeovers(self.lifecycle, self.stats, self.run_io,
                                    config.inbox.rescan_interval_s, self.watcher.request_rescan)
         self.intake = Intake(
-            config, self.buffer, self.queue, self.lifecycle, self.stats,
+            config, self.event_buffer, self.queue, self.lifecycle, self.stats,
             on_enqueued=lambda item: self.outcomes.admitted(),
             on_refused=self.outcomes.refused, clock=clock, held=self.held,
             outputs=self.outputs,
@@ -130,7 +131,7 @@ class Pipeline:
         # The device decoder makes one crop per file; several tasks' cuts come from the workers.
         gpu_decode = pre.gpu_decode if len(specs) == 1 else "off"
         self.preprocessor = Preprocessor(
-            self.queue, self.cache, self.decode_pool, pre.workers, pre.files_per_request,
+            self.queue, self.preprocess_cache, self.decode_pool, pre.workers, pre.files_per_request,
             on_error=self.outcomes.error,
             existing_sha256=self.lifecycle.results.recorded_sha256,
             on_duplicate=lambda item: self.outcomes.duplicate(item, item.key),
@@ -140,23 +141,24 @@ class Pipeline:
                                             decoders_for(pre.workers)),
         )
         self.batcher = Batcher(
-            self.cache, config.batch.max_size, config.batch.max_delay_ms, clock,
+            self.preprocess_cache, config.batch.max_size, config.batch.max_delay_ms, clock,
             self.stats.batch_sizes,
             more_coming=lambda: self.queue.qsize() > 0 or self.preprocessor.in_progress > 0,
         )
         self.commits: Commits = CommitProcess(config, self.lifecycle)
-        self.writer = ResultWriter(config, model, self.lifecycle, self.commits, self.outcomes,
-                                   self.run_io, clock, tasks)
+        self.result_writer = ResultWriter(config, model, self.lifecycle, self.commits,
+                                          self.outcomes, self.run_io, clock, tasks)
         self.engine = engine or (LocalEngine(model) if tasks is None else TasksEngine(
             tasks, {task: LocalEngine(m) for task, m in tasks.items()},
             capacity.in_flight_batches))
-        self.worker = ModelStage(self.engine, self.batcher, self.writer.submit, clock,
-                                  release=self.outcomes.release,
-                                  on_device_fault=self._device_fault,
-                                  on_inferred=lambda s: self.stats.inference_ms.add(s * 1000),
-                                  in_flight=capacity.in_flight_batches)
-        self.stats.register(self.buffer, self.queue, self.preprocessor, self.cache, self.batcher,
-                            self.worker, self.writer, self.writer.committing, self.retry_list)
+        self.model_stage = ModelStage(
+            self.engine, self.batcher, self.result_writer.submit, clock,
+            release=self.outcomes.release, on_device_fault=self._device_fault,
+            on_inferred=lambda s: self.stats.inference_ms.add(s * 1000),
+            in_flight=capacity.in_flight_batches)
+        self.stats.register(self.event_buffer, self.queue, self.preprocessor,
+                            self.preprocess_cache, self.batcher, self.model_stage,
+                            self.result_writer, self.result_writer.committing, self.retry_list)
         if isinstance(self.engine, TasksEngine):
             self.stats.register(*self.engine.layers.values())
         for ocr in ocr_models(self.models):  # the OCR task's fan-out: crops for the recogniser
@@ -170,8 +172,9 @@ class Pipeline:
         self.crash_event = asyncio.Event()
         # The stats record, STATUS= and the stall list: what the pipeline says about itself.
         self.report = PipelineReport(
-            config, self.stats, clock, buffer=self.buffer, queue=self.queue, cache=self.cache,
-            decode_pool=self.decode_pool, worker=self.worker, engine=self.engine,
+            config, self.stats, clock, event_buffer=self.event_buffer, queue=self.queue,
+            preprocess_cache=self.preprocess_cache, decode_pool=self.decode_pool,
+            model_stage=self.model_stage, engine=self.engine,
             commits=self.commits, outcomes=self.outcomes, outputs=self.outputs)
 
     async def run_io(self, work: Callable[[], T]) -> T:
@@ -241,8 +244,8 @@ class Pipeline:
         crash is counted against those, not against every file in flight (a model stage that
         crashed on one batch must not fail the photos being decoded meanwhile). None for a
         stage that cannot say which files it held."""
-        held = (self.worker.crashed_with if stage == "model-worker" else
-                self.writer.crashed_with if stage == "result-writer" else
+        held = (self.model_stage.crashed_with if stage == "model-worker" else
+                self.result_writer.crashed_with if stage == "result-writer" else
                 self.preprocessor.crashed_with if stage.startswith("preprocess-") else None)
         return None if held is None else {os.path.normpath(item.claimed_path) for item in held}
 
@@ -254,8 +257,8 @@ class Pipeline:
         self.commits.start()
         for n in range(self.preprocessor.decoders):
             self._spawn(self._processing_tasks, self.preprocessor.run_worker(), f"preprocess-{n}")
-        self._spawn(self._processing_tasks, self.worker.run(), "model-worker")
-        self._spawn(self._processing_tasks, self.writer.run(), "result-writer")
+        self._spawn(self._processing_tasks, self.model_stage.run(), "model-worker")
+        self._spawn(self._processing_tasks, self.result_writer.run(), "result-writer")
         self._spawn(self._processing_tasks, self.retry_list.run(), "retry-list")
 
     def start_intake(self, watch: bool) -> None:
@@ -290,12 +293,12 @@ class Pipeline:
         """SIGHUP: the new capacities, batch and stats settings take effect now; the rest of
         ``config`` waits for a restart (the caller says which)."""
         capacity = config.capacity
-        self.buffer.capacity = capacity.event_buffer
+        self.event_buffer.capacity = capacity.event_buffer
         self.held.resize(capacity.event_buffer)
         self.queue.resize(capacity.queue)
-        self.cache.resize(capacity.preprocess_cache, capacity.preprocess_cache_mb)
+        self.preprocess_cache.resize(capacity.preprocess_cache, capacity.preprocess_cache_mb)
         self.retry_list.capacity = capacity.retry_list
-        self.worker.resize(capacity.in_flight_batches)
+        self.model_stage.resize(capacity.in_flight_batches)
         for ocr in ocr_models(self.models):
             ocr.crops.resize(capacity.ocr_crops)
         self.batcher.configure(config.batch.max_size, config.batch.max_delay_ms)
@@ -316,7 +319,7 @@ class Pipeline:
         while not self.crash_event.is_set() and not stop.is_set():
             claimed_before = self.intake.claimed
             await self.watcher.scan()
-            await self._until(lambda: self.buffer.size == 0 and not self.intake.busy
+            await self._until(lambda: self.event_buffer.size == 0 and not self.intake.busy
                               and self.outcomes.active() == 0, progress, stop)
             if self.intake.claimed == claimed_before and not self.watcher.backlog_on_disk:
                 if self.retry_list.size == 0:
@@ -339,7 +342,7 @@ class Pipeline:
     async def shutdown(self, grace_s: float | None, force: asyncio.Event) -> None:
         self.watcher.stop()
         await _cancel(self._intake_tasks)
-        self.buffer.clear()  # only names: the files are still in the inbox
+        self.event_buffer.clear()  # only names: the files are still in the inbox
         if self.crashed is not None:
             force.set()  # a crashed stage drains nothing: waiting on it would wait for ever
         full = self.outputs.full  # nothing held for room can drain: it goes back now
@@ -363,13 +366,13 @@ class Pipeline:
         self.outputs.close()
         self.intake.close()
         self.preprocessor.close()
-        self.worker.close()
+        self.model_stage.close()
         for item in self.retry_list.drain():
             self.lifecycle.release(item.claimed_path, item.inbox_path)
             self.stats.counters.released += 1
         self.io_executor.shutdown(wait=True)
         self.commits.close()  # what it still has is committed (or, past a timeout, recovered)
-        self.writer.count_abandoned()
+        self.result_writer.count_abandoned()
         if self.crashed is None:
             returned, _ = self.lifecycle.recover()  # anything cancelled mid-flight
             self.stats.counters.released += returned
