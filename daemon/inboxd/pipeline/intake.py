@@ -139,7 +139,7 @@ class Intake:
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._claimer is None:
-            self._claimer = ThreadPoolExecutor(1, thread_name_prefix="inboxd-claim",
+            self._claimer = ThreadPoolExecutor(1, thread_name_prefix="inboxd-intake",
                                                initializer=name_this_thread)
         return self._claimer
 

@@ -8,7 +8,7 @@ by this stage's io thread. Up to ``COMMITS_IN_FLIGHT`` batches are there at once
 ``committing``, ``pipeline.committing``): it commits one while the next waits in its pipe, so it
 never waits for this stage between two, and this stage logs one batch's outcomes while the next
 is being committed.
-The hand-off from the model worker holds one batch more: the model infers while batches are
+The hand-off from the model stage holds one batch more: the model infers while batches are
 being written; with several calls in flight, the finished ones wait on ``submit()`` inside their
 in-flight slots, so the model stage's bound still counts them.
 """

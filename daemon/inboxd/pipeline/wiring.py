@@ -1,7 +1,7 @@
 """The whole pipeline, wired in data-flow order, and its start-up and shutdown.
 
 watcher → event buffer → intake (await queue.put) → queue → preprocess → preprocess cache
-→ batcher → model worker → result writer, with the retry list feeding back into the queue.
+→ batcher → model → result writer, with the retry list feeding back into the queue.
 
 Shutdown goes in the same order: stop noticing and claiming, let what is already claimed drain
 (``queue.join()``, then the stages behind it) for at most ``shutdown.grace_s``, cancel the rest
@@ -244,7 +244,7 @@ class Pipeline:
         crash is counted against those, not against every file in flight (a model stage that
         crashed on one batch must not fail the photos being decoded meanwhile). None for a
         stage that cannot say which files it held."""
-        held = (self.model_stage.crashed_with if stage == "model-worker" else
+        held = (self.model_stage.crashed_with if stage == "model" else
                 self.result_writer.crashed_with if stage == "result-writer" else
                 self.preprocessor.crashed_with if stage.startswith("preprocess-") else None)
         return None if held is None else {os.path.normpath(item.claimed_path) for item in held}
@@ -257,7 +257,7 @@ class Pipeline:
         self.commits.start()
         for n in range(self.preprocessor.decoders):
             self._spawn(self._processing_tasks, self.preprocessor.run_worker(), f"preprocess-{n}")
-        self._spawn(self._processing_tasks, self.model_stage.run(), "model-worker")
+        self._spawn(self._processing_tasks, self.model_stage.run(), "model")
         self._spawn(self._processing_tasks, self.result_writer.run(), "result-writer")
         self._spawn(self._processing_tasks, self.retry_list.run(), "retry-list")
 
