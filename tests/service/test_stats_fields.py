@@ -130,3 +130,9 @@ def test_a_renamed_layer_keeps_its_old_fields_for_one_release(tmp_path: Path) ->
     table = format_table(clean({**entry, "MESSAGE": "stats", "INBOXD_EVENT": "stats",
                                 "INSTANCE": "default"}))
     assert "preprocess " in table and "decoding" not in table
+    # The result writer's layer was called ``write_handoff``: the same for it.
+    for part in ("SIZE", "CAPACITY", "HIGH_WATER"):
+        assert record[f"WRITE_HANDOFF_{part}"] == record[f"RESULT_WRITER_{part}"], part
+    assert record["RESULT_WRITER_CAPACITY"] > 0
+    assert capacities["write_handoff"] == capacities["result_writer"]
+    assert "result_writer " in table and "write_handoff" not in table

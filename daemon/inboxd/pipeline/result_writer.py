@@ -53,7 +53,7 @@ HANDOFF_BATCHES = 1
 
 
 class ResultWriter:
-    name = "write_handoff"
+    name = "result_writer"
 
     def __init__(
         self,
