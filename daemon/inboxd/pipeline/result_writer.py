@@ -1,4 +1,4 @@
-"""Stage 6: the result writer. Model outcomes → durable JSON results → the source moved on.
+"""The result writer. Model outcomes → durable JSON results → the source moved on.
 
 A batch's results are written together (group commit, ``files.results``): every JSON to its
 temp file, all of them fdatasynced in parallel, renamed into place, each results folder fsynced
