@@ -66,7 +66,7 @@ async def run_once(config_path: Path) -> dict[str, Any]:
     started = time.perf_counter()
     await pipeline.process_backlog()
     wall_s = time.perf_counter() - started
-    fields = pipeline.log_stats()
+    fields = pipeline.report.log_stats()
     stats = pipeline.stats
     replica: dict[str, dict[str, Any]] = json.loads(fields.get("RAY_REPLICA_LATENCY_MS", "{}"))
     return {"completed": stats.counters.completed, "failed": stats.counters.failed,

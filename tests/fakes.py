@@ -125,7 +125,8 @@ def commit_in_this_process(pipeline: Pipeline) -> None:
     """Run ``pipeline``'s group commits in this process, on ``pipeline.lifecycle``, so that a
     test can fake a disk at the filesystem boundary (a monkeypatched ``Lifecycle``), which the
     commit process would never see. Before the pipeline starts."""
-    pipeline.commits = pipeline.writer.commits = InProcess(pipeline.lifecycle)
+    pipeline.commits = pipeline.result_writer.commits = pipeline.report.commits = InProcess(
+        pipeline.lifecycle)
 
 
 def pipeline_for(root: Path, model: Any = None, watch: Any = None, **sections: Any) -> Pipeline:

@@ -140,7 +140,9 @@ COUNTER_FIELDS = (
 )
 # Layers renamed, new name -> old: the record (and so the metrics) carries the old name's fields
 # too, for one release, so dashboards and alerts keep working while they are moved over.
-DEPRECATED_LAYER_NAMES = {"preprocess": "decoding"}  # renamed in 0.2.0; gone in 0.3.0
+# New layer name → the old one, whose fields a record still carries (renamed in 0.2.0; the old
+# names are gone in 0.3.0).
+DEPRECATED_LAYER_NAMES = {"preprocess": "decoding", "result_writer": "write_handoff"}
 
 # Per layer: the record's field is <LAYER>_<name>, the metric carries the layer as a label.
 LAYER_FIELDS = (

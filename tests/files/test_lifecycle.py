@@ -123,7 +123,7 @@ def test_a_file_in_flight_at_two_crashes_goes_to_failed(tmp_path: Path) -> None:
     for crash in (1, 2):
         claimed = lifecycle.claim(inbox, "killer.jpg")
         assert claimed is not None
-        lifecycle.record_crash("stage preprocess-0 crashed: RuntimeError('boom')")
+        lifecycle.crash_ledger.record("stage preprocess-0 crashed: RuntimeError('boom')")
         returned, failed = lifecycle.recover()
         assert (returned, failed) == ((1, 0) if crash == 1 else (0, 1))
     report = json.loads((tmp_path / "failed" / "killer.jpg.error.json").read_text())
@@ -168,7 +168,7 @@ def test_a_crasher_that_failed_cannot_take_goes_back_instead_of_stopping_start_u
     (inbox / "killer.jpg").write_bytes(b"boom")
     for _ in range(2):
         assert lifecycle.claim(inbox, "killer.jpg") is not None
-        lifecycle.record_crash("stage crashed")
+        lifecycle.crash_ledger.record("stage crashed")
         if _ == 0:
             lifecycle.recover()
 

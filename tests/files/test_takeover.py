@@ -100,7 +100,7 @@ def test_a_file_that_kills_every_instance_still_ends_in_failed(tmp_path: Path) -
     inbox = tmp_path / "inbox"
     a, b = instance(tmp_path, "a"), instance(tmp_path, "b")
     claim_all(a, inbox, {"killer.jpg": b"boom"})
-    a.record_crash("stage model-worker crashed: RuntimeError('boom')")
+    a.crash_ledger.record("stage model-worker crashed: RuntimeError('boom')")
     a.unlock_instance()
 
     assert take_over_dead(b).taken[0].returned == ["killer.jpg"]
@@ -109,7 +109,7 @@ def test_a_file_that_kills_every_instance_still_ends_in_failed(tmp_path: Path) -
                                     hashlib.sha256(b"boom").hexdigest()]}
 
     assert b.claim(inbox, "killer.jpg") is not None
-    b.record_crash("stage model-worker crashed: RuntimeError('boom')")
+    b.crash_ledger.record("stage model-worker crashed: RuntimeError('boom')")
     assert b.recover() == (0, 1)
     report = json.loads((tmp_path / "failed" / "killer.jpg.error.json").read_text())
     assert "crashed 2 times" in report["reason"]
@@ -119,10 +119,10 @@ def test_a_dead_instances_repeat_crasher_goes_to_failed_at_takeover(tmp_path: Pa
     inbox = tmp_path / "inbox"
     a, b = instance(tmp_path, "a"), instance(tmp_path, "b")
     claim_all(a, inbox, {"killer.jpg": b"boom", "fine.jpg": b"ok"})
-    a.record_crash("stage crashed")
+    a.crash_ledger.record("stage crashed")
     a.recover()  # a's restart returns both (count 1 each) ...
     assert a.claim(inbox, "killer.jpg") is not None  # ... claims one again, crashes again
-    a.record_crash("stage crashed")
+    a.crash_ledger.record("stage crashed")
     a.unlock_instance()
 
     taken = take_over_dead(b).taken[0]

@@ -181,7 +181,7 @@ def test_crash_counts_are_never_read_from_a_processing_folder_not_ours(
             os.rename(theirs, inbox / ".processing")
             os.chown(inbox / ".processing", 42_421, 42_420)
             os.chmod(inbox / ".processing", 0o2770)
-        assert lifecycle.crash_counts(inbox) == []
+        assert lifecycle.crash_ledger.counts(inbox) == []
     finally:
         lifecycle.unlock_instance()
 

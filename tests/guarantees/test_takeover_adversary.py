@@ -107,10 +107,10 @@ def test_odd_bytes_in_names_are_taken_over_and_reported(tmp_path: Path) -> None:
     # And as a crasher: its count (a JSON key) and its error report (a JSON value) hold them.
     c = instance(tmp_path, "c")
     assert c.claim(inbox, odd) is not None
-    c.record_crash("stage crashed")
+    c.crash_ledger.record("stage crashed")
     c.recover()
     assert c.claim(inbox, odd) is not None
-    c.record_crash("stage crashed")
+    c.crash_ledger.record("stage crashed")
     c.unlock_instance()
     assert takeovers.sweep() == 0
     assert (tmp_path / "failed" / odd).read_bytes() == b"odd"
@@ -186,7 +186,7 @@ def test_a_stale_count_under_a_reused_name_does_not_fail_a_healthy_file(tmp_path
     a, b = instance(tmp_path, "a"), instance(tmp_path, "b")
     (inbox / "IMG_0001.jpg").write_bytes(b"first camera")
     a.claim(inbox, "IMG_0001.jpg")
-    a.record_crash("stage crashed: a CUDA error")
+    a.crash_ledger.record("stage crashed: a CUDA error")
     a.recover()
     claimed = a.claim(inbox, "IMG_0001.jpg")
     assert claimed is not None
@@ -194,7 +194,7 @@ def test_a_stale_count_under_a_reused_name_does_not_fail_a_healthy_file(tmp_path
 
     (inbox / "IMG_0001.jpg").write_bytes(b"second camera")
     assert b.claim(inbox, "IMG_0001.jpg") is not None
-    b.record_crash("stage crashed: a CUDA error")
+    b.crash_ledger.record("stage crashed: a CUDA error")
     assert b.recover() == (1, 0)
     assert (inbox / "IMG_0001.jpg").read_bytes() == b"second camera"
 
@@ -279,12 +279,12 @@ def test_a_crasher_given_back_under_a_variant_name_keeps_its_count(tmp_path: Pat
     a = instance(tmp_path, "a")
     (inbox / "killer.jpg").write_bytes(b"boom")
     a.claim(inbox, "killer.jpg")
-    a.record_crash("stage crashed")
+    a.crash_ledger.record("stage crashed")
     (inbox / "killer.jpg").write_bytes(b"a healthy newcomer")
     assert a.recover() == (1, 0)
     [variant] = [p.name for p in inbox.glob("killer.*.jpg")]
     assert a.claim(inbox, variant) is not None
-    a.record_crash("stage crashed")
+    a.crash_ledger.record("stage crashed")
     assert a.recover() == (0, 1)
     assert (inbox / "killer.jpg").read_bytes() == b"a healthy newcomer"
     [failed] = list((tmp_path / "failed").glob("killer*.jpg"))

@@ -71,7 +71,7 @@ def test_a_stage_crash_twice_on_one_file_fails_that_file(tmp_path: Path) -> None
         if run < 2:
             async def crash(batch: Any) -> None:
                 raise RuntimeError("a bug that this file triggers")
-            pipeline.writer._write = crash  # type: ignore[method-assign]
+            pipeline.result_writer._write = crash  # type: ignore[method-assign]
         asyncio.run(pipeline.process_backlog())
         assert (pipeline.crashed is not None) == (run < 2)
     report = json.loads((tmp_path / "failed" / "killer.png.error.json").read_text())

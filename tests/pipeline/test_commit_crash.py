@@ -97,7 +97,7 @@ def test_a_stop_past_the_grace_period_still_counts_what_the_commit_process_commi
     async def stop_with_two_batches_in_commit() -> None:
         stop = asyncio.Event()
         backlog = asyncio.create_task(pipeline.process_backlog(stop=stop))
-        while pipeline.writer.committing.size < 2 and not backlog.done():
+        while pipeline.result_writer.committing.size < 2 and not backlog.done():
             await asyncio.sleep(0.005)
         stop.set()  # what SIGTERM does; the grace period ends inside both commits
         await backlog

@@ -54,4 +54,4 @@ def test_each_file_takes_its_path_through_the_real_pipeline(tmp_path: Path) -> N
     top1 = {name: doc["top_k"][0]["label"] for name, doc in results.items() if "top_k" in doc}
     assert top1["cat.jpg"] == top1["cat-progressive.jpg"] == top1["cat.png"]
     assert route.device_decoded == 1 and route.cpu_fallbacks == 3
-    assert pipeline.cache.high_water_bytes >= 224 * 224 * 3
+    assert pipeline.preprocess_cache.high_water_bytes >= 224 * 224 * 3

@@ -70,7 +70,7 @@ def run(root: Path, engine: Any, files: int, watch_status: bool = False,
         make_image(root / "inbox" / f"f{n:03}.png", size=(8, 8), color=(n % 200 + 20, 0, 0))
     pipeline = Pipeline(config, FakeModel(), engine=engine)  # type: ignore[arg-type]
     if watch_status:
-        engine.status = pipeline.status_line
+        engine.status = pipeline.report.status_line
     asyncio.run(pipeline.process_backlog())
     return pipeline
 
@@ -83,7 +83,7 @@ def test_a_parallel_engine_gets_up_to_in_flight_batches_calls_and_never_more(
                    batch={"max_size": 2, "max_delay_ms": 0}, preprocess={"workers": 2})
     assert pipeline.stats.counters.completed == 120
     assert engine.max_out == 3, "the bound was reached, and held"
-    fields = pipeline.log_stats()
+    fields = pipeline.report.log_stats()
     assert fields["IN_FLIGHT_CAPACITY"] == 3 and fields["IN_FLIGHT_HIGH_WATER"] == 3
 
 
@@ -92,7 +92,7 @@ def test_the_local_engine_gets_one_call_at_a_time_whatever_the_capacity(
     engine = LocalEngine(FakeModel())  # type: ignore[arg-type]
     pipeline = run(tmp_path, engine, 20, capacity={"in_flight_batches": 8})
     assert pipeline.stats.counters.completed == 20
-    assert pipeline.worker.capacity == 1 and pipeline.worker.high_water == 1
+    assert pipeline.model_stage.capacity == 1 and pipeline.model_stage.high_water == 1
 
 
 def test_an_unreachable_engine_holds_the_batch_without_spending_an_attempt(
@@ -101,11 +101,11 @@ def test_an_unreachable_engine_holds_the_batch_without_spending_an_attempt(
     pipeline = run(tmp_path, engine, 10, watch_status=True, retry={"max_attempts": 1})
     counters = pipeline.stats.counters
     assert counters.completed == 10 and counters.failed == 0 and counters.retried == 0
-    assert pipeline.worker.unavailable_waits == 5
-    assert pipeline.worker.unavailable_since_s is None, "reachable again, and logged as such"
+    assert pipeline.model_stage.unavailable_waits == 5
+    assert pipeline.model_stage.unavailable_since_s is None, "reachable again, and logged as such"
     # systemctl status says so while it lasts (STATUS=), and not once it is over.
     assert "model unreachable for" in engine.seen[1], engine.seen
-    assert "unreachable" not in pipeline.status_line()
+    assert "unreachable" not in pipeline.report.status_line()
 
 
 def test_the_ray_block_is_checked_without_connecting_or_importing_ray(tmp_path: Path) -> None:
@@ -181,7 +181,7 @@ def test_a_device_fault_with_several_calls_out_hands_every_file_back(tmp_path: P
                    batch={"max_size": 2, "max_delay_ms": 0})
     counters = pipeline.stats.counters
     assert pipeline.device_fault is not None
-    assert pipeline.worker.high_water > 1, "several calls were out"
+    assert pipeline.model_stage.high_water > 1, "several calls were out"
     results = list((tmp_path / "results").glob("*.json"))
     back = [p for p in (tmp_path / "inbox").iterdir() if p.suffix == ".png"]
     assert counters.failed == 0 and not list((tmp_path / "failed").rglob("*.png"))
@@ -218,7 +218,7 @@ def test_resizing_in_flight_down_with_four_out_drains_to_the_new_bound(tmp_path:
     for n in range(140):
         make_image(tmp_path / "inbox" / f"f{n:03}.png", size=(8, 8), color=(n % 200 + 20, 0, 0))
     pipeline = Pipeline(config, FakeModel(), engine=engine)  # type: ignore[arg-type]
-    engine.worker = pipeline.worker
+    engine.worker = pipeline.model_stage
     asyncio.run(pipeline.process_backlog())
     assert pipeline.stats.counters.completed == 140
     assert engine.max_out == 4 and engine.after_down and engine.after_up

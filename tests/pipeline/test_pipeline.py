@@ -273,7 +273,7 @@ def test_a_durable_result_wins_over_a_crash_count(tmp_path: Path) -> None:
 
     again = pipeline_for(tmp_path, inbox={"settle_ms": 0})
     for _ in range(2):
-        again.lifecycle.record_crash("a crash between the write and the move")
+        again.lifecycle.crash_ledger.record("a crash between the write and the move")
     asyncio.run(again.process_backlog())
     results, failed = outcome_names(tmp_path)
     assert results == {"a.png"} and not failed

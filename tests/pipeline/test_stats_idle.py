@@ -48,7 +48,7 @@ def test_an_idle_daemon_logs_a_heartbeat_not_a_record_each_interval(
         """One stats interval; how many records it logged."""
         before = stats_lines.getvalue().count("[stats]")
         now[0] += 10
-        pipeline.log_stats(quiet_when_idle=True)
+        pipeline.report.log_stats(quiet_when_idle=True)
         return stats_lines.getvalue().count("[stats]") - before
 
     assert interval() == 1  # the first
@@ -58,7 +58,7 @@ def test_an_idle_daemon_logs_a_heartbeat_not_a_record_each_interval(
     now[0] += 300
     assert interval() == 1  # the heartbeat
     assert interval() == 0
-    assert pipeline.log_stats()["COMPLETED"] == 1  # asked for (at a stop): always logged
+    assert pipeline.report.log_stats()["COMPLETED"] == 1  # asked for (at a stop): always logged
     assert stats_lines.getvalue().count("[stats]") == 5
 
 

@@ -26,7 +26,7 @@ def test_start_up_takes_over_a_dead_instance_and_processes_its_files(
         asyncio.run(pipeline.process_backlog())
     assert (tmp_path / "results" / "sub" / "left.png.json").exists()
     assert pipeline.stats.counters.taken_over == 1
-    assert pipeline.log_stats()["TAKEN_OVER"] == 1
+    assert pipeline.report.log_stats()["TAKEN_OVER"] == 1
     taken = [r for r in caplog.records if getattr(r, "inboxd_event", "") == "instance_taken_over"]
     assert len(taken) == 1
     assert taken[0].inboxd_fields["DEAD_INSTANCE"] == "a"  # type: ignore[attr-defined]
@@ -43,7 +43,7 @@ def test_a_file_that_crashes_each_instance_in_turn_still_fails(tmp_path: Path) -
         if instance != "c":
             async def crash(batch: Any) -> None:
                 raise RuntimeError("a bug that this file triggers")
-            pipeline.writer._write = crash  # type: ignore[method-assign]
+            pipeline.result_writer._write = crash  # type: ignore[method-assign]
         asyncio.run(pipeline.process_backlog())
         assert (pipeline.crashed is not None) == (instance != "c")
     report = json.loads((tmp_path / "failed" / "killer.png.error.json").read_text())

@@ -302,12 +302,12 @@ def test_an_unwritable_textfile_is_logged_once_and_never_stops_the_pipeline(
         make_image(tmp_path / "inbox" / f"{n}.png")
     with caplog.at_level(logging.WARNING):
         asyncio.run(pipeline.process_backlog())
-        pipeline.log_stats()
+        pipeline.report.log_stats()
     assert len(list((tmp_path / "results").glob("*.json"))) == 3
     warnings = [r for r in caplog.records if "cannot write the metrics textfile" in r.getMessage()]
     assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
     blocker.unlink()
-    pipeline.log_stats()
+    pipeline.report.log_stats()
     families = {f.name: f for f in text_string_to_metric_families(
         (blocker / "i.prom").read_text())}
     assert families["inboxd_completed"].samples[0].value == 3
@@ -323,8 +323,9 @@ def test_paths_that_are_not_claimed_are_counted_as_ignored(tmp_path: Path) -> No
     pipeline = Pipeline(config, FakeModel())  # type: ignore[arg-type]
     make_image(inbox / "real.png")
     (inbox / "folder.png").mkdir()
-    pipeline.buffer.offer(str(inbox / "gone.png"), inbox, 0.0)  # its writer removed it meanwhile
-    pipeline.buffer.offer(str(inbox / "folder.png"), inbox, 0.0)
+    # its writer removed it meanwhile
+    pipeline.event_buffer.offer(str(inbox / "gone.png"), inbox, 0.0)
+    pipeline.event_buffer.offer(str(inbox / "folder.png"), inbox, 0.0)
     asyncio.run(pipeline.process_backlog())
     counters = pipeline.stats.counters
     assert (counters.completed, counters.ignored) == (1, 2)

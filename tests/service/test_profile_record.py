@@ -50,4 +50,4 @@ def test_a_gpu_profile_reaches_the_record_and_the_pipeline(
                                           "capacity.preprocess_cache=128,"
                                           "capacity.preprocess_cache_mb=1024")
     assert pipeline.config.batch.max_size == 4 and pipeline.queue.maxsize == 28
-    assert pipeline.decode_pool.workers == 14 and pipeline.cache.capacity == 128
+    assert pipeline.decode_pool.workers == 14 and pipeline.preprocess_cache.capacity == 128

@@ -40,7 +40,7 @@ def full_pipeline(tmp_path: Path) -> tuple[Pipeline, Metrics]:
     ray.connects, ray.lost_batches = 2, 1
     ray.replica_ms["node1:41"] = Window()
     ray.replica_ms["node1:41"].add(12.5)
-    pipeline.engine = ray  # only its stats_fields is asked for: nothing connects
+    pipeline.engine = pipeline.report.engine = ray  # only its stats_fields is asked for
     metrics = Metrics(config)
     metrics.attach(pipeline)  # before the files: the histograms see every sample
     for n in range(3):
@@ -59,7 +59,7 @@ def exported(metrics: Metrics) -> dict[str, list[Any]]:
 def test_every_field_of_a_full_record_is_declared_exported_and_read_back(
         tmp_path: Path) -> None:
     pipeline, metrics = full_pipeline(tmp_path)
-    record = pipeline.log_stats()
+    record = pipeline.report.log_stats()
     assert record["COMPLETED"] == 3 and record["FAILED"] == 1
     assert {"CUDA_PEAK_ALLOCATED_BYTES", "CUDA_OOMS", "RAY_LOST_BATCHES", "IGNORED",
             "EVENT_BUFFER_HIGH_WATER"} <= set(record)
@@ -119,7 +119,7 @@ def test_a_renamed_layer_keeps_its_old_fields_for_one_release(tmp_path: Path) ->
     """The preprocess layer was called ``decoding``: a record still carries DECODING_* beside
     PREPROCESS_* (same values), the scrape both labels, and ``inboxd stats`` the new name only."""
     pipeline, metrics = full_pipeline(tmp_path)
-    record = pipeline.log_stats()
+    record = pipeline.report.log_stats()
     for part in ("SIZE", "CAPACITY", "HIGH_WATER"):
         assert record[f"DECODING_{part}"] == record[f"PREPROCESS_{part}"], part
     assert record["PREPROCESS_CAPACITY"] > 0
@@ -130,3 +130,9 @@ def test_a_renamed_layer_keeps_its_old_fields_for_one_release(tmp_path: Path) ->
     table = format_table(clean({**entry, "MESSAGE": "stats", "INBOXD_EVENT": "stats",
                                 "INSTANCE": "default"}))
     assert "preprocess " in table and "decoding" not in table
+    # The result writer's layer was called ``write_handoff``: the same for it.
+    for part in ("SIZE", "CAPACITY", "HIGH_WATER"):
+        assert record[f"WRITE_HANDOFF_{part}"] == record[f"RESULT_WRITER_{part}"], part
+    assert record["RESULT_WRITER_CAPACITY"] > 0
+    assert capacities["write_handoff"] == capacities["result_writer"]
+    assert "result_writer " in table and "write_handoff" not in table

@@ -15,7 +15,7 @@ exits, and its restart returns what was claimed to the inbox, where each file's 
 
 - ``CommitProcessFailed``: the process died (killed, the OOM killer) or sent what is not a
   reply. Like a kill of the daemon, not the doing of the files in flight: no crash is counted
-  against them (``Lifecycle.record_crash``).
+  against them (``CrashLedger.record``).
 - ``CommitRaised``: the commit raised (a bug that a batch met), with the traceback; counted
   against the files in flight like any stage crash, so one that keeps causing it ends in
   failed/ instead of stopping the service again and again.

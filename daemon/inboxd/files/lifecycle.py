@@ -17,26 +17,25 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from inboxd import logs
 from inboxd.config import Config, ConfigError
 from inboxd.files import claim_area, instances, renames
+from inboxd.files.crash_ledger import CRASHES_BEFORE_FAILING, CrashLedger
 from inboxd.files.durable import (
     TmpDir,
-    create_excl,
     json_bytes,
     move,
     output_mode,
     tmp_dir_in,
-    tmp_name,
     unlink_quietly,
     walk_files,
     write_tmp,
 )
-from inboxd.files.instances import LEDGER_SUFFIX, LOCK_WAIT_S
+from inboxd.files.instances import LOCK_WAIT_S
 from inboxd.files.layout import PROCESSING_DIRNAME, TMP_DIRNAME, processing_dir
 from inboxd.files.names import fit_name, relative_inside
 from inboxd.files.portable_names import filing_key
@@ -55,8 +54,6 @@ ERROR_SUFFIX = ".error.json"
 SHORT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 RELEASE_TRIES = 4
 RELEASE_PAUSE_S = 0.05
-# A file in flight at this many stage crashes in a row is failed instead of retried.
-CRASHES_BEFORE_FAILING = 2
 
 
 class InstanceBusy(Exception):
@@ -107,6 +104,7 @@ class Lifecycle:
         self._done = os.fspath(config.done_dir)
         self._done_tmp = tmp_dir_in(config.done_dir, config.instance)
         self._failed_tmp = tmp_dir_in(config.failed_dir, config.instance)
+        self.crash_ledger = CrashLedger(config)
 
     def processing_tmp(self, inbox: Path) -> TmpDir:
         """The temp folder on an inbox's filesystem, inside ``.processing/``: a folder the group
@@ -352,7 +350,7 @@ class Lifecycle:
         returned = failed = 0
         for inbox in self.config.inbox.paths:
             processing = processing_dir(self.config, inbox)
-            ledgers = self.crash_counts(inbox)
+            ledgers = self.crash_ledger.counts(inbox)
             for claimed in walk_files(processing):
                 rel = claimed.relative_to(processing).as_posix()
                 sha256 = self.sha256_of(claimed)
@@ -406,58 +404,6 @@ class Lifecycle:
         except OSError:
             return False
         return True
-
-    # -- the crash ledger: which files were in flight when a stage crashed -------------------
-
-    def ledger_path(self, inbox: Path, instance: str | None = None) -> Path:
-        name = instance or self.config.instance
-        return processing_dir(self.config, inbox).parent / f"{name}{LEDGER_SUFFIX}"
-
-    def crash_counts(self, inbox: Path) -> list[instances.Ledger]:
-        """Every instance's ledger here, for ``crashes_of``: a count follows its file."""
-        return instances.all_ledgers(inbox)
-
-    def record_crash(self, reason: str, inside: Collection[str] | None = None) -> None:
-        """A stage crashed: count one crash against each file that was inside it (``inside``:
-        their claimed paths; None when the stage cannot say, then every file claimed now),
-        keep the counts of the other claimed files as they were, and forget the files that
-        are no longer claimed (the count is of crashes in a row, bounded by what can be in
-        flight). A kill leaves no record and counts nothing: it is not the file's doing. The
-        next start-up reads this in ``recover``."""
-        for inbox in self.config.inbox.paths:
-            processing = processing_dir(self.config, inbox)
-            ledgers = self.crash_counts(inbox)
-            updated: dict[str, list[object]] = {}
-            for claimed in walk_files(processing):  # the bytes too: a name is often reused
-                rel, sha256 = claimed.relative_to(processing).as_posix(), self.sha256_of(claimed)
-                crashes, why = instances.crashes_of(ledgers, rel, sha256)
-                if inside is None or os.path.normpath(claimed) in inside:
-                    crashes, why = crashes + 1, reason
-                if crashes:
-                    updated[rel] = [crashes, why, sha256]
-            self.write_ledger(inbox, self.config.instance, updated)
-
-    def write_ledger(self, inbox: Path, instance: str, entries: dict[str, Any]) -> None:
-        """Replace ``instance``'s ledger (ours, or a dead one's while we hold its lock)."""
-        ledger = self.ledger_path(inbox, instance).name
-        with open_inside(inbox, [PROCESSING_DIRNAME], own=True) as processing:
-            if not entries and instance != self.config.instance:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(ledger, dir_fd=processing)
-                return
-            with open_inside(processing, [TMP_DIRNAME, self.config.instance], create=True,
-                             own=True) as tmp_dir:
-                tmp = tmp_name("", ".crashes")
-                try:
-                    with os.fdopen(create_excl(tmp, tmp_dir), "wb") as handle:
-                        handle.write(json_bytes(entries))
-                        handle.flush()
-                        os.fsync(handle.fileno())
-                    os.replace(tmp, ledger, src_dir_fd=tmp_dir, dst_dir_fd=processing)
-                except BaseException:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(tmp, dir_fd=tmp_dir)
-                    raise
 
     # -- outcomes ----------------------------------------------------------------------------
 

@@ -31,9 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from inboxd.files.claim_area import moved_areas
+from inboxd.files.crash_ledger import CRASHES_BEFORE_FAILING
 from inboxd.files.instances import LEDGER_SUFFIX, LOCK_SUFFIX, Ledger, crashes_of, read_ledger
 from inboxd.files.layout import PROCESSING_DIRNAME
-from inboxd.files.lifecycle import CRASHES_BEFORE_FAILING, Lifecycle
+from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.renames import place_inside, time_token
 from inboxd.files.safe_paths import DIR_FLAGS, LinkedFolder, open_inside
 
@@ -178,14 +179,14 @@ def _return_all(lifecycle: Lifecycle, inbox: Path, instance: str, top: int,
     removed bottom-up. ``moved_area``: ``top`` is in a former claim area (that descriptor),
     whose ledger counts too, and is left as it was (the name's owner in ``.processing`` may
     be alive)."""
-    counts = lifecycle.crash_counts(inbox)
+    counts = lifecycle.crash_ledger.counts(inbox)
     if moved_area is not None:
         counts.append(read_ledger(instance + LEDGER_SUFFIX, moved_area))
     walk = _Walk(lifecycle, inbox, instance, counts, taken, sweep)
     if moved_area is not None:
         _walk_back(walk, top)
         return
-    ledger_path = lifecycle.ledger_path(inbox, instance)
+    ledger_path = lifecycle.crash_ledger.path(inbox, instance)
     walked = False
     try:
         _walk_back(walk, top)
@@ -197,7 +198,7 @@ def _return_all(lifecycle: Lifecycle, inbox: Path, instance: str, top: int,
         known = {k: list(v) for k, v in read_ledger(ledger_path).items()}
         wanted = walk.still_counted if walked else {**known, **walk.still_counted}
         if known != wanted:
-            lifecycle.write_ledger(inbox, instance, wanted)
+            lifecycle.crash_ledger.write(inbox, instance, wanted)
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Stage 4: preprocess cache → one forming batch of at most ``batch.max_size`` items.
+"""The batcher: preprocess cache → one forming batch of at most ``batch.max_size`` items.
 
 The batch closes when it is full, when ``batch.max_delay_ms`` have passed since its first item
 arrived, or at once when nothing else is on the way (the queue is empty and no file is being

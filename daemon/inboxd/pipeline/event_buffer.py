@@ -1,4 +1,4 @@
-"""Stage 1 → 2: the event buffer, distinct paths seen by the watcher or a scan, not yet queued.
+"""The event buffer: distinct paths seen by the watcher or a scan, not yet queued.
 
 Bounded by ``capacity.event_buffer``. When it is full a new path is *deferred*: counted and left
 on disk, where the next scan finds it again; nothing is dropped, because the inbox folder itself

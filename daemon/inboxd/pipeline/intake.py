@@ -1,4 +1,4 @@
-"""Stage 2: from the event buffer into the queue, by ``await queue.put()``.
+"""The intake: from the event buffer into the queue, by ``await queue.put()``.
 
 For each candidate: is it a regular file that has settled (mtime at least ``inbox.settle_ms``
 old)? Then claim it with one atomic rename into this instance's processing folder and put it on
@@ -139,7 +139,7 @@ class Intake:
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._claimer is None:
-            self._claimer = ThreadPoolExecutor(1, thread_name_prefix="inboxd-claim",
+            self._claimer = ThreadPoolExecutor(1, thread_name_prefix="inboxd-intake",
                                                initializer=name_this_thread)
         return self._claimer
 

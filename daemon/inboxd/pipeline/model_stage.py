@@ -1,4 +1,4 @@
-"""Stage 5: the model stage. Batches from the batcher → the model engine → the result writer.
+"""The model stage. Batches from the batcher → the model engine → the result writer.
 
 Where the model runs is the engine's business (``inboxd.models.engines.interface``); this stage
 keeps at most ``in_flight`` batches sent and unanswered (one for the local engine on the CPU; up to

@@ -1,4 +1,4 @@
-"""Stage 3: queue → read, hash and decode each file (in a decode worker process) → preprocess cache.
+"""Preprocess: queue → read, hash, decode each file (in a decode worker) → preprocess cache.
 
 The untrusted bytes are never parsed in the daemon: ``decode/pool.py`` runs ``preprocess.workers``
 worker processes, each under a memory and a time limit, and every outcome of one file — whatever

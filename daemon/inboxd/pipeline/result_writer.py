@@ -1,13 +1,14 @@
-"""Stage 6: the result writer. Model outcomes → durable JSON results → the source moved on.
+"""The result writer. Model outcomes → durable JSON results → the source moved on.
 
 A batch's results are written together (group commit, ``files.results``): every JSON to its
 temp file, all of them fdatasynced in parallel, renamed into place, each results folder fsynced
 once, and only then do the sources move (so no source ever moves before its result is safe).
 That commit runs in the commit process (``files/commit_child.py`` says why), handed each batch
 by this stage's io thread. Up to ``COMMITS_IN_FLIGHT`` batches are there at once (the layer
-``committing``): it commits one while the next waits in its pipe, so it never waits for this
-stage between two, and this stage logs one batch's outcomes while the next is being committed.
-The hand-off from the model worker holds one batch more: the model infers while batches are
+``committing``, ``pipeline.committing``): it commits one while the next waits in its pipe, so it
+never waits for this stage between two, and this stage logs one batch's outcomes while the next
+is being committed.
+The hand-off from the model stage holds one batch more: the model infers while batches are
 being written; with several calls in flight, the finished ones wait on ``submit()`` inside their
 in-flight slots, so the model stage's bound still counts them.
 """
@@ -41,6 +42,7 @@ from inboxd.models.predictions import (
     not_finite,
 )
 from inboxd.models.weights import weights_sha256
+from inboxd.pipeline.committing import Committing
 from inboxd.pipeline.outcomes import Outcomes, RunIO, utc_now
 
 if TYPE_CHECKING:
@@ -48,39 +50,10 @@ if TYPE_CHECKING:
     from inboxd.models.ocr.reader import OcrReading
 
 HANDOFF_BATCHES = 1
-COMMITS_IN_FLIGHT = 2
-
-
-class Committing:
-    """The layer of batches handed to the commit process and not answered yet."""
-
-    name = "committing"
-    capacity = COMMITS_IN_FLIGHT
-
-    def __init__(self) -> None:
-        self.writes: set[asyncio.Task[None]] = set()
-        self.high_water = 0
-
-    @property
-    def size(self) -> int:
-        return len(self.writes)
-
-    def add(self, write: asyncio.Task[None]) -> None:
-        self.writes.add(write)
-        self.high_water = max(self.high_water, len(self.writes))
-
-    async def reap(self, also: asyncio.Future[Any] | None = None) -> None:
-        """Wait for a write to end (or ``also``); a write that crashed crashes the stage."""
-        done, _ = await asyncio.wait({*self.writes, *filter(None, [also])},
-                                     return_when=asyncio.FIRST_COMPLETED)
-        for task in done:
-            if task in self.writes:
-                self.writes.discard(task)
-                task.result()
 
 
 class ResultWriter:
-    name = "write_handoff"
+    name = "result_writer"
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""Stage 1: notice files. inotify on every inbox (``files/inotify.py``; watchfiles' poller
+"""The watcher: notice files. inotify on every inbox (``files/inotify.py``; watchfiles' poller
 where inotify cannot see the writes), a scan at start-up, and rescans.
 
 Watch first, then scan what is already there (a file dropped in between is seen by one or

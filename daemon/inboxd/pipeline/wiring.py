@@ -1,7 +1,7 @@
 """The whole pipeline, wired in data-flow order, and its start-up and shutdown.
 
 watcher → event buffer → intake (await queue.put) → queue → preprocess → preprocess cache
-→ batcher → model worker → result writer, with the retry list feeding back into the queue.
+→ batcher → model → result writer, with the retry list feeding back into the queue.
 
 Shutdown goes in the same order: stop noticing and claiming, let what is already claimed drain
 (``queue.join()``, then the stages behind it) for at most ``shutdown.grace_s``, cancel the rest
@@ -14,10 +14,8 @@ together: the order things start in and the order they drain in are checked agai
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Coroutine, Iterable
@@ -34,7 +32,6 @@ from inboxd.files.commits import Commits
 from inboxd.files.layout import inbox_writable
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.names import NameFilter
-from inboxd.files.stats_file import StatsFile
 from inboxd.item import WorkItem
 from inboxd.models.engines.interface import DeviceFault, ModelEngine
 from inboxd.models.engines.local import LocalEngine
@@ -54,7 +51,7 @@ from inboxd.pipeline.preprocess_cache import PreprocessCache
 from inboxd.pipeline.queue import PipelineQueue
 from inboxd.pipeline.result_writer import ResultWriter
 from inboxd.pipeline.retry_list import RetryList
-from inboxd.pipeline.stalls import DEFAULT_PATIENCE_S, Stall, StallClock
+from inboxd.pipeline.status import PipelineReport
 from inboxd.pipeline.takeover_sweep import Takeovers
 from inboxd.pipeline.watch_events import WatchFn, real_awatch
 from inboxd.pipeline.watcher import Watcher
@@ -101,23 +98,24 @@ class Pipeline:
         self.io_executor = ThreadPoolExecutor(1, thread_name_prefix="inboxd-io",
                                               initializer=name_this_thread)
 
-        self.buffer = EventBuffer(capacity.event_buffer)
+        self.event_buffer = EventBuffer(capacity.event_buffer)
         self.held = HeldFiles.from_config(config, clock)
         self.queue = PipelineQueue(capacity.queue)
-        self.cache = PreprocessCache(capacity.preprocess_cache, capacity.preprocess_cache_mb)
+        self.preprocess_cache = PreprocessCache(capacity.preprocess_cache,
+                                                capacity.preprocess_cache_mb)
         self.retry_list = RetryList(capacity.retry_list, self._requeue, clock)
         self.outputs = FullOutputs(config, self.run_io, clock, self.lifecycle.tmp_dir_of)
         self.outcomes = Outcomes(config, self.lifecycle, self.stats, self.retry_list,
                                  self.run_io, clock, held=self.held, outputs=self.outputs)
         self.watcher = Watcher(
             config.inbox.paths, config.inbox.recursive, NameFilter(config.inbox.include),
-            self.buffer, self.stats, config.inbox.rescan_interval_s, clock, watch,
+            self.event_buffer, self.stats, config.inbox.rescan_interval_s, clock, watch,
             poll=config.inbox.poll, poll_interval_ms=config.inbox.poll_interval_ms,
         )
         self.takeovers = Takeovers(self.lifecycle, self.stats, self.run_io,
                                    config.inbox.rescan_interval_s, self.watcher.request_rescan)
         self.intake = Intake(
-            config, self.buffer, self.queue, self.lifecycle, self.stats,
+            config, self.event_buffer, self.queue, self.lifecycle, self.stats,
             on_enqueued=lambda item: self.outcomes.admitted(),
             on_refused=self.outcomes.refused, clock=clock, held=self.held,
             outputs=self.outputs,
@@ -133,7 +131,7 @@ class Pipeline:
         # The device decoder makes one crop per file; several tasks' cuts come from the workers.
         gpu_decode = pre.gpu_decode if len(specs) == 1 else "off"
         self.preprocessor = Preprocessor(
-            self.queue, self.cache, self.decode_pool, pre.workers, pre.files_per_request,
+            self.queue, self.preprocess_cache, self.decode_pool, pre.workers, pre.files_per_request,
             on_error=self.outcomes.error,
             existing_sha256=self.lifecycle.results.recorded_sha256,
             on_duplicate=lambda item: self.outcomes.duplicate(item, item.key),
@@ -143,23 +141,24 @@ class Pipeline:
                                             decoders_for(pre.workers)),
         )
         self.batcher = Batcher(
-            self.cache, config.batch.max_size, config.batch.max_delay_ms, clock,
+            self.preprocess_cache, config.batch.max_size, config.batch.max_delay_ms, clock,
             self.stats.batch_sizes,
             more_coming=lambda: self.queue.qsize() > 0 or self.preprocessor.in_progress > 0,
         )
         self.commits: Commits = CommitProcess(config, self.lifecycle)
-        self.writer = ResultWriter(config, model, self.lifecycle, self.commits, self.outcomes,
-                                   self.run_io, clock, tasks)
+        self.result_writer = ResultWriter(config, model, self.lifecycle, self.commits,
+                                          self.outcomes, self.run_io, clock, tasks)
         self.engine = engine or (LocalEngine(model) if tasks is None else TasksEngine(
             tasks, {task: LocalEngine(m) for task, m in tasks.items()},
             capacity.in_flight_batches))
-        self.worker = ModelStage(self.engine, self.batcher, self.writer.submit, clock,
-                                  release=self.outcomes.release,
-                                  on_device_fault=self._device_fault,
-                                  on_inferred=lambda s: self.stats.inference_ms.add(s * 1000),
-                                  in_flight=capacity.in_flight_batches)
-        self.stats.register(self.buffer, self.queue, self.preprocessor, self.cache, self.batcher,
-                            self.worker, self.writer, self.writer.committing, self.retry_list)
+        self.model_stage = ModelStage(
+            self.engine, self.batcher, self.result_writer.submit, clock,
+            release=self.outcomes.release, on_device_fault=self._device_fault,
+            on_inferred=lambda s: self.stats.inference_ms.add(s * 1000),
+            in_flight=capacity.in_flight_batches)
+        self.stats.register(self.event_buffer, self.queue, self.preprocessor,
+                            self.preprocess_cache, self.batcher, self.model_stage,
+                            self.result_writer, self.result_writer.committing, self.retry_list)
         if isinstance(self.engine, TasksEngine):
             self.stats.register(*self.engine.layers.values())
         for ocr in ocr_models(self.models):  # the OCR task's fan-out: crops for the recogniser
@@ -171,18 +170,12 @@ class Pipeline:
         self.device_fault: DeviceFault | None = None
         # Set by a stage crash or a device fault: the service stops (and exits non-zero).
         self.crash_event = asyncio.Event()
-        self._stats_changed = asyncio.Event()
-        # What the idle check compares (``log_stats``): the counters at the last record, whether
-        # work went on then, and when a record was last logged.
-        self._counters_seen: tuple[Any, ...] = dataclasses.astuple(self.stats.counters)
-        self._was_busy = True  # the first record always comes
-        self._stats_logged_s = -math.inf
-        # Each record logged, also where `inboxd stats -c` finds it without a journal.
-        self.stats_file = StatsFile(config)
-        # Called after each stats record (every stats.interval_s and at shutdown): the
-        # metrics textfile is written here, so it is exactly as fresh as the journal.
-        self.on_stats: list[Callable[[], None]] = []
-        self.stall_clock = StallClock(clock)
+        # The stats record, STATUS= and the stall list: what the pipeline says about itself.
+        self.report = PipelineReport(
+            config, self.stats, clock, event_buffer=self.event_buffer, queue=self.queue,
+            preprocess_cache=self.preprocess_cache, decode_pool=self.decode_pool,
+            model_stage=self.model_stage, engine=self.engine,
+            commits=self.commits, outcomes=self.outcomes, outputs=self.outputs)
 
     async def run_io(self, work: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.io_executor, work)
@@ -240,7 +233,7 @@ class Pipeline:
         # A commit process that died is a kill, not the doing of the files in flight.
         if not isinstance(exc, CommitProcessFailed):
             try:
-                self.lifecycle.record_crash(f"stage {task.get_name()} crashed: {exc!r}",
+                self.lifecycle.crash_ledger.record(f"stage {task.get_name()} crashed: {exc!r}",
                                             self._inside(task.get_name()))
             except OSError as record_error:
                 logs.log.error("cannot record which files were in flight: %s", record_error)
@@ -251,8 +244,8 @@ class Pipeline:
         crash is counted against those, not against every file in flight (a model stage that
         crashed on one batch must not fail the photos being decoded meanwhile). None for a
         stage that cannot say which files it held."""
-        held = (self.worker.crashed_with if stage == "model-worker" else
-                self.writer.crashed_with if stage == "result-writer" else
+        held = (self.model_stage.crashed_with if stage == "model" else
+                self.result_writer.crashed_with if stage == "result-writer" else
                 self.preprocessor.crashed_with if stage.startswith("preprocess-") else None)
         return None if held is None else {os.path.normpath(item.claimed_path) for item in held}
 
@@ -264,8 +257,8 @@ class Pipeline:
         self.commits.start()
         for n in range(self.preprocessor.decoders):
             self._spawn(self._processing_tasks, self.preprocessor.run_worker(), f"preprocess-{n}")
-        self._spawn(self._processing_tasks, self.worker.run(), "model-worker")
-        self._spawn(self._processing_tasks, self.writer.run(), "result-writer")
+        self._spawn(self._processing_tasks, self.model_stage.run(), "model")
+        self._spawn(self._processing_tasks, self.result_writer.run(), "result-writer")
         self._spawn(self._processing_tasks, self.retry_list.run(), "retry-list")
 
     def start_intake(self, watch: bool) -> None:
@@ -275,62 +268,6 @@ class Pipeline:
             self._spawn(self._intake_tasks, self.takeovers.run(), "takeover")
             self._spawn(self._intake_tasks, self.takeovers.watch_claim_areas(), "claim-areas")
         self._spawn(self._intake_tasks, self.intake.run(), "intake")
-
-    def stats_fields(self, reset: bool = True) -> dict[str, Any]:
-        """The whole ``stats`` record (every field declared in ``inboxd.stats.FIELDS``);
-        ``reset=False`` for a scrape, which must not start a new interval."""
-        fields = self.stats.snapshot(reset)
-        # The cache's second bound, in bytes (the generic layer fields count items).
-        fields.update(PREPROCESS_CACHE_BYTES=self.cache.size_bytes,
-                      PREPROCESS_CACHE_CAPACITY_BYTES=self.cache.capacity_bytes,
-                      PREPROCESS_CACHE_HIGH_WATER_BYTES=self.cache.high_water_bytes)
-        # A remote engine's own figures (engine: ray: per-replica latency, lost batches).
-        fields.update(self.engine.stats_fields())
-        down_since_s = self.worker.unavailable_since_s
-        fields["MODEL_UNAVAILABLE_S"] = (round(self.clock() - down_since_s, 3)
-                                         if down_since_s is not None else 0)
-        fields.update(OUTPUT_FULL_S=round(self.outputs.waited_s(), 3),
-                      OUTPUT_FULL_WAITS=self.outputs.waits, OUTPUT_PROBES=self.outputs.probes)
-        return fields
-
-    def log_stats(self, quiet_when_idle: bool = False) -> dict[str, Any]:
-        """The stats record. ``quiet_when_idle`` (the periodic one): logged while work goes on,
-        once when it stops, and otherwise only every ``stats.heartbeat_s`` — an idle daemon
-        does not fill the journal with identical records (the metrics still update)."""
-        fields = self.stats_fields()
-        counters = self.stats.counters
-        moved = dataclasses.astuple(counters)
-        busy = moved != self._counters_seen or any(
-            value for key, value in fields.items() if key.endswith("_SIZE"))
-        self._counters_seen = moved
-        now_s = self.clock()
-        if (not quiet_when_idle or busy or self._was_busy
-                or now_s - self._stats_logged_s >= self.config.stats.heartbeat_s):
-            logs.emit(
-                logging.INFO, "stats",
-                f"completed={counters.completed} failed={counters.failed} "
-                f"queue={self.queue.qsize()}/{self.queue.maxsize} "
-                f"buffer={self.buffer.size}/{self.buffer.capacity} "
-                f"files/s={fields['FILES_PER_S']:.1f}",
-                instance=self.config.instance,
-                **fields,
-            )
-            self.stats_file.append(fields)
-            self._stats_logged_s = now_s
-        self._was_busy = busy
-        for hook in self.on_stats:
-            hook()
-        return fields
-
-    async def run_stats(self) -> None:
-        while True:
-            self._stats_changed.clear()
-            # A reload that shortens the interval takes effect at once, not after the old one.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stats_changed.wait(), self.config.stats.interval_s)
-                self._was_busy = True  # a reload: the next record shows the new capacities
-                continue
-            self.log_stats(quiet_when_idle=True)
 
     # -- the two modes -----------------------------------------------------------------------
 
@@ -345,82 +282,30 @@ class Pipeline:
         self.prepare()
         self.start_processing()
         self.start_intake(watch=True)
-        stats_task = asyncio.create_task(self.run_stats(), name="stats")
+        stats_task = asyncio.create_task(self.report.run_stats(), name="stats")
         on_ready()
         await stop.wait()
         on_stopping()
         stats_task.cancel()
         await self.shutdown(self.config.shutdown.grace_s, force)
 
-    def status_line(self, patience_s: float = DEFAULT_PATIENCE_S) -> str:
-        """The one line systemd shows in ``systemctl status`` (STATUS=), stalled stages last."""
-        counters = self.stats.counters
-        down_since_s = self.worker.unavailable_since_s
-        down = ("" if down_since_s is None else
-                f"model unreachable for {self.clock() - down_since_s:.0f} s (reconnecting), ")
-        stalled = "".join(f"; {stall}" for stall in self.stalls(patience_s) if stall.shown)
-        full = self.outputs.status()
-        waiting = f"{down}{full}, " if full else down
-        return (f"{waiting}queue {self.queue.qsize()}/{self.queue.maxsize}, "
-                f"buffer {self.buffer.size}/{self.buffer.capacity}, "
-                f"{counters.completed} completed, {counters.failed} failed, "
-                f"{self.stats.recent_files_per_s():.1f} files/s{stalled}")
-
-    def stalls(self, patience_s: float) -> list[Stall]:
-        """Every stage holding work that has not moved (``pipeline.stalls``); ``patience_s``:
-        the watchdog's ping interval, the least time any stage is given."""
-        counters = self.stats.counters
-        progress = (counters.enqueued, counters.completed, counters.failed, counters.retried,
-                    counters.released, self.decode_pool.answered, self.worker.batches_done,
-                    self.commits.replies)
-        active = self.outcomes.active()
-        # Waiting for a model cluster to come back, or for room in a full output folder, is no
-        # stall: each is shown as what it is.
-        waiting = (active > 0 and self.worker.unavailable_since_s is None
-                   and not self.outputs.full)
-        clock = self.stall_clock
-        now = clock.look(progress, waiting)
-        found: list[Stall] = []
-        busy_since_s = self.worker.busy_since_s
-        if busy_since_s is not None:
-            found.append(Stall("model", now - clock.since(busy_since_s),
-                               self.worker.call_limit_s(patience_s), " (on one batch)"))
-        commit_waits_s = self.commits.stalled_s()
-        if commit_waits_s is not None:
-            stopped = self.commits.stopped()
-            found.append(Stall("commit", now - clock.since(now - commit_waits_s), patience_s,
-                               f" (its process, pid {self.commits.pid}, is "
-                               "stopped: SIGCONT it, or restart inboxd)" if stopped else ""))
-        timeout_s = self.config.preprocess.decode_timeout_s
-        for pid, stopped_s in self.decode_pool.stopped_workers():
-            found.append(Stall(f"decode worker {pid}", stopped_s, detail=" (stopped from "
-                               f"outside; replaced after {timeout_s:g} s, its file retried)"))
-        if waiting and not any(stall.shown for stall in found):
-            # The longest a stage may legitimately take without any counter moving: a decode
-            # (its counted time, then as long again stopped) or a model call, then one interval.
-            limit_s = patience_s + 2 * max(timeout_s, self.worker.call_limit_s(patience_s))
-            found.append(Stall("pipeline", now - clock.since(clock.moved_s), limit_s,
-                               f" ({active} file(s) in flight, nothing moved)",
-                               shown_after_s=patience_s))
-        return found
-
     def apply_live(self, config: Config) -> None:
         """SIGHUP: the new capacities, batch and stats settings take effect now; the rest of
         ``config`` waits for a restart (the caller says which)."""
         capacity = config.capacity
-        self.buffer.capacity = capacity.event_buffer
+        self.event_buffer.capacity = capacity.event_buffer
         self.held.resize(capacity.event_buffer)
         self.queue.resize(capacity.queue)
-        self.cache.resize(capacity.preprocess_cache, capacity.preprocess_cache_mb)
+        self.preprocess_cache.resize(capacity.preprocess_cache, capacity.preprocess_cache_mb)
         self.retry_list.capacity = capacity.retry_list
-        self.worker.resize(capacity.in_flight_batches)
+        self.model_stage.resize(capacity.in_flight_batches)
         for ocr in ocr_models(self.models):
             ocr.crops.resize(capacity.ocr_crops)
         self.batcher.configure(config.batch.max_size, config.batch.max_delay_ms)
         self.config = self.config.model_copy(
             update={"capacity": capacity, "batch": config.batch, "stats": config.stats}
         )
-        self._stats_changed.set()
+        self.report.reconfigure(self.config)
 
     async def process_backlog(self, progress: Callable[[], None] | None = None,
                               stop: asyncio.Event | None = None) -> None:
@@ -434,7 +319,7 @@ class Pipeline:
         while not self.crash_event.is_set() and not stop.is_set():
             claimed_before = self.intake.claimed
             await self.watcher.scan()
-            await self._until(lambda: self.buffer.size == 0 and not self.intake.busy
+            await self._until(lambda: self.event_buffer.size == 0 and not self.intake.busy
                               and self.outcomes.active() == 0, progress, stop)
             if self.intake.claimed == claimed_before and not self.watcher.backlog_on_disk:
                 if self.retry_list.size == 0:
@@ -457,7 +342,7 @@ class Pipeline:
     async def shutdown(self, grace_s: float | None, force: asyncio.Event) -> None:
         self.watcher.stop()
         await _cancel(self._intake_tasks)
-        self.buffer.clear()  # only names: the files are still in the inbox
+        self.event_buffer.clear()  # only names: the files are still in the inbox
         if self.crashed is not None:
             force.set()  # a crashed stage drains nothing: waiting on it would wait for ever
         full = self.outputs.full  # nothing held for room can drain: it goes back now
@@ -481,20 +366,20 @@ class Pipeline:
         self.outputs.close()
         self.intake.close()
         self.preprocessor.close()
-        self.worker.close()
+        self.model_stage.close()
         for item in self.retry_list.drain():
             self.lifecycle.release(item.claimed_path, item.inbox_path)
             self.stats.counters.released += 1
         self.io_executor.shutdown(wait=True)
         self.commits.close()  # what it still has is committed (or, past a timeout, recovered)
-        self.writer.count_abandoned()
+        self.result_writer.count_abandoned()
         if self.crashed is None:
             returned, _ = self.lifecycle.recover()  # anything cancelled mid-flight
             self.stats.counters.released += returned
         # After a crash what was in flight stays claimed: the next start-up returns it, and
         # fails the file instead if it was in flight at the crash before this one too.
         self.lifecycle.unlock_instance()
-        self.log_stats()
+        self.report.log_stats()
 
     async def _drain(self) -> None:
         await self.queue.join()

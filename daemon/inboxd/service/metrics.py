@@ -65,7 +65,7 @@ class StatsCollector(Collector):
         """Every counter and gauge of the stats record (``inboxd.stats.FIELDS``), as of now."""
         stats, instance = self.pipeline.stats, [self.instance]
         families: dict[str, Metric] = {}
-        for name, value in self.pipeline.stats_fields(reset=False).items():
+        for name, value in self.pipeline.report.stats_fields(reset=False).items():
             found = declared(name)
             if found is None or found[0].metric is None or found[0].kind == "histogram":
                 continue  # undeclared (a test forbids it), journal only, or fed sample-wise
@@ -111,7 +111,7 @@ class Metrics:
             window = window_of(stats)
             window.on_add = _observer(child.observe, field.scale)
         if self.config.textfile is not None:
-            pipeline.on_stats.append(self.write_textfile)
+            pipeline.report.on_stats.append(self.write_textfile)
 
     def exposition(self) -> bytes:
         return bytes(generate_latest(self.registry))

@@ -16,24 +16,23 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
 
-from inboxd import __version__, logs
+from inboxd import logs
 from inboxd.config import Config, ConfigError
 from inboxd.exit_codes import EX_DEVICE, EX_SOFTWARE, OK
-from inboxd.files.filesystems import describe as describe_watch
 from inboxd.files.layout import inbox_writable, load_checked_config
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.settling import survive_lease_breaks
 from inboxd.heap import freeze_startup_heap
 from inboxd.models import faults
-from inboxd.models.device import device_fields, with_device_defaults
+from inboxd.models.device import with_device_defaults
 from inboxd.models.engines.choice import load_here, make_engine
 from inboxd.models.onnx_probe import daemon_sizes, probe_in_child
 from inboxd.models.predictions import TaskModel, loaded_class
-from inboxd.models.runtime_record import runtime_fields
 from inboxd.models.tasks import TasksEngine
 from inboxd.pipeline.stalls import DEFAULT_PATIENCE_S
 from inboxd.pipeline.wiring import Pipeline
 from inboxd.service.notify import Notifier, abort_with_stacks
+from inboxd.service.started import log_started
 
 if TYPE_CHECKING:
     from inboxd.models.model import Model
@@ -120,40 +119,10 @@ class Service:
         finally:
             extending.cancel()
         faults.install(model)
-        source = f" ({model.info.source})" if model.info is not None else ""
-        device = {**device_fields(model.device), **profile}
-        on = str(model.device)
-        if self.config.model.engine == "ray":
-            ray = self.config.model.ray
-            on = f"Ray Serve application {ray.app_name} at {ray.address}"
-        elif "NVIDIA_DRIVER" in device:
-            on += (f" ({device['DEVICE_NAME']}, compute capability "
-                   f"{device['COMPUTE_CAPABILITY']}, {int(device['GPU_MEMORY_BYTES']) / 2**30:.0f}"
-                   f" GiB, driver {device['NVIDIA_DRIVER']}, CUDA {device['CUDA_RUNTIME']}, "
-                   f"cuDNN {device['CUDNN_VERSION']})")
         self.pipeline = Pipeline(self.config, model, lifecycle=lifecycle, engine=engine,
                                  tasks=tasks or None)
-        plans = self.pipeline.watcher.plans
-        runtime = runtime_fields(model, engine.fast)
-        state = runtime.get("RUNTIME_STATE")
-        ran = (f"{model.runtime} {model.precision}"
-               + (" (onnxruntime being prepared in the background)" if state == "building" else "")
-               )
-        if tasks:  # every task, what it runs and where, in the record and its message
-            source = " (tasks " + "; ".join(
-                f"{task}: {m.name} {m.output} on {m.device}, {m.runtime} {m.precision}"
-                for task, m in tasks.items()) + ")"
-            runtime["TASKS"] = ",".join(tasks)
-        logs.emit(logging.INFO, "started",
-                  f"inboxd {__version__}: model {model.name}{source} on {on}, runs {ran}, "
-                  f"loaded and warmed up in {time.perf_counter() - started:.1f} s; watching "
-                  f"{describe_watch(plans)}; {runtime.get('RUNTIME_REASON', '')}",
-                  **{key.lower(): value for key, value in runtime.items()},
-                  model=model.name, device=str(model.device), warmup_s=round(warm_s, 3),
-                  warmed_batch_sizes=",".join(map(str, warmed)), **device,
-                  instance=self.config.instance, version=__version__,
-                  watch=",".join("polling" if p.polling else "inotify" for p in plans),
-                  filesystems=",".join(p.filesystem for p in plans))
+        log_started(self.config, model, tasks, engine, self.pipeline.watcher.plans, profile,
+                    warmed, warm_s, started)
         self._warn_if_slower_than_watchdog(
             [m.batch_seconds for m in (tasks or {"": model}).values() if _is_torch_model(m)])
         if self.metrics is not None:
@@ -243,7 +212,7 @@ class Service:
             self.force.set()  # after a device fault the stages still drain (back to disk)
 
     def status_line(self, pipeline: Pipeline) -> str:
-        line = pipeline.status_line(self._patience_s)
+        line = pipeline.report.status_line(self._patience_s)
         if self.reload_failure is None:
             return line
         return f"reload failed, old configuration kept ({self.reload_failure}); {line}"
@@ -264,7 +233,7 @@ class Service:
             return
         self._patience_s = interval_s
         while True:
-            overdue = [stall for stall in pipeline.stalls(interval_s) if stall.overdue]
+            overdue = [stall for stall in pipeline.report.stalls(interval_s) if stall.overdue]
             if not overdue:
                 self.notifier.watchdog()
             else:

@@ -1,0 +1,56 @@
+"""The ``started`` record: what the daemon loaded, where it runs, how it watches, and how long
+loading and warming up took. One journal record, read by people (its message) and by tools (its
+fields: ``inboxd stats``, the device check)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from inboxd import __version__, logs
+from inboxd.config import Config
+from inboxd.files.filesystems import WatchPlan
+from inboxd.files.filesystems import describe as describe_watch
+from inboxd.models.device import device_fields
+from inboxd.models.engines.interface import ModelEngine
+from inboxd.models.predictions import TaskModel
+from inboxd.models.runtime_record import runtime_fields
+
+
+def log_started(config: Config, model: TaskModel, tasks: dict[str, TaskModel],
+                engine: ModelEngine, plans: list[WatchPlan], profile: dict[str, str],
+                warmed: list[int], warm_s: float, loading_started: float) -> None:
+    """``loading_started``: ``time.perf_counter()`` when loading began; ``tasks``: {} for one
+    ``model:``."""
+    source = f" ({model.info.source})" if model.info is not None else ""
+    device = {**device_fields(model.device), **profile}
+    on = str(model.device)
+    if config.model.engine == "ray":
+        ray = config.model.ray
+        on = f"Ray Serve application {ray.app_name} at {ray.address}"
+    elif "NVIDIA_DRIVER" in device:
+        on += (f" ({device['DEVICE_NAME']}, compute capability "
+               f"{device['COMPUTE_CAPABILITY']}, {int(device['GPU_MEMORY_BYTES']) / 2**30:.0f}"
+               f" GiB, driver {device['NVIDIA_DRIVER']}, CUDA {device['CUDA_RUNTIME']}, "
+               f"cuDNN {device['CUDNN_VERSION']})")
+    runtime: dict[str, Any] = runtime_fields(model, engine.fast)
+    state = runtime.get("RUNTIME_STATE")
+    ran = (f"{model.runtime} {model.precision}"
+           + (" (onnxruntime being prepared in the background)" if state == "building" else "")
+           )
+    if tasks:  # every task, what it runs and where, in the record and its message
+        source = " (tasks " + "; ".join(
+            f"{task}: {m.name} {m.output} on {m.device}, {m.runtime} {m.precision}"
+            for task, m in tasks.items()) + ")"
+        runtime["TASKS"] = ",".join(tasks)
+    logs.emit(logging.INFO, "started",
+              f"inboxd {__version__}: model {model.name}{source} on {on}, runs {ran}, "
+              f"loaded and warmed up in {time.perf_counter() - loading_started:.1f} s; "
+              f"watching {describe_watch(plans)}; {runtime.get('RUNTIME_REASON', '')}",
+              **{key.lower(): value for key, value in runtime.items()},
+              model=model.name, device=str(model.device), warmup_s=round(warm_s, 3),
+              warmed_batch_sizes=",".join(map(str, warmed)), **device,
+              instance=config.instance, version=__version__,
+              watch=",".join("polling" if p.polling else "inotify" for p in plans),
+              filesystems=",".join(p.filesystem for p in plans))
