@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,9 @@ from inboxd.config import load_config
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.takeover import take_over_dead
 
-from tests.conftest import write_config
+from support.waiting import wait_until
+from tests.conftest import DaemonProcess, write_config
+from tests.guarantees.test_claim_area import drop_all, outcome_shas, photos, sha
 from tests.guarantees.test_planted_links import NEIGHBOUR_UID, as_neighbour, shared_inbox
 
 ROOT = os.geteuid() == 0
@@ -61,3 +64,50 @@ def test_areas_moved_away_in_a_loop_do_not_pile_up(root: Path) -> None:
         assert lifecycle.ensure_claim_areas() == 0
     finally:
         lifecycle.unlock_instance()
+
+
+def swap_in_a_loop(inbox: Path, for_s: float, every_s: float = 0.01) -> None:
+    """As the member: move ``.processing`` away and put a link in its place, again and again."""
+    end = time.monotonic() + for_s
+    n = 0
+    while time.monotonic() < end:
+        try:
+            os.rename(inbox / ".processing", inbox / f".moved{n}")
+            os.symlink("/tmp", inbox / ".processing")
+        except OSError:
+            pass  # the daemon's fresh area is not there yet: the next round
+        n += 1
+        time.sleep(every_s)
+
+
+@pytest.mark.daemon
+@pytest.mark.slow
+def test_a_claim_area_moved_every_10_ms_fails_no_good_photo(
+        root: Path, daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """Between a move and the daemon putting its area back, the pipeline reached claimed files
+    by name, through the member's link: photos read then failed for good ("cannot open the
+    file: .processing is a symbolic link", decode, permanent), a result filed by the commit
+    process failed its move to done/ for good (the error lost its kind on the way back), and
+    releasing one by name failed too, leaving 27 of 30 stranded in ``.processing`` while the
+    daemon ran. Every photo ends done, once."""
+    config = write_config(root, inbox={"settle_ms": 0})
+    inbox = root / "inbox"
+    shared_inbox(inbox)
+    daemon = daemon_factory(config)
+    daemon.wait_for("ready")
+    attacker = os.fork()
+    if attacker == 0:  # the child: never returns into pytest
+        as_neighbour(lambda: swap_in_a_loop(inbox, for_s=6))
+        os._exit(0)
+    sources = photos(root, 30)
+    try:
+        for source in sources:
+            drop_all([source], inbox)
+            time.sleep(0.1)  # photos keep coming while the member is at it
+    finally:
+        os.waitpid(attacker, 0)
+    wanted = {sha(p.read_bytes()) for p in sources}
+    wait_until(lambda: wanted <= set(outcome_shas(root)), 30, "30 photos with an outcome")
+    ended = outcome_shas(root)
+    assert {digest: where for digest, where in ended.items() if where != ["done"]} == {}
+    assert daemon.stop() == 0
