@@ -28,6 +28,7 @@ import os
 import shutil
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -211,18 +212,24 @@ def corpus_dir() -> Path:
     return Path(os.environ.get(CORPUS_DIR_ENV) or DEFAULT_DIR) / corpus_key()
 
 
-def build() -> tuple[Path, list[Variant]]:
-    """The corpus folder and its variants, building it first when it is not there yet."""
-    folder = corpus_dir()
+MakeVariant = Callable[[str, Path, int, int], tuple[bytes, Variant]]
+
+
+def build_into(folder: Path, sources: dict[str, Path], variants_per_photo: int,
+               make: MakeVariant) -> tuple[Path, list[Variant]]:
+    """``folder`` with the ``variants_per_photo`` variants ``make`` gives of each of ``sources``
+    (name → photo) and
+    their manifest, built first when it is not there yet (into a partial folder renamed into
+    place, so a half-built corpus is never read)."""
     manifest = folder / "manifest.json"
     if not manifest.is_file():
         partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         variants = []
-        for index, (name, source) in enumerate(sorted(photo_paths().items())):
-            for variant in range(VARIANTS_PER_PHOTO):
-                data, made = _make(name, source, index, variant)
+        for index, (name, source) in enumerate(sorted(sources.items())):
+            for variant in range(variants_per_photo):
+                data, made = make(name, source, index, variant)
                 (partial / made.file).write_bytes(data)
                 variants.append(made)
         (partial / "manifest.json").write_text(json.dumps([asdict(v) for v in variants],
@@ -233,6 +240,11 @@ def build() -> tuple[Path, list[Variant]]:
             shutil.rmtree(partial, ignore_errors=True)
     stored = json.loads(manifest.read_text())
     return folder, [Variant(**entry) for entry in stored]
+
+
+def build() -> tuple[Path, list[Variant]]:
+    """The corpus folder and its variants, building it first when it is not there yet."""
+    return build_into(corpus_dir(), photo_paths(), VARIANTS_PER_PHOTO, _make)
 
 
 def main() -> None:

@@ -26,13 +26,12 @@ import os
 import shutil
 import subprocess
 from collections import Counter
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-from support.corpus import ORIENTATION_TAG, Variant, corpus_dir
+from support.corpus import ORIENTATION_TAG, Variant, build_into, corpus_dir
 
 ROOT = Path(__file__).resolve().parents[1] / "var" / "real-photos"
 PACKAGES = ("plasma-workspace-wallpapers", "mate-backgrounds")
@@ -141,25 +140,8 @@ def build() -> tuple[Path, list[Variant]]:
     they are not there yet."""
     unpacked = fetch()
     folder = corpus_dir().with_name(f"real-{corpus_key(unpacked)}")
-    manifest = folder / "manifest.json"
-    if not manifest.is_file():
-        partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        variants = []
-        for index, (name, relative) in enumerate(sorted(PHOTOS.items())):
-            for variant in range(VARIANTS_PER_PHOTO):
-                data, made = _make(name, unpacked / relative, index, variant)
-                (partial / made.file).write_bytes(data)
-                variants.append(made)
-        (partial / "manifest.json").write_text(json.dumps([asdict(v) for v in variants],
-                                                          indent=0))
-        try:
-            partial.rename(folder)
-        except OSError:  # another builder got there first: its bytes are the same
-            shutil.rmtree(partial, ignore_errors=True)
-    stored = json.loads(manifest.read_text())
-    return folder, [Variant(**entry) for entry in stored]
+    return build_into(folder, {name: unpacked / relative for name, relative in PHOTOS.items()},
+                      VARIANTS_PER_PHOTO, _make)
 
 
 def main() -> None:
