@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import functools
 import os
 import stat
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from inboxd.files.instances import LEDGER_SUFFIX, LOCK_SUFFIX, LOCK_WAIT_S, flock_within
-from inboxd.files.layout import PROCESSING_DIRNAME
+from inboxd.files.layout import PROCESSING_DIRNAME, TMP_DIRNAME
 from inboxd.files.renames import first_free, rename_noreplace, time_token
 from inboxd.files.safe_paths import (
     DIR_FLAGS,
@@ -281,3 +282,59 @@ def _former_area(inbox_fd: int, name: str, owners: frozenset[int]) -> int | None
         pass
     os.close(fd)
     return None
+
+
+def remove_emptied(inbox: Path, name: str, area: int) -> bool:
+    """Remove the former claim area ``area`` (``inbox/name``) once nothing is claimed in it
+    any more: no instance's folder left, and every lock in it free. A member who moves the
+    area away and back in a loop makes one such folder of the daemon's per move, which they
+    cannot remove (it is not theirs) and the daemon would otherwise keep, and walk at every
+    sweep, for ever. Its lock files go too: the instance each belonged to (put back, or dead)
+    locks the one in ``.processing`` now, never this one. Returns whether it is gone."""
+    names = os.listdir(area)
+    if any(n != TMP_DIRNAME and not n.endswith((LOCK_SUFFIX, LEDGER_SUFFIX)) for n in names):
+        return False  # a claimed folder (or something else) is still in it: the sweep's work
+    locks: list[int] = []
+    try:
+        for n in names:
+            if not n.endswith(LOCK_SUFFIX):
+                continue
+            fd = os.open(n, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=area)
+            locks.append(fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False  # its instance has not put its area back yet
+        with contextlib.suppress(FileNotFoundError):
+            _empty_tmp(area)
+        for n in names:
+            if n != TMP_DIRNAME:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(n, dir_fd=area)
+        inbox_fd = os.open(inbox, DIR_FLAGS)
+        try:
+            # The name may have been moved again meanwhile: only the folder held is removed.
+            if identity(os.stat(name, dir_fd=inbox_fd, follow_symlinks=False)) \
+                    != identity(os.fstat(area)):
+                return False
+            os.rmdir(name, dir_fd=inbox_fd)
+        finally:
+            os.close(inbox_fd)
+        return True
+    except OSError:
+        return False  # not empty after all, or gone: the next sweep looks again
+    finally:
+        for fd in locks:
+            os.close(fd)
+
+
+def _empty_tmp(area: int) -> None:
+    """The temp files left in ``area/.tmp/<instance>/`` (their writer is gone), and the
+    folders; never following a link."""
+    with open_inside(area, [TMP_DIRNAME], own=True) as tmp:
+        for instance in os.listdir(tmp):
+            with open_inside(tmp, [instance], own=True) as folder:
+                for leftover in os.listdir(folder):
+                    os.unlink(leftover, dir_fd=folder)
+            os.rmdir(instance, dir_fd=tmp)
+    os.rmdir(TMP_DIRNAME, dir_fd=area)

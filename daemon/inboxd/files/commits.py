@@ -29,6 +29,7 @@ from inboxd.files.index import ResultIndex
 from inboxd.files.index_rows import IndexRow, row_of
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.results import ResultEntry, ResultFiles
+from inboxd.files.safe_paths import ForeignFolder
 from inboxd.files.xmp import Sidecars
 
 
@@ -262,19 +263,22 @@ def committed_from(header: dict[str, Any]) -> Committed:
 
 
 def _error_fields(exc: OSError | None) -> list[Any] | None:
-    """errno, text and (as hex: it need not be UTF-8) the path it names: what a full disk's
-    wait needs to say, and probe, which folder is full."""
+    """errno, text, (as hex: it need not be UTF-8) the path it names, and whether it is a
+    ``ForeignFolder``: what a full disk's wait needs to say, and probe, which folder is full,
+    and what tells a moved claim area (waited out) from a path that can never be (a link on
+    the way): both have the same errno."""
     if exc is None:
         return None
     where = exc.filename if isinstance(exc.filename, str | bytes) else None
     return [exc.errno or errno.EIO, exc.strerror or str(exc),
-            None if where is None else os.fsencode(where).hex()]
+            None if where is None else os.fsencode(where).hex(), isinstance(exc, ForeignFolder)]
 
 
 def _error(fields: list[Any] | None) -> OSError | None:
     if fields is None:
         return None
     where = fields[2] if len(fields) > 2 else None
+    kind = ForeignFolder if len(fields) > 3 and fields[3] else OSError
     if where is None:
-        return OSError(int(fields[0]), str(fields[1]))
-    return OSError(int(fields[0]), str(fields[1]), os.fsdecode(bytes.fromhex(where)))
+        return kind(int(fields[0]), str(fields[1]))
+    return kind(int(fields[0]), str(fields[1]), os.fsdecode(bytes.fromhex(where)))

@@ -322,16 +322,25 @@ class Lifecycle:
         yield None, path
 
     def _open_claimed_folder(self, inbox: Path, folders: list[str]) -> int:
-        """The folder of a claimed file, walked from ``inbox`` and checked to be ours; when
-        that fails because our area's name moved, the area is put back and walked again."""
-        for attempt in range(2):
-            try:
-                with open_inside(inbox, folders, own=True) as folder:
+        """The folder of a claimed file, checked to be ours: under the area held, reached by
+        its descriptor (a member of the group can move the area's name every few ms, and a
+        walk by name in between meets their link or folder); walked from ``inbox`` when no
+        area is held (a command)."""
+        with self._claim_area(inbox) as area:
+            if area is not None and folders[:2] == [PROCESSING_DIRNAME, self.config.instance]:
+                with open_inside(area.folder, folders[2:], own=True) as folder:
                     return os.dup(folder)
-            except (FileNotFoundError, ForeignFolder):
-                if attempt or not self.ensure_claim_areas():
-                    raise
-        raise AssertionError("unreachable")
+        try:
+            with open_inside(inbox, folders, own=True) as folder:
+                return os.dup(folder)
+        except ForeignFolder:
+            raise
+        except LinkedFolder as exc:
+            if folders[:1] != [PROCESSING_DIRNAME]:
+                raise
+            # A link or a file at ``.processing``: a member moved the area's name (the daemon
+            # puts it back within AREA_CHECK_S), not a problem of this file's path for good.
+            raise ForeignFolder(exc.errno, exc.strerror, exc.filename) from exc
 
     def source_mode(self, claimed: str | Path) -> int | None:
         """A claimed file's permission bits (what its result's mode follows: ``output_mode``),

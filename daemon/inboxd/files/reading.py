@@ -15,7 +15,7 @@ import stat
 from typing import BinaryIO
 
 from inboxd.files.layout import PROCESSING_DIRNAME
-from inboxd.files.safe_paths import open_inside, split_rel
+from inboxd.files.safe_paths import LinkedFolder, open_inside, split_rel
 from inboxd.item import PermanentError, RefusedError, TooLargeError, TransientError
 
 # Errors reading a file that a later attempt may not see (it is being replaced, the disk
@@ -32,6 +32,11 @@ def open_input(path: os.PathLike[str] | str, max_bytes: int | None = None) -> Bi
     would block a worker for ever), and not larger than ``max_bytes``."""
     try:
         fd = _open_claimed(os.fspath(path))
+    except LinkedFolder as exc:
+        # A folder on the way to a claimed file is not ours: a member of the group moved the
+        # claim area's name. The daemon puts the area back within AREA_CHECK_S, and the
+        # file is there again: the photo's next attempt reads it.
+        raise TransientError(f"cannot open the file now: {exc.strerror or exc}") from exc
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise RefusedError("refused: a symbolic link; links are never followed") from exc

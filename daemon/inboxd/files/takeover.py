@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from inboxd.files.claim_area import moved_areas
+from inboxd.files.claim_area import moved_areas, remove_emptied
 from inboxd.files.crash_ledger import CRASHES_BEFORE_FAILING
 from inboxd.files.instances import LEDGER_SUFFIX, LOCK_SUFFIX, Ledger, crashes_of, read_ledger
 from inboxd.files.layout import PROCESSING_DIRNAME
@@ -81,6 +81,7 @@ def take_over_dead(lifecycle: Lifecycle, only: str | None = None) -> Sweep:
                 names = _other_instances(area, "", inbox / area_name, sweep)
                 _take_over_in(lifecycle, inbox, area, area_name,
                               [n for n in names if only is None or n == only], sweep)
+                remove_emptied(inbox, area_name, area)
     return sweep
 
 

@@ -1,0 +1,164 @@
+"""The second attack on issue 36's fixes (the claim area put back after a member of the inbox's
+group moves ``.processing``): what a member can still do with two renames in a loop. The
+attacker is a forked child with another uid in the inbox's group (``test_planted_links``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from inboxd.config import load_config
+from inboxd.files.lifecycle import Lifecycle
+from inboxd.files.takeover import take_over_dead
+
+from support.waiting import wait_until
+from tests.conftest import DaemonProcess, write_config
+from tests.guarantees.test_claim_area import drop_all, outcome_shas, photos, sha
+from tests.guarantees.test_planted_links import NEIGHBOUR_UID, as_neighbour, shared_inbox
+
+ROOT = os.geteuid() == 0
+pytestmark = pytest.mark.skipif(not ROOT, reason="acting as another uid needs root")
+SWAPS = 30
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    folder = Path(tempfile.mkdtemp(prefix="inboxd-attacks-36b-"))
+    os.chmod(folder, 0o701)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_areas_moved_away_in_a_loop_do_not_pile_up(root: Path) -> None:
+    """Each move of ``.processing`` left a folder of the daemon's in the inbox (holding its old
+    lock file) that the member cannot remove and the daemon never did: 200 moves, 200 folders,
+    walked at every takeover sweep for ever. The sweep removes a former area once it is empty
+    and its locks are free; the claimed files all stay claimed, in the area at the name."""
+    inbox = root / "inbox"
+    shared_inbox(inbox)
+    lifecycle = Lifecycle(load_config(write_config(root, inbox={"settle_ms": 0})))
+    lifecycle.lock_instance()
+    try:
+        for n in range(SWAPS):
+            def swap(n: int = n) -> None:
+                os.rename(inbox / ".processing", inbox / f".moved{n}")
+                os.symlink("/tmp", inbox / ".processing")
+            as_neighbour(swap)
+            (inbox / f"p{n}.png").write_bytes(b"%d" % n)
+            assert lifecycle.claim(inbox, f"p{n}.png") is not None
+        sweep = take_over_dead(lifecycle)
+        assert [t for t in sweep.taken if t.returned or t.failed or t.finished] == []
+        own_folders = sorted(name for name in os.listdir(inbox)
+                             if os.lstat(inbox / name).st_uid != NEIGHBOUR_UID)
+        assert own_folders == [".processing"]
+        claimed = inbox / ".processing" / "default"
+        assert sorted(os.listdir(claimed)) == sorted(f"p{n}.png" for n in range(SWAPS))
+        # The area held is at the name, locked: the next move is put back as before.
+        assert lifecycle.ensure_claim_areas() == 0
+    finally:
+        lifecycle.unlock_instance()
+
+
+def swap_in_a_loop(inbox: Path, for_s: float, every_s: float = 0.01) -> None:
+    """As the member: move ``.processing`` away and put a link in its place, again and again."""
+    end = time.monotonic() + for_s
+    n = 0
+    while time.monotonic() < end:
+        try:
+            os.rename(inbox / ".processing", inbox / f".moved{n}")
+            os.symlink("/tmp", inbox / ".processing")
+        except OSError:
+            pass  # the daemon's fresh area is not there yet: the next round
+        n += 1
+        time.sleep(every_s)
+
+
+@pytest.mark.daemon
+@pytest.mark.slow
+def test_a_claim_area_moved_every_10_ms_fails_no_good_photo(
+        root: Path, daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """Between a move and the daemon putting its area back, the pipeline reached claimed files
+    by name, through the member's link: photos read then failed for good ("cannot open the
+    file: .processing is a symbolic link", decode, permanent), a result filed by the commit
+    process failed its move to done/ for good (the error lost its kind on the way back), and
+    releasing one by name failed too, leaving 27 of 30 stranded in ``.processing`` while the
+    daemon ran. Every photo ends once, none failed for good."""
+    config = write_config(root, inbox={"settle_ms": 0})
+    inbox = root / "inbox"
+    shared_inbox(inbox)
+    daemon = daemon_factory(config)
+    daemon.wait_for("ready")
+    attacker = os.fork()
+    if attacker == 0:  # the child: never returns into pytest
+        as_neighbour(lambda: swap_in_a_loop(inbox, for_s=6))
+        os._exit(0)
+    sources = photos(root, 30)
+    try:
+        for source in sources:
+            drop_all([source], inbox)
+            time.sleep(0.1)  # photos keep coming while the member is at it
+    finally:
+        os.waitpid(attacker, 0)
+    wanted = {sha(p.read_bytes()) for p in sources}
+    wait_until(lambda: wanted <= set(outcome_shas(root)), 30, "30 photos with an outcome")
+    ended = outcome_shas(root)
+    assert all(len(where) == 1 for where in ended.values()), "a photo ended twice"
+    # Open: a decode worker still reads a claimed file by name; while the member keeps at it,
+    # a photo can run out of retries (an io failure, not permanent: ``inboxd retry`` takes
+    # it back). None may fail for good, and none may be left behind.
+    reports = [json.loads(path.read_text()) for path in (root / "failed").rglob("*.json")]
+    assert [r["reason"] for r in reports if r["permanent"]] == []
+    assert not [p for p in (inbox / ".processing").rglob("*.png")], "stranded in .processing"
+    assert daemon.stop() == 0
+
+
+def value_shaped_bomb(path: Path, per_unit: float = 40_000.0) -> Path:
+    """A classifier whose every call also fills a k×k tensor, k = the input's largest value ×
+    ``per_unit``: nothing for the probe's all-zero input, 6.4 GB for a pixel of 1.0."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    def ints(name: str, values: list[int]) -> onnx.TensorProto:
+        return helper.make_tensor(name, TensorProto.INT64, [len(values)], values)
+
+    nodes = [helper.make_node("ReduceMean", ["x"], ["means"], axes=[2, 3], keepdims=0),
+             helper.make_node("ReduceMax", ["x"], ["peak"], keepdims=0),
+             helper.make_node("Mul", ["peak", "per_unit"], ["kf"]),
+             helper.make_node("Cast", ["kf"], ["ki"], to=TensorProto.INT64),
+             helper.make_node("Reshape", ["ki", "one"], ["k"]),
+             helper.make_node("Concat", ["k", "k"], ["shape"], axis=0),
+             helper.make_node("ConstantOfShape", ["shape"], ["big"],
+                              value=helper.make_tensor("v", TensorProto.FLOAT, [1], [1.0])),
+             helper.make_node("ReduceMin", ["big"], ["low"], keepdims=0),
+             helper.make_node("Mul", ["means", "low"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "value_shaped_bomb",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 224, 224])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])],
+        [ints("one", [1]), helper.make_tensor("per_unit", TensorProto.FLOAT, [], [per_unit])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+@pytest.mark.xfail(strict=True, reason="open: the probe runs all-zero inputs only; a graph "
+                   "whose allocations follow pixel values passes it and allocates in the daemon")
+def test_an_onnx_whose_memory_follows_pixel_values_is_refused(tmp_path: Path) -> None:
+    """The probe (1 and batch.max_size, all zeros) passes this model; at a real photo it asks
+    ONNX Runtime for 6.4 GB in the daemon's own process (tuned to just under the machine's
+    memory, the OOM killer ends the daemon: the class 7 restart loop again)."""
+    from inboxd.config import ConfigError, ModelConfig
+    from inboxd.models.onnx_probe import probe_in_child
+
+    bomb = value_shaped_bomb(tmp_path / "bomb.onnx")
+    with pytest.raises(ConfigError):
+        probe_in_child(ModelConfig.model_validate({"onnx": str(bomb)}), [1, 8], timeout_s=120)
