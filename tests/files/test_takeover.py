@@ -100,16 +100,16 @@ def test_a_file_that_kills_every_instance_still_ends_in_failed(tmp_path: Path) -
     inbox = tmp_path / "inbox"
     a, b = instance(tmp_path, "a"), instance(tmp_path, "b")
     claim_all(a, inbox, {"killer.jpg": b"boom"})
-    a.crash_ledger.record("stage model-worker crashed: RuntimeError('boom')")
+    a.crash_ledger.record("stage model crashed: RuntimeError('boom')")
     a.unlock_instance()
 
     assert take_over_dead(b).taken[0].returned == ["killer.jpg"]
     ledger = json.loads((inbox / ".processing" / "a.crashes.json").read_text())
-    assert ledger == {"killer.jpg": [1, "stage model-worker crashed: RuntimeError('boom')",
+    assert ledger == {"killer.jpg": [1, "stage model crashed: RuntimeError('boom')",
                                     hashlib.sha256(b"boom").hexdigest()]}
 
     assert b.claim(inbox, "killer.jpg") is not None
-    b.crash_ledger.record("stage model-worker crashed: RuntimeError('boom')")
+    b.crash_ledger.record("stage model crashed: RuntimeError('boom')")
     assert b.recover() == (0, 1)
     report = json.loads((tmp_path / "failed" / "killer.jpg.error.json").read_text())
     assert "crashed 2 times" in report["reason"]
