@@ -24,7 +24,8 @@ def write_config(root: Path, base: dict[str, Any] | None = None,
     """``root/name``: ``base`` (None: nothing, the model's defaults), its inbox, results, done
     and failed folders under ``root``, then ``sections`` (a mapping merges into the section
     of that name, key by key; None removes the key, e.g. ``model=None`` beside ``models=``;
-    anything else replaces it). The inbox folder is made."""
+    anything else replaces it). Every inbox folder is made, as a user makes it before the
+    daemon starts (one that does not exist is a configuration error)."""
     config = copy.deepcopy(base or {})
     config.setdefault("inbox", {})["paths"] = [str(root / "inbox")]
     config.update(results_dir=str(root / "results"), done_dir=str(root / "done"),
@@ -36,7 +37,8 @@ def write_config(root: Path, base: dict[str, Any] | None = None,
             config[key] = {**config[key], **value}
         else:
             config[key] = value
-    (root / "inbox").mkdir(parents=True, exist_ok=True)
+    for inbox in config.get("inbox", {}).get("paths", []):
+        Path(inbox).mkdir(parents=True, exist_ok=True)
     path = root / name
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
