@@ -37,8 +37,9 @@ def write_config(root: Path, base: dict[str, Any] | None = None,
             config[key] = {**config[key], **value}
         else:
             config[key] = value
-    for inbox in config.get("inbox", {}).get("paths", []):
-        Path(inbox).mkdir(parents=True, exist_ok=True)
+    for inbox in map(Path, config.get("inbox", {}).get("paths", [])):
+        if not inbox.exists():  # (a test may give a file there, to see it refused)
+            inbox.mkdir(parents=True)
     path = root / name
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
