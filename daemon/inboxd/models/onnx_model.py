@@ -66,6 +66,7 @@ class OnnxModel:
         # The runtime facts for the started record (which artifact, the probe's verdict).
         self.fields: dict[str, Any] = fields or {}
         self.before_forward: Callable[[int], None] | None = None
+        self.batch_seconds: dict[int, float] = {}  # each warmed size → seconds it took
         self._input = session.get_inputs()[0].name
         self._output = session.get_outputs()[0].name
         self._mean = np.asarray(spec.mean, dtype=np.float32).reshape(1, 3, 1, 1) * 255
@@ -136,10 +137,14 @@ class OnnxModel:
         return sorted({1, max_size})
 
     def warm_up(self, sizes: Sequence[int]) -> float:
+        """As the torch model's: ``batch_seconds`` keeps what each size took (the start-up
+        check against WatchdogSec= reads it)."""
         started = time.perf_counter()
         blank = np.zeros((self.spec.crop, self.spec.crop, 3), dtype=np.uint8)
         for size in sizes:
+            size_started = time.perf_counter()
             self.predict([blank] * size)
+            self.batch_seconds[size] = time.perf_counter() - size_started
         return time.perf_counter() - started
 
     def health_problem(self) -> str | None:

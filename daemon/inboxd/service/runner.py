@@ -26,6 +26,7 @@ from inboxd.heap import freeze_startup_heap
 from inboxd.models import faults
 from inboxd.models.device import with_device_defaults
 from inboxd.models.engines.choice import load_here, make_engine
+from inboxd.models.onnx_model import OnnxModel
 from inboxd.models.onnx_probe import daemon_sizes, probe_in_child
 from inboxd.models.predictions import TaskModel, loaded_class
 from inboxd.models.tasks import TasksEngine
@@ -124,7 +125,8 @@ class Service:
         log_started(self.config, model, tasks, engine, self.pipeline.watcher.plans, profile,
                     warmed, warm_s, started)
         self._warn_if_slower_than_watchdog(
-            [m.batch_seconds for m in (tasks or {"": model}).values() if _is_torch_model(m)])
+            [m.batch_seconds for m in (tasks or {"": model}).values()
+             if _is_torch_model(m) or isinstance(m, OnnxModel)])
         if self.metrics is not None:
             self.metrics.attach(self.pipeline)
         return self.pipeline
