@@ -9,8 +9,8 @@ set -euo pipefail
 CACHE=${INBOXD_ROOTFS_CACHE:-/var/cache/inboxd-test-rootfs}
 SUITE=bookworm
 # procps: /bin/kill, which the units' ExecReload= runs (minbase lacks it).
-PACKAGES=systemd,systemd-sysv,dbus,procps
-VERSION=2  # bump when PACKAGES or the recipe change: the next run rebuilds
+PACKAGES=systemd,systemd-sysv,dbus,procps,libsqlite3-0
+VERSION=3  # bump when PACKAGES or the recipe change: the next run rebuilds
 ROOTFS=$CACHE/$SUITE
 STAMP=$ROOTFS/.inboxd-rootfs-v$VERSION
 
