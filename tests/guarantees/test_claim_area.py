@@ -8,14 +8,11 @@ another uid in the inbox's group (``test_planted_links``), so the kernel's check
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,6 +20,7 @@ from inboxd.config import load_config
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.takeover import take_over_dead
 
+from support.harness import sha256_hex
 from support.waiting import wait_until
 from tests.conftest import DaemonProcess, make_image, write_config
 from tests.guarantees.test_planted_links import NEIGHBOUR_UID, as_neighbour, shared_inbox
@@ -31,21 +29,6 @@ ROOT = os.geteuid() == 0
 pytestmark = pytest.mark.skipif(not ROOT, reason="acting as another uid needs root")
 
 
-@pytest.fixture
-def root() -> Iterator[Path]:
-    """A folder of the test's own outside pytest's basetemp: a pytest session that starts
-    meanwhile (as root) makes ``/tmp/pytest-of-root`` 0700 again, and the member could no
-    longer reach the inbox in the middle of a test that runs a daemon for a while."""
-    folder = Path(tempfile.mkdtemp(prefix="inboxd-claim-area-"))
-    os.chmod(folder, 0o701)
-    try:
-        yield folder
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def photos(tmp_path: Path, count: int, tag: int = 0) -> list[Path]:
@@ -68,7 +51,7 @@ def outcome_shas(root: Path) -> dict[str, list[str]]:
         for path in (root / where).rglob("*"):
             if path.is_file() and not path.name.endswith(".json") \
                     and ".tmp" not in path.parts:
-                found.setdefault(sha(path.read_bytes()), []).append(where)
+                found.setdefault(sha256_hex(path.read_bytes()), []).append(where)
     return found
 
 
@@ -93,7 +76,7 @@ def test_a_swapped_processing_folder_does_not_stop_the_pipeline(
     as_neighbour(swap_processing(inbox))
     sources = photos(root, 10)
     drop_all(sources, inbox)
-    wanted = {sha(p.read_bytes()) for p in sources}
+    wanted = {sha256_hex(p.read_bytes()) for p in sources}
     wait_until(lambda: wanted <= set(outcome_shas(root)), 20, "10 photos done")
     assert all(where == ["done"] for where in outcome_shas(root).values())
     moved = daemon.records("claim_area_moved")
@@ -107,7 +90,7 @@ def test_a_swapped_processing_folder_does_not_stop_the_pipeline(
     again.wait_for("ready")
     more = photos(root, 3, tag=1)
     drop_all(more, inbox)
-    wanted |= {sha(p.read_bytes()) for p in more}
+    wanted |= {sha256_hex(p.read_bytes()) for p in more}
     wait_until(lambda: wanted <= set(outcome_shas(root)), 20, "3 more photos done")
     assert os.stat(inbox / ".processing").st_uid == os.geteuid()
     assert again.stop() == 0
@@ -138,7 +121,7 @@ def test_a_rename_away_while_photos_are_in_flight_loses_and_doubles_none(
     drop_all(sources, inbox)
     wait_until(lambda: len(os.listdir(claimed)) >= 30, 30, "30 photos claimed")
     as_neighbour(lambda: os.rename(inbox / ".processing", inbox / away))
-    wanted = {sha(p.read_bytes()) for p in sources}
+    wanted = {sha256_hex(p.read_bytes()) for p in sources}
     wait_until(lambda: wanted <= set(outcome_shas(root)), 60, "80 photos with an outcome")
     ended = outcome_shas(root)
     assert {digest: where for digest, where in ended.items() if where != ["done"]} == {}

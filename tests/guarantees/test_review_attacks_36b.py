@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,24 +15,16 @@ from inboxd.config import load_config
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.takeover import take_over_dead
 
+from support.harness import sha256_hex
 from support.waiting import wait_until
 from tests.conftest import DaemonProcess, write_config
-from tests.guarantees.test_claim_area import drop_all, outcome_shas, photos, sha
+from tests.guarantees.test_claim_area import drop_all, outcome_shas, photos
 from tests.guarantees.test_planted_links import NEIGHBOUR_UID, as_neighbour, shared_inbox
 
 ROOT = os.geteuid() == 0
 pytestmark = pytest.mark.skipif(not ROOT, reason="acting as another uid needs root")
 SWAPS = 30
 
-
-@pytest.fixture
-def root() -> Iterator[Path]:
-    folder = Path(tempfile.mkdtemp(prefix="inboxd-attacks-36b-"))
-    os.chmod(folder, 0o701)
-    try:
-        yield folder
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_areas_moved_away_in_a_loop_do_not_pile_up(root: Path) -> None:
@@ -107,7 +97,7 @@ def test_a_claim_area_moved_every_10_ms_fails_no_good_photo(
             time.sleep(0.1)  # photos keep coming while the member is at it
     finally:
         os.waitpid(attacker, 0)
-    wanted = {sha(p.read_bytes()) for p in sources}
+    wanted = {sha256_hex(p.read_bytes()) for p in sources}
     wait_until(lambda: wanted <= set(outcome_shas(root)), 30, "30 photos with an outcome")
     ended = outcome_shas(root)
     assert all(len(where) == 1 for where in ended.values()), "a photo ended twice"
