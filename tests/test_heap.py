@@ -54,6 +54,8 @@ def test_the_daemon_freezes_its_heap_before_it_is_ready(
     daemon = daemon_factory(write_config(tmp_path))
     [ready] = daemon.wait_for("ready")
     fields = line_fields(ready)
-    assert int(fields["FROZEN_OBJECTS"]) > 100_000, ready
+    # Serving from a cached ONNX artifact the daemon never imports torch: its start-up heap
+    # (numpy, onnxruntime, asyncio, yaml, its own modules) is some 50 000 objects, not 10^5.
+    assert int(fields["FROZEN_OBJECTS"]) > 20_000, ready
     assert float(fields["FREEZE_MS"]) >= 0
     assert daemon.stop() == 0
