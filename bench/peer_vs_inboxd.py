@@ -10,6 +10,10 @@ a service would: it is started with a backlog of ``WARM_FILES`` already in its i
 first result is timed on it, with start → READY), and the turns begin once that backlog is done
 and the daemon has gone idle (its own CPU, children included, under ``IDLE_CORES`` for a second),
 so a fast path built in the background after start-up is finished before anything is compared.
+The daemon's cache (``$CACHE_DIRECTORY``: the exported ONNX artifact) is kept under
+``bench/out/cache`` between runs, as a service's is, and the turns wait until the fast runtime
+serves: they measure the service as it runs for good, not torch beside a running exporter (only
+the first run on a machine pays the export, and its start → first result says so).
 The peer is a fresh process per turn, on a folder holding the turn's files, as a user runs a
 script.
 
@@ -66,6 +70,12 @@ CORPUS_DIR = BENCH_DIR / "out" / "photos"
 HEIC_DIR = BENCH_DIR / "out" / "photos-heic"
 # Hard links need every inbox on the corpus's filesystem.
 WORK_DIR = BENCH_DIR / "out" / "work" / "peer"
+# The daemon's cache (the exported ONNX artifact) outlives a run, as a service's
+# $CACHE_DIRECTORY does: only the first run on a machine pays the export.
+CACHE_DIR = BENCH_DIR / "out" / "cache"
+# How long the turns wait for a fast runtime that is still being exported (165-200 s seen on
+# a loaded 2-core machine).
+RUNTIME_BUILD_S = 600
 # x265's fastest preset at quality 80: a 12-MP HEIC of 1.5-3 MB, like a phone's, encoded in
 # seconds rather than the minute per photo a slow preset takes on 2 cores.
 HEIC_QUALITY = 80
@@ -166,7 +176,7 @@ def start_inboxd(root: Path, photos: list[Photo], warm: int, settle_s: float
     names = drop_many(photos, root / "inbox", warm, "warm")
     results = ResultWatcher(root / "results")
     started = time.monotonic()
-    daemon = Daemon(config)
+    daemon = Daemon(config, env={"CACHE_DIRECTORY": str(CACHE_DIR)})
     rss = RssSampler(daemon.pid)
     try:
         ready_s = daemon.wait_ready()
@@ -174,6 +184,9 @@ def start_inboxd(root: Path, photos: list[Photo], warm: int, settle_s: float
             daemon.check_alive()
             raise RuntimeError(f"inboxd: the {warm} warm-up files got no results")
         first_s = min(results.seen[name] for name in names) - started
+        # The turns measure the service as it runs for good: with the fast runtime it swaps in
+        # once the export is done, not torch beside a running exporter.
+        runtime_state = daemon.wait_runtime_settled(RUNTIME_BUILD_S)
         idle_from = time.monotonic()
         busy = busy_cores(daemon.pid)
         while busy > IDLE_CORES and time.monotonic() - idle_from < settle_s:
@@ -185,7 +198,8 @@ def start_inboxd(root: Path, photos: list[Photo], warm: int, settle_s: float
         raise
     figures = {"ready_s": round(ready_s, 2), "start_to_first_result_s": round(first_s, 2),
                "warm_files": warm, "settle_s": round(time.monotonic() - idle_from, 1),
-               "settled": busy <= IDLE_CORES, "started": daemon.started_fields}
+               "settled": busy <= IDLE_CORES, "runtime_state": runtime_state,
+               "started": daemon.started_fields}
     return Running(root, daemon, rss, results, rss.now()), figures
 
 
@@ -261,7 +275,8 @@ def compare(fmt: Format, scale: str, turns: int, model: Path, out: Path) -> dict
     log(f"{fmt.label}: starting inboxd with {sizes['warm']} files waiting")
     run, startup = start_inboxd(WORK_DIR / "inboxd", photos, sizes["warm"], sizes["settle_s"])
     log(f"{fmt.label}: READY {startup['ready_s']} s, first result "
-        f"{startup['start_to_first_result_s']} s, idle after {startup['settle_s']} s more")
+        f"{startup['start_to_first_result_s']} s, runtime "
+        f"{startup['runtime_state'] or 'as started'}, idle after {startup['settle_s']} s more")
     inboxd: list[dict[str, Any]] = []
     peer: list[dict[str, Any]] = []
     profile = None
@@ -320,6 +335,9 @@ def table(r: dict[str, Any]) -> str:
     chosen = {k: v for k, v in started.items() if k not in STARTED_NOISE}
     if chosen:
         lines.append("inboxd's started record: " + ", ".join(f"{k}={v}" for k, v in chosen.items()))
+    states = {f["format"]: f["startup"].get("runtime_state") for f in r["formats"]}
+    lines.append("inboxd's runtime during the turns: " + ", ".join(
+        f"{name} {state or 'as started'}" for name, state in states.items()))
     unsettled = [f["format"] for f in r["formats"] if not f["startup"]["settled"]]
     if unsettled:
         lines.append(f"NOTE: inboxd never went idle after its warm-up backlog "

@@ -119,6 +119,8 @@ class Daemon:
         self.ready = threading.Event()
         self.ready_s: float | None = None
         self.started_fields: dict[str, float | str] = {}
+        # The latest ``[runtime]`` record's fields (a fast runtime swapped in, or its failure).
+        self.runtime_fields: dict[str, float | str] = {}
         # (monotonic arrival time, fields) of every [stats] record.
         self.stats: list[tuple[float, dict[str, float | str]]] = []
         self.tail: collections.deque[str] = collections.deque(maxlen=60)
@@ -148,6 +150,10 @@ class Daemon:
                     self._lock.notify_all()
             elif "[started]" in line:
                 self.started_fields = numeric_fields(line)
+            elif "[runtime]" in line:
+                with self._lock:
+                    self.runtime_fields = numeric_fields(line)
+                    self._lock.notify_all()
             elif "[ready]" in line and not self.ready.is_set():
                 self.ready_s = time.monotonic() - self._started
                 self.ready.set()
@@ -172,6 +178,20 @@ class Daemon:
                 raise RuntimeError(f"no [stats] record from inboxd within {timeout_s} s")
         self.check_alive()
         return self.stats[-1][1]
+
+    def runtime_state(self) -> str:
+        """What serves the model: ``serving`` (the fast runtime), ``building`` (torch serves
+        while it is exported), ``failed``, or ``""`` (no fast path applies)."""
+        fields = self.runtime_fields or self.started_fields
+        return str(fields.get("RUNTIME_STATE", ""))
+
+    def wait_runtime_settled(self, timeout_s: float) -> str:
+        """Wait until no fast runtime is being built any more; returns the state."""
+        with self._lock:
+            self._lock.wait_for(lambda: self.runtime_state() != "building" or not self.alive(),
+                                timeout_s)
+        self.check_alive()
+        return self.runtime_state()
 
     def alive(self) -> bool:
         return self.proc.poll() is None
