@@ -213,6 +213,8 @@ def table(r: dict[str, Any]) -> str:
                   "resize exact + eager fp32; decisive top-1 >= 99% and median <= 0.01):",
                   f["header"], *f["rows"], "flips:",
                   *([f"- {flip}" for flip in f.get("flips", [])] or ["- none"])]
+    if "cpu_runtimes" in r:
+        lines += ["", *r["cpu_runtimes"]["lines"]]
     if "peer" in r:
         from bench import peer_vs_inboxd
 

@@ -158,6 +158,9 @@ class Bench:
         # Every default fast path (decode, runtime) against resize: exact + eager fp32.
         r["fidelity"] = self.stage("fidelity contract", lambda: run_json(
             "bench.fidelity", "--emit"))
+        # What runtime: auto chooses from on this CPU: each runtime's speed and fidelity.
+        r["cpu_runtimes"] = self.stage("cpu runtimes", lambda: run_json(
+            "bench.cpu_runtimes", "--rounds", str(p.turns), "--emit"))
         # The libvips + ONNX Runtime script a user would write instead, in turns with inboxd.
         if p.peer_scale:
             r["peer"] = self.stage("inboxd vs peer", lambda: run_json(

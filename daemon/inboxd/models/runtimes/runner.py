@@ -1,4 +1,5 @@
-"""What runs a network's forward: torch (eager or compiled, under autocast) or ONNX Runtime."""
+"""What runs a network's forward: torch (eager or compiled, under autocast), ONNX Runtime or
+OpenVINO."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ class Runner:
     """What runs the network on a normalised batch (N×3×H×W float32 → N×D float32), and how
     results say it ran: torch eager or compiled under autocast, or ONNX Runtime."""
 
-    runtime: str  # torch | onnxruntime
+    runtime: str  # torch | onnxruntime | openvino
     precision: str  # fp32 | fp16 | bf16: the autocast dtype for torch
     forward: Callable[[torch.Tensor], torch.Tensor]
     # The input layout it is fastest with: channels_last for torch's convolutions; ONNX
