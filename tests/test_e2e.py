@@ -205,8 +205,7 @@ def test_the_fast_runtime_is_swapped_in_while_serving_and_reused_after_a_restart
 
     photos = photo_paths()
     cache = tmp_path / "cache"
-    # ONNX Runtime named: on a CPU with AMX, auto picks OpenVINO (tests/models/test_openvino.py).
-    config = write_config(tmp_path, model={"cache_dir": str(cache), "runtime": "onnxruntime"})
+    config = write_config(tmp_path, model={"cache_dir": str(cache)})
     inbox = tmp_path / "inbox"
     for name, path in photos.items():  # found by the start-up scan: served before any swap
         drop(path, inbox, f"before/{name}{path.suffix}")

@@ -267,9 +267,8 @@ class ModelConfig(Section):
     compile: bool = False
     # What runs the network: torch (eager, or compiled with compile: true), onnxruntime (the
     # network exported once to ONNX, cached in cache_dir, swapped in between batches once it
-    # agrees with torch on a probe batch), openvino (the same exported network in OpenVINO, fp32
-    # or bf16), or auto (OpenVINO bf16 on a CPU with AMX, onnxruntime on other CPUs).
-    runtime: Literal["auto", "torch", "onnxruntime", "openvino"] = "auto"
+    # agrees with torch on a probe batch), or auto (onnxruntime on the CPU where it applies).
+    runtime: Literal["auto", "torch", "onnxruntime"] = "auto"
     # Built artifacts (the exported ONNX network). Unset: $CACHE_DIRECTORY (systemd's
     # CacheDirectory=), else a cache folder beside results_dir.
     cache_dir: Path | None = None

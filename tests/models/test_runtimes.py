@@ -77,9 +77,6 @@ def runtime_records() -> Any:
 
 
 def builtin(cache_dir: Path, **keys: Any) -> tuple[Model, ModelConfig]:
-    """The built-in model on the CPU; ONNX Runtime's fast path unless ``runtime`` is given (auto
-    picks OpenVINO on a CPU with AMX: tests/models/test_openvino.py)."""
-    keys.setdefault("runtime", "onnxruntime")
     config = ModelConfig(device="cpu", cache_dir=cache_dir, **keys)
     return load_model(config), config
 

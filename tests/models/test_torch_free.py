@@ -48,9 +48,7 @@ def test_without_an_artifact_torch_serves_and_says_why(tmp_path: Path) -> None:
 @pytest.mark.timeout(900)  # one real export first: 15 s on a quiet core, minutes on a busy one
 def test_a_daemon_serving_a_cached_artifact_has_no_torch(tmp_path: Path, daemon_factory) -> None:
     cache = tmp_path / "cache"
-    # ONNX Runtime named: on a CPU with AMX, auto picks OpenVINO (tests/models/test_openvino.py).
-    config = write_config(tmp_path, model={"cache_dir": str(cache), "device": "cpu",
-                                           "runtime": "onnxruntime"})
+    config = write_config(tmp_path, model={"cache_dir": str(cache), "device": "cpu"})
     first = daemon_factory(config)
     started = line_fields(first.wait_for("started", 180)[0])
     assert started["RUNTIME_STATE"] == "building", started  # no artifact yet: torch serves

@@ -10,7 +10,6 @@ plain model keeps serving. One build per process: a thread that waits on one exp
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -72,47 +71,29 @@ class FastPath:
             return
         self._ready = None
         data, how = ready
-        failures = []
-        for runtime, precision in self._candidates():
-            try:
-                fast = (onnx_runtime.from_bytes(data, self.threads) if runtime == "onnxruntime"
-                        else onnx_runtime.openvino_from_bytes(data, self.threads, precision))
-            except Exception as exc:  # refused by this runtime: the next one, or torch
-                failures.append(f"{runtime} {precision} cannot use the artifact {self.path}: "
-                                f"{str(exc)[:200]}")
-                continue
-            plain = self.model.runner
-            try:
-                agreement = measure(functools.partial(self.model.run, runner=plain),
-                                    functools.partial(self.model.run, runner=fast),
-                                    self.model.spec.crop, self.model.output == "embed")
-            except Exception as exc:  # the runner fails on the probe: it must not serve
-                failures.append(f"{runtime} {precision} fails on the probe batch: "
-                                f"{type(exc).__name__}: {exc}")
-                continue
-            if not agreement.ok:
-                failures.append(f"{runtime} {precision} does not agree with torch: "
-                                f"{agreement.describe()}")
-                continue
-            self.model.use(fast)
-            self.state = "serving"
-            self.fields.update({"RUNTIME_ARTIFACT": how, "RUNTIME_CACHE_FILE": str(self.path),
-                                **agreement.fields()})
-            if failures:
-                self.fields["RUNTIME_FAILURE"] = "; ".join(failures)
-            self._record(logging.INFO, f"runtime: {runtime} {precision} now serves ({how} "
-                         f"artifact {self.path}), swapped in between two batches; "
-                         f"{agreement.describe()}" + "".join(f"; {f}" for f in failures))
+        try:
+            fast = onnx_runtime.from_bytes(data, self.threads)
+        except onnx_runtime.ArtifactRefused as refused:
+            self._fail(f"the artifact {self.path} cannot be used: {refused}")
             return
-        self._fail("; ".join(failures))
-
-    def _candidates(self) -> list[tuple[str, str]]:
-        """The runtime the choice named, then ONNX Runtime fp32 where that was OpenVINO: a
-        reduced precision that does not agree leaves the fp32 fast path, not torch."""
-        choice = self.model.choice
-        if choice is None or choice.runtime != "openvino":
-            return [("onnxruntime", "fp32")]
-        return [("openvino", choice.precision), ("onnxruntime", "fp32")]
+        del data
+        plain = self.model.runner
+        try:
+            agreement = measure(lambda images: self.model.run(images, plain),
+                                lambda images: self.model.run(images, fast),
+                                self.model.spec.crop, self.model.output == "embed")
+        except Exception as exc:  # the runner fails on the probe: it must not serve
+            self._fail(f"onnxruntime fails on the probe batch: {type(exc).__name__}: {exc}")
+            return
+        if not agreement.ok:
+            self._fail(f"onnxruntime does not agree with torch: {agreement.describe()}")
+            return
+        self.model.use(fast)
+        self.state = "serving"
+        self.fields.update({"RUNTIME_ARTIFACT": how, "RUNTIME_CACHE_FILE": str(self.path),
+                            **agreement.fields()})
+        self._record(logging.INFO, f"runtime: onnxruntime fp32 now serves ({how} artifact "
+                     f"{self.path}), swapped in between two batches; {agreement.describe()}")
 
     # -- in the build thread -----------------------------------------------------------------
 

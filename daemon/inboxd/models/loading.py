@@ -24,7 +24,6 @@ from inboxd.decode.spec import PreprocessSpec
 from inboxd.models.device import pick_device
 from inboxd.models.model import Model, ModelInfo, TaskModel, imagenet_labels
 from inboxd.models.preflight import label_count_problem, problem, read_labels
-from inboxd.models.runtimes import openvino_runtime
 from inboxd.models.runtimes.agreement import measure
 from inboxd.models.runtimes.choice import Choice, choose, cpu_flags
 from inboxd.models.runtimes.runner import Runner
@@ -84,7 +83,7 @@ def choose_runtime(config: ModelConfig, device: torch.device) -> Choice:
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     return choose(config, device.type, flags=cpu_flags(),
                   cpu_capability=torch.backends.cpu.get_cpu_capability(),
-                  gpu_capability=capability, openvino=openvino_runtime.available())
+                  gpu_capability=capability)
 
 
 def keep_if_agrees(model: Model, choice: Choice) -> Choice:

@@ -40,15 +40,8 @@ from inboxd.models.predictions import (
     Output,
     Prediction,
 )
-from inboxd.models.runtimes import onnx_artifact, openvino_runtime
-from inboxd.models.runtimes.choice import (
-    ARTIFACT_RUNTIMES,
-    Choice,
-    choose,
-    cpu_capability,
-    cpu_flags,
-)
-from inboxd.models.runtimes.probe import SCORE_TOLERANCE, probe_images, softmax
+from inboxd.models.runtimes import onnx_artifact
+from inboxd.models.runtimes.choice import Choice, choose, cpu_capability, cpu_flags
 from inboxd.models.runtimes.serving_key import serving_key
 
 
@@ -97,11 +90,11 @@ class OnnxModel:
 
     @property
     def runtime(self) -> str:
-        return self.choice.runtime if self.choice is not None else "onnxruntime"
+        return "onnxruntime"
 
     @property
     def precision(self) -> str:
-        return self.choice.precision if self.choice is not None else "fp32"
+        return "fp32"
 
     def normalise(self, images: Sequence[npt.NDArray[np.uint8]]) -> npt.NDArray[np.float32]:
         """N crops (H×W×3 uint8) → the network's contiguous N×3×H×W float32 input, computed as
@@ -175,11 +168,10 @@ def load_cached(config: ModelConfig, root: Path = Path("/")) -> tuple[OnnxModel 
         return None, f"device: {config.device} may be a GPU, which torch runs"
     flags = cpu_flags(root)
     try:
-        choice = choose(config, "cpu", flags=flags, cpu_capability=cpu_capability(flags),
-                        openvino=openvino_runtime.available())
+        choice = choose(config, "cpu", flags=flags, cpu_capability=cpu_capability(flags))
     except Exception as exc:  # the torch path reports the same problem as a ConfigError
         return None, str(exc)
-    if choice.runtime not in ARTIFACT_RUNTIMES:
+    if choice.runtime != "onnxruntime" or choice.precision != "fp32":
         return None, f"the choice is {choice.runtime} {choice.precision}"
     key = serving_key(config, root)
     if key is None or config.cache_dir is None:
@@ -199,6 +191,7 @@ def load_cached(config: ModelConfig, root: Path = Path("/")) -> tuple[OnnxModel 
     except Exception as exc:  # a foreign or damaged file: torch rebuilds it
         return None, (f"the artifact {path} cannot serve without torch: "
                       f"{type(exc).__name__}: {str(exc)[:200]}")
+    del data
     choice = dataclasses.replace(choice, reason=(
         f"{choice.reason}; served from the cached artifact without torch ({serving['probe']}, "
         "checked by the exporter against torch)"))
@@ -211,42 +204,4 @@ def load_cached(config: ModelConfig, root: Path = Path("/")) -> tuple[OnnxModel 
     model = OnnxModel(serving["name"], session, spec, serving["labels"], config.top_k,
                       output=config.output, color=config.input.color,
                       info=ModelInfo(**serving["info"]), choice=choice, fields=fields)
-    if choice.runtime == "openvino":
-        _serve_openvino(model, data, threads)
     return model, "served from the cached artifact"
-
-
-def _serve_openvino(model: OnnxModel, data: bytes, threads: int) -> None:
-    """``model`` served by OpenVINO at the chosen precision once it agrees with ONNX Runtime fp32
-    (which the exporter checked against torch) on the probe batch; where it does not, or does
-    not load, ONNX Runtime fp32 keeps serving and the choice's reason says why."""
-    choice = model.choice
-    assert choice is not None
-    images = probe_images(model.spec.crop)
-    try:
-        candidate = openvino_runtime.session(data, threads, choice.precision)
-        want = softmax(model.outputs(images))
-        reference, model.session = model.session, candidate
-        try:
-            got = softmax(model.outputs(images))
-        finally:
-            model.session = reference
-    except Exception as exc:  # a runtime that cannot load or run the artifact must not serve
-        model.choice = dataclasses.replace(
-            choice, runtime="onnxruntime", precision="fp32",
-            reason=f"{choice.reason}, but OpenVINO failed on the probe batch "
-            f"({type(exc).__name__}: {str(exc)[:200]}): onnxruntime fp32")
-        return
-    equal = int((want.argmax(1) == got.argmax(1)).sum())
-    diff = float(np.abs(want - got).max())
-    verdict = (f"OpenVINO {choice.precision}: top-1 equal on {equal}/{len(images)} probe images "
-               f"against onnxruntime fp32, max |Δ score| {diff:.2e} (at most {SCORE_TOLERANCE} "
-               "allowed)")
-    if equal != len(images) or diff > SCORE_TOLERANCE:
-        model.choice = dataclasses.replace(
-            choice, runtime="onnxruntime", precision="fp32",
-            reason=f"{choice.reason}, but {verdict}: onnxruntime fp32")
-        return
-    model.session = candidate
-    model.choice = dataclasses.replace(choice, reason=f"{choice.reason}; {verdict}")
-    model.fields["OPENVINO_PROBE_MAX_SCORE_DIFF"] = float(f"{diff:.3g}")

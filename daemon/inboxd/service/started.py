@@ -37,8 +37,7 @@ def log_started(config: Config, model: TaskModel, tasks: dict[str, TaskModel],
     runtime: dict[str, Any] = runtime_fields(model, engine.fast)
     state = runtime.get("RUNTIME_STATE")
     ran = (f"{model.runtime} {model.precision}"
-           + (f" ({runtime.get('RUNTIME_CHOSEN', 'onnxruntime')} being prepared in the "
-              "background)" if state == "building" else "")
+           + (" (onnxruntime being prepared in the background)" if state == "building" else "")
            )
     if tasks:  # every task, what it runs and where, in the record and its message
         source = " (tasks " + "; ".join(

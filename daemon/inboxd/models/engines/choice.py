@@ -9,7 +9,6 @@ from inboxd.models.engines.interface import ModelEngine
 from inboxd.models.engines.local import LocalEngine
 from inboxd.models.onnx_model import load_cached
 from inboxd.models.predictions import TaskModel
-from inboxd.models.runtimes.choice import ARTIFACT_RUNTIMES
 
 if TYPE_CHECKING:
     from inboxd.models.fast_path import FastPath
@@ -47,11 +46,10 @@ def make_engine(config: Config, model: TaskModel) -> ModelEngine:
 
 
 def fast_path(config: ModelConfig, model: TaskModel) -> FastPath | None:
-    """The runner of the exported network to bring in (ONNX Runtime or OpenVINO), where the
-    choice was one of them and torch serves
+    """The ONNX Runtime runner to bring in, where the choice was onnxruntime and torch serves
     (name: ocr and a model served from its artifact run in ONNX Runtime from the start)."""
     choice = model.choice
-    if choice is None or choice.runtime not in ARTIFACT_RUNTIMES or model.runtime != "torch":
+    if choice is None or choice.runtime != "onnxruntime" or model.runtime != "torch":
         return None
     from inboxd.models.fast_path import FastPath
     from inboxd.models.model import Model

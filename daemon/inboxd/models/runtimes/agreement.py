@@ -5,7 +5,7 @@ top-1 class is the reference's and no class score moves by more than ``SCORE_TOL
 fidelity contract's bound on the top-1 score); for an embedder, when every vector's cosine
 similarity with the reference is at least ``MIN_COSINE``. The probe images are seeded smooth
 colour fields, not noise: on noise every class scores alike and the top-1 is a coin toss that
-even float rounding may flip (``runtimes/probe.py``, torch-free).
+even float rounding may flip.
 """
 
 from __future__ import annotations
@@ -17,12 +17,21 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from inboxd.models.runtimes.probe import PROBE_IMAGES, SCORE_TOLERANCE, probe_images
-
-__all__ = ["MIN_COSINE", "PROBE_IMAGES", "SCORE_TOLERANCE", "Agreement", "compare", "measure",
-           "probe_images"]
-
+PROBE_IMAGES = 4
+PROBE_SEED = 31
+SCORE_TOLERANCE = 0.01
 MIN_COSINE = 0.999
+_GRID = 6  # the colour field's control points per side, bilinearly upscaled to the crop
+
+
+def probe_images(crop: int, count: int = PROBE_IMAGES) -> list[npt.NDArray[np.uint8]]:
+    """``count`` crop×crop×3 uint8 images, the same on every run."""
+    generator = np.random.default_rng(PROBE_SEED)
+    grid = torch.from_numpy(generator.uniform(0, 255, (count, 3, _GRID, _GRID))).float()
+    fields = torch.nn.functional.interpolate(grid, size=(crop, crop), mode="bilinear",
+                                             align_corners=True)
+    pixels = fields.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    return [np.ascontiguousarray(image) for image in pixels]
 
 
 @dataclass(frozen=True)

@@ -2,15 +2,11 @@
 
 On the CPU, ONNX Runtime fp32 is the fast path: several times eager fp32 where it was measured
 (``bench/runtimes.py``; figures in ``docs/decisions.md``), it agrees with torch fp32 to float
-rounding and needs no native bf16, so it is fast on CPUs without it too. On a CPU with AMX
-(Intel's matrix tiles, ``amx_bf16``) OpenVINO runs the same exported network in bf16 at 2.5×
-ONNX Runtime fp32 and holds the fidelity contract on the real photos (``bench/cpu_runtimes.py``):
-there it is the choice, where the ``openvino`` package is installed. bf16 without AMX
-(AVX512_BF16 alone) was measured slower than fp32 in OpenVINO, so it is not chosen there.
-In torch, bf16 is chosen only where the YAML asks for torch and the CPU runs bf16 natively
-(AVX512_BF16 or AMX): emulated, it is slower than fp32. On a GPU the autocast dtype follows the
-compute capability. An explicit YAML value always wins. Every reduced precision chosen here is
-still checked against fp32 on a probe batch before it serves
+rounding and needs no native bf16, so it is fast on CPUs without it too. bf16 is chosen only
+where the YAML asks for torch and the CPU runs bf16 natively (AVX512_BF16 or AMX): emulated, it
+is slower than fp32. On a GPU the autocast dtype follows the compute capability. An explicit
+YAML value always wins. Every
+reduced precision chosen here is still checked against fp32 on a probe batch before it serves
 (``models/runtimes/agreement.py``).
 """
 
@@ -23,15 +19,10 @@ from typing import Literal
 from inboxd.config import ModelConfig
 from inboxd.models.preflight import problem
 
-Runtime = Literal["torch", "onnxruntime", "openvino"]
+Runtime = Literal["torch", "onnxruntime"]
 Precision = Literal["fp32", "fp16", "bf16"]
 # /proc/cpuinfo flags of the instructions that run bf16 arithmetic natively.
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-# The flag of the matrix tiles that make OpenVINO's bf16 faster than fp32 (without them it is not).
-AMX_BF16_FLAG = "amx_bf16"
-OPENVINO_NOT_INSTALLED = "the openvino package is not installed"
-# The runtimes that run the exported ONNX artifact (not torch).
-ARTIFACT_RUNTIMES = ("onnxruntime", "openvino")
 # bf16 autocast on Ampere (8.0) and newer, fp16 from Volta's tensor cores (7.0); fp32 before.
 GPU_BF16_CAPABILITY = (8, 0)
 GPU_FP16_CAPABILITY = (7, 0)
@@ -80,10 +71,8 @@ class Choice:
 
 
 def choose(config: ModelConfig, device_type: str, *, flags: frozenset[str],
-           cpu_capability: str, gpu_capability: tuple[int, int] | None = None,
-           openvino: str | None = OPENVINO_NOT_INSTALLED) -> Choice:
-    """The runtime and precision for ``config`` on a device of ``device_type`` (cpu | cuda).
-    ``openvino``: None when the openvino package can be imported, else why not."""
+           cpu_capability: str, gpu_capability: tuple[int, int] | None = None) -> Choice:
+    """The runtime and precision for ``config`` on a device of ``device_type`` (cpu | cuda)."""
     by_auto = config.precision == "auto"
     if config.kind == "onnx":
         return Choice("onnxruntime", "fp32", "an onnx: model runs in onnxruntime, at the "
@@ -93,13 +82,6 @@ def choose(config: ModelConfig, device_type: str, *, flags: frozenset[str],
     bf16 = native_bf16(flags)
     cpu = (f"CPU capability {cpu_capability}, bf16 "
            + (f"native ({', '.join(bf16)})" if bf16 else "not native (emulated: slow)"))
-    if config.runtime == "openvino" or (config.runtime == "auto" and config.kind == "builtin"
-                                        and not config.compile
-                                        and config.precision in ("auto", "bf16")
-                                        and AMX_BF16_FLAG in flags):
-        chosen = _openvino(config, flags, cpu, openvino)
-        if chosen is not None:
-            return chosen
     runtime: Runtime
     if config.runtime == "auto":
         if config.compile:
@@ -109,8 +91,6 @@ def choose(config: ModelConfig, device_type: str, *, flags: frozenset[str],
         else:
             runtime, why = "onnxruntime", ("onnxruntime fp32 is the fastest measured CPU runtime "
                                            "and agrees with torch fp32 to float rounding")
-            if AMX_BF16_FLAG in flags:
-                why += f" (OpenVINO bf16 on AMX is faster, but {openvino})"
     else:
         runtime, why = config.runtime, f"runtime: {config.runtime} in the YAML"
         if runtime == "onnxruntime" and (config.compile or config.precision in ("bf16", "fp16")):
@@ -130,41 +110,7 @@ def choose(config: ModelConfig, device_type: str, *, flags: frozenset[str],
     return Choice(runtime, precision, f"{cpu}; {why}; {pwhy}", by_auto)
 
 
-def _openvino(config: ModelConfig, flags: frozenset[str], cpu: str,
-              openvino: str | None) -> Choice | None:
-    """OpenVINO for ``runtime: openvino``, or for ``auto`` on a CPU with AMX; None where auto
-    falls back to the other rules (OpenVINO missing)."""
-    explicit = config.runtime == "openvino"
-    if explicit and (config.compile or config.kind != "builtin"):
-        raise problem("runtime: openvino serves the built-in model's exported network: remove "
-                      "compile: true, or use runtime: torch or onnxruntime for other models")
-    if openvino is not None:
-        if explicit:
-            raise problem(f"runtime: openvino needs the openvino package ({openvino}): "
-                          "pip install openvino (see README), or set runtime: auto")
-        return None
-    amx = AMX_BF16_FLAG in flags
-    why = ("runtime: openvino in the YAML" if explicit else
-           "OpenVINO bf16 on AMX is the fastest measured CPU runtime (2.5× onnxruntime fp32) "
-           "and holds the fidelity contract on real photos")
-    if config.precision == "bf16" and not native_bf16(flags):
-        raise problem("precision: bf16 needs a CPU that runs bf16 natively (AMX or "
-                      "AVX512_BF16): set precision: auto or fp32")
-    if config.precision in ("fp32", "bf16"):
-        precision: Precision = config.precision
-        pwhy = f"precision: {precision} in the YAML"
-    elif amx:
-        precision, pwhy = "bf16", "bf16 on AMX, checked against fp32 before it serves"
-    else:
-        precision, pwhy = "fp32", "fp32 (bf16 without AMX is slower than fp32 in OpenVINO)"
-    return Choice("openvino", precision, f"{cpu}; {why}; {pwhy}",
-                  config.precision == "auto" and precision != "fp32")
-
-
 def _on_gpu(config: ModelConfig, capability: tuple[int, int], by_auto: bool) -> Choice:
-    if config.runtime == "openvino":
-        raise problem("runtime: openvino runs on the CPU here (its GPU plugin is Intel's, not "
-                      "CUDA): set runtime: auto or torch on a GPU, or device: cpu")
     if config.runtime == "onnxruntime":
         raise problem("runtime: onnxruntime runs on the CPU only (the onnxruntime package has "
                       "no CUDA execution provider): set runtime: auto or torch on a GPU, or "

@@ -46,37 +46,12 @@ from inboxd.models.runtimes.runner import Runner
 from inboxd.models.sources import TORCHVISION_INPUT, Source
 
 # The artifact's torch-free half lives in onnx_artifact; its names are this module's too.
-__all__ = [
-    "ARTIFACT_FORMAT",
-    "ARTIFACT_GRAPH_BYTES",
-    "INPUT_NAME",
-    "KEY_METADATA",
-    "MAX_ARTIFACT_BYTES",
-    "OUTPUT_NAME",
-    "STALE_TEMP_S",
-    "ArtifactRefused",
-    "OnnxNetwork",
-    "artifact_limit_bytes",
-    "artifact_path",
-    "cache_key",
-    "check_self_contained",
-    "cpu_identity",
-    "expected_key",
-    "export_bytes",
-    "from_bytes",
-    "key_of",
-    "onnx_program",
-    "openvino_from_bytes",
-    "read_artifact",
-    "runner",
-    "session",
-    "session_options",
-    "verified",
-    "versions",
-    "weights_digest",
-    "with_metadata",
-    "write_atomically",
-]
+__all__ = ["ARTIFACT_FORMAT", "ARTIFACT_GRAPH_BYTES", "INPUT_NAME", "KEY_METADATA",
+           "MAX_ARTIFACT_BYTES", "OUTPUT_NAME", "STALE_TEMP_S", "ArtifactRefused", "OnnxNetwork",
+           "artifact_limit_bytes", "artifact_path", "cache_key", "check_self_contained",
+           "cpu_identity", "expected_key", "export_bytes", "from_bytes", "key_of",
+           "onnx_program", "read_artifact", "runner", "session", "session_options", "verified",
+           "versions", "weights_digest", "with_metadata", "write_atomically"]
 
 
 
@@ -189,14 +164,6 @@ def from_bytes(data: bytes, threads: int) -> Runner:
     except Exception as exc:  # ONNX Runtime refuses what it cannot run: rebuild it
         raise ArtifactRefused(f"onnxruntime cannot load it ({type(exc).__name__}: "
                               f"{str(exc)[:200]})") from exc
-
-
-def openvino_from_bytes(data: bytes, threads: int, precision: str) -> Runner:
-    """The same artifact in OpenVINO at ``precision`` (``runtimes/openvino_runtime.py``)."""
-    from inboxd.models.runtimes import openvino_runtime
-
-    network = OnnxNetwork(openvino_runtime.session(data, threads, precision))
-    return Runner("openvino", precision, network, torch.contiguous_format)
 
 
 # -- an ONNX file ---------------------------------------------------------------------------
