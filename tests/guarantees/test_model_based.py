@@ -357,8 +357,11 @@ class World:
         time.sleep(self.rng.choice([0.05, 0.3, 1.0]))
         with contextlib.suppress(FileNotFoundError):  # the daemon renamed it aside meanwhile
             exchange(processing, planted)
-        if os.lstat(planted).st_uid != NEIGHBOUR_UID:
-            return  # a former area of the daemon's now, its to take back
+        try:
+            if os.lstat(planted).st_uid != NEIGHBOUR_UID:
+                return  # a former area of the daemon's now, its to take back
+        except FileNotFoundError:
+            return  # that former area, emptied and removed by the daemon already
         for link in (planted / "default", planted / ".tmp" / "default"):
             link.unlink()
         (planted / ".tmp").rmdir()
