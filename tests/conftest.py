@@ -7,6 +7,7 @@ fixed sleep.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import sys
 import tempfile
@@ -25,6 +26,7 @@ from support.daemon import drop as drop
 from support.daemon import last_stats as last_stats
 from support.daemon import make_image as make_image
 from support.daemon import read_json as read_json
+from support.records import captured_stderr_records
 from support.records import line_fields as line_fields
 from support.waiting import wait_until as wait_until
 
@@ -69,6 +71,13 @@ def fresh_log_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     before it logged."""
     from inboxd import log_budget, logs
     monkeypatch.setattr(logs, "budget", log_budget.RecordBudget())
+
+
+@pytest.fixture
+def stderr_records() -> Iterator[io.StringIO]:
+    """The records this process logs, as the daemon writes them to stderr (one line each)."""
+    with captured_stderr_records() as stream:
+        yield stream
 
 
 @pytest.fixture
