@@ -6,6 +6,7 @@ fixed sleep.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import io
 import os
@@ -36,6 +37,44 @@ REPO = Path(__file__).resolve().parent.parent
 # their own cache_dir.
 SHARED_MODEL_CACHE = Path(tempfile.gettempdir()) / (
     f"inboxd-test-model-cache-{os.getuid()}-{hashlib.sha256(str(REPO).encode()).hexdigest()[:8]}")
+
+
+def shared_model_artifact() -> None:
+    """The built-in model's ONNX artifact in ``SHARED_MODEL_CACHE``, exported once per checkout
+    and machine, under a lock (two xdist workers never both export). Without it, each daemon a
+    test starts on a fresh checkout serves torch and starts an export of its own in the
+    background, which the test's end kills unfinished: the same minutes of CPU, over and over."""
+    global _shared_artifact_ready
+    if _shared_artifact_ready:
+        return
+    from inboxd.config import ModelConfig
+    from inboxd.models.onnx_model import load_cached
+
+    config = ModelConfig(cache_dir=SHARED_MODEL_CACHE)  # what write_config's daemons load
+    SHARED_MODEL_CACHE.mkdir(parents=True, exist_ok=True)
+    with open(SHARED_MODEL_CACHE / ".export.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cached, why = load_cached(config)
+        if cached is None and "not built yet" in why:
+            from inboxd.models.fast_path import FastPath
+            from inboxd.models.loading import load_model
+
+            fast = FastPath(load_model(config), config)
+            fast.start()
+            fast.join(900)
+            fast.swap_if_built()
+            assert fast.state == "serving", fast.fields
+    _shared_artifact_ready = True
+
+
+_shared_artifact_ready = False
+
+
+@pytest.fixture(autouse=True)
+def model_artifact_for_daemons(request: pytest.FixtureRequest) -> None:
+    """A test that runs the daemon (marked ``daemon``) finds the built-in model's artifact."""
+    if request.node.get_closest_marker("daemon") is not None:
+        shared_model_artifact()
 
 
 def run_interleaved(targets: list[Callable[[], None]]) -> None:
