@@ -41,9 +41,10 @@ SHARED_MODEL_CACHE = Path(tempfile.gettempdir()) / (
 
 def shared_model_artifact() -> None:
     """The built-in model's ONNX artifact in ``SHARED_MODEL_CACHE``, exported once per checkout
-    and machine, under a lock (two xdist workers never both export). Without it, each daemon a
-    test starts on a fresh checkout serves torch and starts an export of its own in the
-    background, which the test's end kills unfinished: the same minutes of CPU, over and over."""
+    and machine, under a lock (two xdist workers never both export), checked once per process.
+    Without it, each daemon a test starts on a fresh checkout serves torch and starts an export
+    of its own in the background, which the test's end kills unfinished: the same minutes of
+    CPU, over and over."""
     global _shared_artifact_ready
     if _shared_artifact_ready:
         return
@@ -70,13 +71,6 @@ def shared_model_artifact() -> None:
 _shared_artifact_ready = False
 
 
-@pytest.fixture(autouse=True)
-def model_artifact_for_daemons(request: pytest.FixtureRequest) -> None:
-    """A test that runs the daemon (marked ``daemon``) finds the built-in model's artifact."""
-    if request.node.get_closest_marker("daemon") is not None:
-        shared_model_artifact()
-
-
 def run_interleaved(targets: list[Callable[[], None]]) -> None:
     """Each target in a thread of its own, the threads switching every microsecond: at
     Python's 5 ms two short calls almost never interleave, and a race would not show."""
@@ -94,7 +88,9 @@ def run_interleaved(targets: list[Callable[[], None]]) -> None:
 
 def write_config(root: Path, **sections: Any) -> Path:
     """A config with every folder under ``root``, quick to settle and to report; ``sections``
-    override keys (dicts merge; None removes the key, e.g. ``model=None`` beside ``models=``)."""
+    override keys (dicts merge; None removes the key, e.g. ``model=None`` beside ``models=``).
+    A daemon started with it finds the built-in model's artifact (``shared_model_artifact``)."""
+    shared_model_artifact()
     return configs.write_config(root, {
         "inbox": {"settle_ms": 50, "rescan_interval_s": 5},
         # Every interval, idle or not: tests wait for the next record after a change.

@@ -208,6 +208,7 @@ def test_the_swap_keeps_every_photo_within_the_contract(tmp_path: Path, exported
     assert fast.path.read_bytes() == exported.read_bytes()  # deterministic: the same export
 
 
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_a_cached_artifact_is_loaded_without_a_second_export(exported: Path) -> None:
     before = os.stat(exported)
 
@@ -290,6 +291,7 @@ def test_a_corrupt_or_hostile_cache_file_is_rebuilt_and_never_crashes(
     assert fast.fields["RUNTIME_REBUILD_REASON"]
 
 
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_a_failing_build_logs_once_and_the_plain_model_keeps_serving(
         tmp_path: Path, runtime_records: Records) -> None:
     model, config = builtin(tmp_path / "cache")
@@ -349,6 +351,7 @@ def test_a_pt2_program_gets_the_same_fast_path(tmp_path: Path) -> None:
     assert torch.allclose(model.outputs(images), before, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_the_exporter_process_reports_why_it_failed(tmp_path: Path) -> None:
     config = ModelConfig(device="cpu", cache_dir=tmp_path)
     with pytest.raises(ExportFailed, match="not the daemon's"):
@@ -375,6 +378,7 @@ def onnx_file(network: torch.nn.Module, path: Path, dynamic: bool = True) -> Pat
     return path
 
 
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_an_onnx_model_is_checked_and_runs_like_its_torch_network(tmp_path: Path) -> None:
     from tests.byo_models import NUM_CLASSES, resnet18
 

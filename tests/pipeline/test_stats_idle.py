@@ -58,6 +58,7 @@ def test_a_records_line_on_a_terminal_stays_short() -> None:
 
 @pytest.mark.daemon
 @pytest.mark.timeout(120)
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_the_foreground_daemon_on_a_terminal_writes_short_lines(tmp_path: Path) -> None:
     config = write_config(tmp_path)
     status, out = run_on_a_terminal([sys.executable, "-m", "inboxd", "once", "-c", str(config)],

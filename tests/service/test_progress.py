@@ -21,6 +21,7 @@ def test_the_bar_says_how_far_how_fast_and_how_long() -> None:
 
 @pytest.mark.daemon
 @pytest.mark.timeout(180)
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_once_on_a_terminal_draws_a_progress_bar(tmp_path: Path) -> None:
     config = write_config(tmp_path, inbox={"settle_ms": 0})
     for n in range(6):
