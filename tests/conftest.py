@@ -10,6 +10,7 @@ import fcntl
 import hashlib
 import io
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -44,30 +45,41 @@ def shared_model_artifact() -> None:
     and machine, under a lock (two xdist workers never both export), checked once per process.
     Without it, each daemon a test starts on a fresh checkout serves torch and starts an export
     of its own in the background, which the test's end kills unfinished: the same minutes of
-    CPU, over and over."""
+    CPU, over and over. Checked and built in a child: the test process keeps no session,
+    thread or descriptor of it (tests count this process's descriptors)."""
     global _shared_artifact_ready
     if _shared_artifact_ready:
         return
-    from inboxd.config import ModelConfig
-    from inboxd.models.onnx_model import load_cached
-
-    config = ModelConfig(cache_dir=SHARED_MODEL_CACHE)  # what write_config's daemons load
     SHARED_MODEL_CACHE.mkdir(parents=True, exist_ok=True)
     with open(SHARED_MODEL_CACHE / ".export.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        cached, why = load_cached(config)
-        if cached is None and "not built yet" in why:
-            from inboxd.models.fast_path import FastPath
-            from inboxd.models.loading import load_model
-
-            fast = FastPath(load_model(config), config)
-            fast.start()
-            fast.join(900)
-            fast.swap_if_built()
-            assert fast.state == "serving", fast.fields
+        built = subprocess.run([sys.executable, "-c", _BUILD_SHARED_ARTIFACT,
+                                str(SHARED_MODEL_CACHE)], capture_output=True, text=True,
+                               timeout=900, check=False)
+        assert built.returncode == 0, built.stdout + built.stderr
     _shared_artifact_ready = True
 
 
+# What write_config's daemons load (its cache_dir, every other model key the default's): served
+# from the cache when it is there; else exported as a daemon would, in the background thread.
+_BUILD_SHARED_ARTIFACT = """
+import sys
+from pathlib import Path
+from inboxd.config import ModelConfig
+from inboxd.models.onnx_model import load_cached
+
+config = ModelConfig(cache_dir=Path(sys.argv[1]))
+cached, why = load_cached(config)
+if cached is None and "not built yet" in why:
+    from inboxd.models.fast_path import FastPath
+    from inboxd.models.loading import load_model
+
+    fast = FastPath(load_model(config), config)
+    fast.start()
+    fast.join(900)
+    fast.swap_if_built()
+    assert fast.state == "serving", fast.fields
+"""
 _shared_artifact_ready = False
 
 
