@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from inboxd.models.runtimes.agreement import SCORE_TOLERANCE, probe_images
 from inboxd.models.runtimes.choice import choose, cpu_flags, native_bf16
 
 from support.photos import photo_paths
+from tests.conftest import SHARED_MODEL_CACHE, shared_model_artifact
 
 CPUINFO = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 avx512f {extra}\n"
 
@@ -169,17 +171,16 @@ def test_precision_auto_with_torch_tries_bf16_only_on_native_bf16(
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One real export (the exporter process) of the built-in model, shared by the tests that
-    only read the artifact."""
+    """A real export (the exporter process) of the built-in model, shared by the tests that
+    only read the artifact: the one every test's daemons serve (``shared_model_artifact``, made
+    by the same FastPath and exporter), copied into a cache of this module's own."""
+    shared_model_artifact()
     cache_dir = tmp_path_factory.mktemp("cache")
     model, config = builtin(cache_dir)
-    fast = FastPath(model, config)
-    fast.start()
-    assert fast.state == "building", fast.fields
-    fast.join(900)
-    fast.swap_if_built()
-    assert fast.state == "serving", fast.fields
-    return fast.path
+    path = FastPath(model, config).path
+    path.parent.mkdir(parents=True)
+    shutil.copyfile(SHARED_MODEL_CACHE / "onnx" / path.name, path)
+    return path
 
 
 @pytest.mark.slow  # a second real export (the fast tier keeps the fixture's, swapped in too)
