@@ -109,9 +109,14 @@ class DaemonProcess:
     def tail(self, count: int = 60) -> str:
         """The last ``count`` lines other than ``[completed]`` records: what went wrong, for an
         error message after a flood of thousands of files."""
+        kept: list[str] = []
         with self._changed:
-            kept = [line for line in self.lines[-50 * count:] if "[completed]" not in line]
-        return "\n".join(kept[-count:])
+            for line in reversed(self.lines):
+                if "[completed]" not in line:
+                    kept.append(line)
+                    if len(kept) == count:
+                        break
+        return "\n".join(reversed(kept))
 
     def records(self, event: str) -> list[str]:
         with self._changed:
