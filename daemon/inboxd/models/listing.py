@@ -46,6 +46,7 @@ def builtin_lines() -> list[str]:
 def configured_lines(config: Config, model: TaskModel, where: str) -> list[str]:
     info = model.info
     assert info is not None
+    ray = ray_lines(config, model) if config.model.engine == "ray" else []
     if model.output == "ocr":
         return [
             f"configured ({where}):",
@@ -56,7 +57,9 @@ def configured_lines(config: Config, model: TaskModel, where: str) -> list[str]:
             f"full_text; at most {config.model.max_regions} regions per photo, "
             f"{config.capacity.ocr_crops} crops waiting for the recogniser",
             f"    runs on: {model.device} (ONNX Runtime), precision {model.precision}, "
-            f"up to {config.batch.max_size} photos per batch",
+            f"up to {config.batch.max_size} photos per batch"
+            + (" (this host's copy, for its checks)" if ray else ""),
+            *ray,
         ]
     from inboxd.models.onnx_model import OnnxModel
 
@@ -79,7 +82,6 @@ def configured_lines(config: Config, model: TaskModel, where: str) -> list[str]:
     batches = f"up to {config.batch.max_size} images per batch"
     if info.max_batch is not None:
         batches += f" (the program accepts up to {info.max_batch})"
-    ray = ray_lines(config, model) if config.model.engine == "ray" else []
     return [
         f"configured ({where}):",
         f"  {model.name}: {info.source}",
@@ -98,9 +100,7 @@ def ray_lines(config: Config, model: TaskModel) -> list[str]:
     import asyncio
 
     from inboxd.models.engines.ray_serve import RayEngine
-    from inboxd.models.model import Model
 
-    assert isinstance(model, Model)  # engine: ray loads the torch model (engines/choice.py)
     ray = config.model.ray
 
     async def deploy() -> dict[str, object]:

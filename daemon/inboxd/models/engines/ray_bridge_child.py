@@ -9,7 +9,8 @@ with backoff, which connects to whatever cluster is at the address by then. It a
 threads, memory and signal handlers out of the daemon.
 
 The protocol, pickled over one socket (``multiprocessing.connection``): the daemon sends
-``{"settings"}`` once, then ``("infer", call_id, crops)``; the bridge answers ``("ready", info)``
+``{"settings"}`` once, then ``("infer", call_id, photos, options)`` (``Replica.__call__``'s
+photos and keyword arguments); the bridge answers ``("ready", info)``
 or ``("failed", why)`` once, then ``("result", call_id, reply)`` or ``("lost", call_id, why)``
 for each call: lost means the batch never got outcomes (its replica or node died, a timeout)
 and the daemon retries it. The bridge dies with the daemon (``PR_SET_PDEATHSIG``)
@@ -128,15 +129,15 @@ class Bridge:
         threading.Thread(target=read, name="inboxd-bridge-reader", daemon=True).start()
         await closed.wait()
 
-    def start_call(self, message: tuple[str, int, Any]) -> None:
-        _, call_id, crops = message
-        task = asyncio.create_task(self.call(call_id, crops))
+    def start_call(self, message: tuple[str, int, Any, dict[str, Any]]) -> None:
+        _, call_id, photos, options = message
+        task = asyncio.create_task(self.call(call_id, photos, options))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def call(self, call_id: int, crops: list[Any]) -> None:
+    async def call(self, call_id: int, photos: list[Any], options: dict[str, Any]) -> None:
         try:
-            reply = await asyncio.wait_for(self.handle.remote(crops, self.delay_s),
+            reply = await asyncio.wait_for(self.handle.remote(photos, self.delay_s, **options),
                                            self.call_timeout_s)
         except Exception as exc:  # any way a batch can be lost on the cluster: retried
             why = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
