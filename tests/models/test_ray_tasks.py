@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -93,7 +94,9 @@ def task_blocks(root: Path, address: str, *on_ray: str) -> dict[str, Any]:
 
 
 def run_once(root: Path, address: str, *on_ray: str) -> dict[str, dict[str, Any]]:
-    """``inboxd once`` over the photos with the tasks ``on_ray`` on the cluster: the results."""
+    """``inboxd once`` over the photos with the tasks ``on_ray`` on the cluster: the results.
+    The crop layer (``capacity.ocr_crops: 2``) is within its bound wherever OCR ran: the
+    last stats record's high-water mark is the local reader's, or the replicas'."""
     root.mkdir()
     (root / "inbox").mkdir()
     (root / "seeds").mkdir()
@@ -108,6 +111,8 @@ def run_once(root: Path, address: str, *on_ray: str) -> dict[str, dict[str, Any]
                for path in (root / "results").glob("*.json")}
     assert set(results) == set(photos(root / "seeds")), "every photo one result"
     assert not [p for p in (root / "failed").rglob("*") if p.is_file()], "none failed"
+    [*_, last] = re.findall(r"OCR_CROPS_CAPACITY=(\d+) OCR_CROPS_HIGH_WATER=(\d+)", done.stderr)
+    assert last[0] == "2" and 1 <= int(last[1]) <= 2, last
     return results
 
 
