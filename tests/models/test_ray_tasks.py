@@ -151,3 +151,10 @@ def test_detection_and_ocr_on_ray_give_the_local_engine_s_results(
         results = run_once(tmp_path / "-".join(on_ray), cluster, *on_ray)
         for name, result in results.items():
             assert_same_answers(result, local[name], name)
+    listed = subprocess.run([sys.executable, "-m", "inboxd", "models", "-c",
+                             str(tmp_path / "things-text" / "inboxd.yaml")],
+                            capture_output=True, text=True, timeout=600)
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    for task in ("things", "text"):
+        assert f"Ray Serve application inboxd_{task} at {cluster} (already running" in \
+            listed.stdout, listed.stdout
