@@ -215,3 +215,35 @@ def test_the_bridge_answers_every_call_once_even_a_call_that_never_returns(
         assert answer[2].startswith(why) and "\n" not in answer[2], answer
     daemon_end.close()
     bridge_end.close()
+
+
+def test_a_task_on_a_cluster_that_is_gone_holds_the_whole_batch_of_a_models_config(
+        make_engine: Any) -> None:
+    """``models:`` with one task on Ray and one local: while the cluster cannot be reached the
+    batch is held (``EngineUnavailable`` for the model stage, no attempt spent, no photo answered
+    by one task only); once it is back each photo gets both sections."""
+    from inboxd.models.engines.local import LocalEngine
+    from inboxd.models.predictions import TaskResults
+    from inboxd.models.tasks import TasksEngine
+
+    ray = make_engine("bad_hello")
+    local = LocalEngine(FakeModel())  # type: ignore[arg-type]
+    tasks = TasksEngine({"things": FakeModel(), "labels": FakeModel()},  # type: ignore[dict-item]
+                        {"things": ray, "labels": local}, 4)
+    crop = np.zeros((8, 8, 3), dtype=np.uint8)
+    photos = [WorkItem(Path(), f"p{i}", f"p{i}", Path(),
+                       image=DecodedImage(crop, 8, 8, None, "RGB", others=(crop,)))
+              for i in range(2)]
+    try:
+        with pytest.raises(EngineUnavailable):
+            asyncio.run(tasks.infer(photos))
+        ray.settings["script"] = "echo"
+        ray._retry_at_s = 0.0  # the backoff is over
+        outcomes = asyncio.run(tasks.infer(photos))
+    finally:
+        local.close()
+    assert [item.key for item, _ in outcomes] == ["p0", "p1"]
+    for _, outcome in outcomes:
+        assert isinstance(outcome, TaskResults), outcome
+        assert set(outcome.sections) == {"things", "labels"}
+        assert all(isinstance(s, Classification) for s in outcome.sections.values()), outcome
