@@ -28,6 +28,7 @@ from inboxd.models.engines.ray_replica import (
     decode_reply,
     expected_answer,
     model_files,
+    model_fingerprint,
 )
 from inboxd.models.loading import load_model
 from inboxd.models.predictions import Classification
@@ -169,3 +170,21 @@ def test_check_config_takes_detect_ocr_and_tasks_on_ray_and_refuses_a_shared_app
     assert "give each task its own ray.app_name" in str(caught.value), caught.value
     assert "models.text and models.things" in str(caught.value) or \
         "models.things and models.text" in str(caught.value)
+
+
+def test_a_model_s_fingerprint_is_what_it_runs_not_where_its_files_are(tmp_path: Path) -> None:
+    def fingerprint(folder: str, threshold: float = 0.25, names: str = "cat\ndog\n") -> str:
+        root = tmp_path / folder
+        root.mkdir(exist_ok=True)
+        labels = root / "labels.txt"
+        labels.write_text(names)
+        onnx = detectors.yolo_onnx(root / "yolo.onnx")
+        config = ray_block(root, {"onnx": str(onnx), "output": "detect", "labels": str(labels),
+                                  "detect": {"score_threshold": threshold},
+                                  "cache_dir": str(root / "cache")})
+        return model_fingerprint(config.model_dump(mode="json"), model_files(config))
+
+    same = fingerprint("a")
+    assert fingerprint("b") == same  # another host's copy, at other paths
+    assert fingerprint("c", threshold=0.5) != same
+    assert fingerprint("d", names="cat\nbird\n") != same  # another file's bytes

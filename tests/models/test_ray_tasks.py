@@ -158,3 +158,16 @@ def test_detection_and_ocr_on_ray_give_the_local_engine_s_results(
     for task in ("things", "text"):
         assert f"Ray Serve application inboxd_{task} at {cluster} (already running" in \
             listed.stdout, listed.stdout
+
+    # A running application under the task's name that runs another model (here: another
+    # score threshold) is refused, never used: it would answer with its own results.
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    blocks = task_blocks(changed, cluster, "things")
+    blocks["things"]["detect"]["score_threshold"] = 0.5
+    config = write_config(changed, model=None, models=blocks)
+    refused = subprocess.run([sys.executable, "-m", "inboxd", "models", "-c", str(config)],
+                             capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 78, refused.stdout + refused.stderr[-3000:]
+    assert "runs another model" in refused.stderr, refused.stderr[-3000:]
+    assert "give this model block its own ray.app_name" in refused.stderr

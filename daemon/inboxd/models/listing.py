@@ -6,7 +6,7 @@ device), so ``inboxd models -c FILE`` is the full test of a model config before 
 
 from __future__ import annotations
 
-from inboxd.config import Config
+from inboxd.config import Config, ConfigError
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.models.predictions import TaskModel
 
@@ -99,6 +99,7 @@ def ray_lines(config: Config, model: TaskModel) -> list[str]:
     """``engine: ray``: connect, deploy (or find the application running) and say what runs."""
     import asyncio
 
+    from inboxd.models.engines.interface import EngineUnavailable
     from inboxd.models.engines.ray_serve import RayEngine
 
     ray = config.model.ray
@@ -110,7 +111,11 @@ def ray_lines(config: Config, model: TaskModel) -> list[str]:
         finally:
             engine.close()
 
-    info = asyncio.run(deploy())
+    try:
+        info = asyncio.run(deploy())
+    except EngineUnavailable as exc:  # unreachable, or an application running another model
+        raise ConfigError("model.ray", [f"cannot use the Ray Serve application "
+                                        f"{ray.app_name} at {ray.address}: {exc}"]) from None
     return [
         f"  Ray Serve application {info['app_name']} at {ray.address} "
         f"({'already running' if info['reused'] else 'deployed now'}, status {info['status']}, "

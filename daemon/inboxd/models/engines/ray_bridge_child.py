@@ -37,6 +37,8 @@ GCS_RECONNECT_TIMEOUT_S = 10
 # ends, so the GPU does not wait for the network. The bound on what is sent stays the daemon's
 # capacity.in_flight_batches, never Serve's queue.
 MAX_ONGOING_PER_REPLICA = 2
+# How long a running application's replica may take to say which model it runs.
+REUSE_CHECK_TIMEOUT_S = 60
 
 
 def actor_options(resources: dict[str, float]) -> dict[str, Any]:
@@ -65,6 +67,7 @@ def connect(settings: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     reused = existing is not None and _name(existing.status) in ("RUNNING", "DEPLOYING")
     if reused:
         handle = serve.get_app_handle(app_name)
+        check_same_model(handle, settings)
     else:
         serve.start(proxy_location="Disabled")
         deployment: Any = serve.deployment(
@@ -76,6 +79,24 @@ def connect(settings: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
                               settings["max_batch_size"])
         handle = serve.run(app, name=app_name, route_prefix=None)
     return handle, describe(app_name, reused)
+
+
+def check_same_model(handle: Any, settings: dict[str, Any]) -> None:
+    """A running application under our name must run our model: another ingest host's (or an
+    older config's) model would answer our photos with its own results."""
+    from inboxd.models.engines.ray_replica import model_fingerprint
+
+    ours = model_fingerprint(settings["model_config"], settings["files"])
+    try:
+        theirs = handle.describe.remote().result(timeout_s=REUSE_CHECK_TIMEOUT_S)["fingerprint"]
+    except Exception as exc:  # an application of an inboxd without fingerprints, or none of ours
+        theirs = f"unknown ({type(exc).__name__})"
+    if theirs != ours:
+        raise RuntimeError(
+            f"the Serve application {settings['app_name']} at {settings['address']} runs "
+            f"another model (fingerprint {theirs}, this config's {ours}): give this model "
+            f"block its own ray.app_name, or remove the running one (serve.delete"
+            f"({settings['app_name']!r}))")
 
 
 def describe(app_name: str, reused: bool) -> dict[str, Any]:

@@ -27,6 +27,8 @@ here imports Ray: Serve calls it like any class.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import socket
 import tempfile
@@ -46,6 +48,8 @@ from inboxd.models.engines.local import infer_splitting
 from inboxd.models.predictions import Classification, Embedding, Output, TaskModel
 
 MODEL_FILE_KEYS = ("export", "onnx", "weights", "labels")
+# Keys of the model block that say where or how a host reaches the model, not what it runs.
+NOT_THE_MODEL = ("engine", "ray", "cache_dir")
 
 # {"replica", "ms", "outcomes": [("ok", Prediction) | (kind, why)]}, and for OCR
 # "ocr_crops_high_water": the replica's crop layer's high-water mark.
@@ -53,6 +57,17 @@ Reply = dict[str, Any]
 # One photo of a call: the pixels the decoder made for this task, and the displayed photo's
 # (width, height), EXIF orientation applied (OCR's polygons are given in those pixels).
 Photo = tuple[npt.NDArray[np.uint8], tuple[int, int]]
+
+
+def model_fingerprint(model_config: dict[str, Any], files: dict[str, bytes]) -> str:
+    """What a replica runs, as a short hash: the model block (JSON, as shipped) with each
+    shipped file's path replaced by its bytes' sha256, less the keys that only say where it
+    runs. Two ingest hosts with the same model at other paths agree; a changed threshold,
+    region bound or weights file does not."""
+    block = {key: value for key, value in model_config.items() if key not in NOT_THE_MODEL}
+    for key, data in files.items():
+        block[key] = hashlib.sha256(data).hexdigest()
+    return hashlib.sha256(json.dumps(block, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def model_files(config: ModelConfig) -> dict[str, bytes]:
@@ -79,6 +94,7 @@ class Replica:
             path.write_bytes(data)
             update[key] = path
         config = ModelConfig.model_validate(model_config).model_copy(update=update)
+        self.fingerprint = model_fingerprint(model_config, files)
         self.model: TaskModel = load_model(config)
         self.model.warm_up(self.model.warm_up_sizes(max_batch_size))
         self.name = f"{socket.gethostname()}:{os.getpid()}"
@@ -128,7 +144,8 @@ class Replica:
             raise RuntimeError(self.broken)
 
     def describe(self) -> dict[str, Any]:
-        return {"replica": self.name, "device": str(self.model.device), "model": self.model.name}
+        return {"replica": self.name, "device": str(self.model.device), "model": self.model.name,
+                "fingerprint": self.fingerprint}
 
 
 def _item(n: int, pixels: npt.NDArray[np.uint8], displayed: tuple[int, int]) -> WorkItem:
