@@ -111,6 +111,8 @@ def run_once(root: Path, address: str, *on_ray: str) -> dict[str, dict[str, Any]
                for path in (root / "results").glob("*.json")}
     assert set(results) == set(photos(root / "seeds")), "every photo one result"
     assert not [p for p in (root / "failed").rglob("*") if p.is_file()], "none failed"
+    for task in on_ray:  # the started record says where each task runs
+        assert f"on Ray Serve application inboxd_{task} at {address}" in done.stderr, task
     [*_, last] = re.findall(r"OCR_CROPS_CAPACITY=(\d+) OCR_CROPS_HIGH_WATER=(\d+)", done.stderr)
     assert last[0] == "2" and 1 <= int(last[1]) <= 2, last
     return results
