@@ -14,6 +14,7 @@ polygon is given in those pixels.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -76,6 +77,13 @@ class OcrReading:
         return {"lines": [line.as_json() for line in self.lines], "full_text": self.full_text,
                 "cut": self.cut}
 
+    def not_finite(self) -> str | None:
+        bad = sum(not math.isfinite(line.score) for line in self.lines)
+        return f"{bad} of the {len(self.lines)} line scores" if bad else None
+
+    def result_fields(self, width: int, height: int, vector_file: str) -> dict[str, Any]:
+        return {"ocr": self.as_json()}
+
 
 class CropLayer:
     """Crops cut out of a photo and waiting for the recogniser (``capacity.ocr_crops``)."""
@@ -100,6 +108,12 @@ class CropLayer:
     def resize(self, capacity: int) -> None:
         """SIGHUP: the next photo's crops are cut in groups of the new size."""
         self._capacity = capacity
+
+    def saw_elsewhere(self, high_water: int) -> None:
+        """``engine: ray``: the crops are cut on the replicas, each holding this layer at this
+        capacity; the stats record shows the highest mark a replica reported."""
+        with self._lock:
+            self.high_water = max(self.high_water, high_water)
 
     @contextmanager
     def holding(self, count: int) -> Iterator[None]:
