@@ -9,7 +9,8 @@ inference precision its CPU plugin offers here (f32; bf16 where the CPU has AMX 
 Speed: each round runs every variant once, in the same order, so the load other processes put
 on the machine drifts evenly over them; img/s is the median over rounds. Fidelity: the crops are
 the exact decode of the upscaled and the real-photo corpus (``bench/fidelity.py``), counted as
-the contract counts (decisive top-1 agreement, median |Δ top-1 score|) against ONNX Runtime fp32.
+the contract counts (``support/fidelity.py``: decisive top-1 agreement, median |Δ top-1 score|)
+against ONNX Runtime fp32.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from bench import fidelity
+from support import fidelity as contract
 
 Run = Callable[[np.ndarray], np.ndarray]  # N×3×H×W float32 → N×classes logits
 
@@ -118,21 +120,21 @@ def main(argv: list[str] | None = None) -> int:
     data = onnx_bytes()
     runs = {"onnxruntime fp32": onnxruntime_run(data, args.threads),
             **openvino_runs(data, args.threads)}
-    spec = fidelity.model_spec()
+    spec = contract.model_spec()
     parts = fidelity.all_parts()
-    exact = fidelity.mode_decode(spec, "exact")
+    exact = contract.mode_decode(spec, "exact")
     variants = [v for _, vs in parts for v in vs]
     crops = [exact((folder / v.file).read_bytes()) for folder, vs in parts for v in vs]
     inputs = normalised(crops, spec)
     reference = softmax(runs["onnxruntime fp32"], inputs, 32)
-    origins = [o for o in fidelity.ORIGINS if any(v.origin == o for v in variants)]
-    agreements: dict[str, dict[str, fidelity.Agreement]] = {}
+    origins = [o for o in contract.ORIGINS if any(v.origin == o for v in variants)]
+    agreements: dict[str, dict[str, contract.Agreement]] = {}
     for name, run in runs.items():
         scores = softmax(run, inputs, 32)
         agreements[name] = {}
         for origin in [*origins, None]:
             rows = [i for i, v in enumerate(variants) if origin in (None, v.origin)]
-            agreements[name][origin or "all"] = fidelity.compare(
+            agreements[name][origin or "all"] = contract.compare(
                 name, reference[rows], scores[rows], [variants[i].file for i in rows])
     batch = inputs[: args.batch]
     print(f"load average {os.getloadavg()[0]:.1f}, {args.threads} threads, batch {args.batch}, "
