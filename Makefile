@@ -146,7 +146,7 @@ uninstall:
 	@PREFIX=$(PREFIX) bash systemd/install.sh uninstall
 
 # Benchmarks (bench/): one table + JSON + PNG under bench/out/. Not tests: figures, not asserts.
-.PHONY: bench bench-sweep bench-ray bench-overhead bench-index bench-peer bench-fidelity bench-decoders bench-ocr
+.PHONY: bench bench-sweep bench-ray bench-overhead bench-index bench-peer bench-fidelity bench-decoders bench-ocr bench-runtimes
 bench: setup-test
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
@@ -177,6 +177,11 @@ bench-fidelity: setup-test
 # the same. BENCH_ARGS="--count 24" checks it works.
 bench-ocr: setup-test
 	$(BIN)/python -m bench.ocr $(BENCH_ARGS)
+
+# The built-in model in ONNX Runtime fp32 and OpenVINO (fp32; bf16 where the CPU has it), in
+# turns, with each one's fidelity on the corpus (a stage of `make bench` too).
+bench-runtimes: setup-test
+	$(BIN)/python -m bench.cpu_runtimes $(BENCH_ARGS)
 
 # Pillow exact/fast against libvips, in worker-limited children, in turns.
 bench-decoders: setup-test
