@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         summary[name] = {"img_s": round(rate, 1), "rounds": [round(r, 1) for r in rates[name]],
                          "holds": holds}
         lines.append(f"{name}: {rate / base:.2f}× onnxruntime fp32, contract "
-                     f"{'held' if holds else 'NOT held'}")
+                     f"{'held' if holds else 'NOT held'} with the exact decode (the default "
+                     "decode spends part of the same budget: bench/fidelity.py)")
     print("\n".join(lines))
     flips = {name: sorted({f for a in agreements[name].values() for f in a.flips})
              for name in runs}
