@@ -16,10 +16,11 @@ from inboxd.models.device import device_fields
 from inboxd.models.engines.interface import ModelEngine
 from inboxd.models.predictions import TaskModel
 from inboxd.models.runtime_record import runtime_fields
+from inboxd.models.tasks import TasksEngine
 
 
 def log_started(config: Config, model: TaskModel, tasks: dict[str, TaskModel],
-                engine: ModelEngine, plans: list[WatchPlan], profile: dict[str, str],
+                engine: ModelEngine | TasksEngine, plans: list[WatchPlan], profile: dict[str, str],
                 warmed: list[int], warm_s: float, loading_started: float) -> None:
     """``loading_started``: ``time.perf_counter()`` when loading began; ``tasks``: {} for one
     ``model:``."""
