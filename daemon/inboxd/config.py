@@ -562,6 +562,20 @@ class Config(Section):
                                  f"set the top-level {where}")
         return model
 
+    @model_validator(mode="after")
+    def _join_holds_a_batch(self) -> Config:
+        join = self.capacity.task_join
+        if join is None or self.models is None:
+            return self
+        for task in self.models:
+            size = self.task_batch(task).max_size
+            if join < size:
+                raise ValueError(
+                    f"capacity.task_join ({join}) is smaller than task {task}'s batch.max_size "
+                    f"({size}): its batches could never fill; raise capacity.task_join to at "
+                    f"least {size} or lower the batch size")
+        return self
+
     @property
     def tasks(self) -> dict[str, ModelConfig]:
         """Every task's model block: ``models:``, or ``model:`` alone under its own name."""

@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import pytest
 import torch
-from inboxd.config import load_config
+from inboxd.config import ConfigError, load_config
 from inboxd.models.model import Classification
 from inboxd.pipeline.task_stages import TaskStages
 from inboxd.pipeline.wiring import Pipeline
@@ -193,3 +194,16 @@ def test_a_device_fault_in_every_task_gives_each_photo_back_once(tmp_path: Path)
     assert pipeline.outcomes.in_flight == 0
     assert 0 < pipeline.stats.counters.released <= pipeline.intake.claimed
     assert not (tmp_path / "failed").exists() or not list((tmp_path / "failed").iterdir())
+
+
+def test_a_join_smaller_than_a_task_s_batch_is_refused_saying_what_to_raise(
+        tmp_path: Path) -> None:
+    config = write_config(tmp_path, model=None, capacity={"task_join": 4}, models={
+        "fast": {"batch": {"max_size": 8}}, "slow": {}})
+    with pytest.raises(ConfigError, match=r"capacity.task_join \(4\) is smaller than task "
+                       r"fast's batch.max_size \(8\).*raise capacity.task_join to at least 8"):
+        load_config(config)
+    one = write_config(tmp_path, model={"batch": {"max_size": 8}})
+    with pytest.raises(ConfigError, match=r"model: .*batch is a models: task.s own key.*"
+                       r"set the top-level batch:"):
+        load_config(one)
