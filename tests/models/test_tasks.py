@@ -199,6 +199,9 @@ def test_each_real_task_batches_at_its_own_size_within_the_join(tmp_path: Path) 
     done = subprocess.run([sys.executable, "-m", "inboxd", "once", "-c", str(config)],
                           capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "torch fp32, batches of 3, 1 in flight" in done.stderr  # the started record
+    assert "onnxruntime fp32, batches of 2, 1 in flight" in done.stderr
+    assert "5 photos in the task join" in done.stderr
     shown = subprocess.run([sys.executable, "-m", "inboxd", "stats", "-c", str(config),
                             "--json"], capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert shown.returncode == 0, shown.stderr[-2000:]

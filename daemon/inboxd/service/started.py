@@ -40,10 +40,14 @@ def log_started(config: Config, model: TaskModel, tasks: dict[str, TaskModel],
     ran = (f"{model.runtime} {model.precision}"
            + (" (onnxruntime being prepared in the background)" if state == "building" else "")
            )
-    if tasks:  # every task, what it runs and where, in the record and its message
+    if tasks and isinstance(engine, TasksEngine):  # every task: what it runs, where, how
+        def calls_out(task: str) -> int:  # the stage's bound: one call on a serial engine
+            return config.task_in_flight(task) if engine.engines[task].parallel_calls else 1
+
         source = " (tasks " + "; ".join(
-            f"{task}: {m.name} {m.output} on {m.device}, {m.runtime} {m.precision}"
-            for task, m in tasks.items()) + ")"
+            f"{task}: {m.name} {m.output} on {m.device}, {m.runtime} {m.precision}, batches "
+            f"of {config.task_batch(task).max_size}, {calls_out(task)} in flight"
+            for task, m in tasks.items()) + f"; {config.task_join()} photos in the task join)"
         runtime["TASKS"] = ",".join(tasks)
     logs.emit(logging.INFO, "started",
               f"inboxd {__version__}: model {model.name}{source} on {on}, runs {ran}, "
