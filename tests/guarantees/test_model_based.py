@@ -603,8 +603,8 @@ def test_model_based_user_and_system_actions(tmp_path: Path) -> None:
                    "its earlier bytes ('done/inplaceN.png: other bytes', seed 20261201, twice); "
                    "the one-task run holds", strict=False)
 def test_model_based_with_several_tasks_per_photo(tmp_path: Path) -> None:
-    """The same guarantees with two tasks per photo (each its own model thread and calls out):
-    kill -9 mid-flood loses nothing and doubles nothing."""
+    """The same guarantees with two tasks per photo (each its own batcher, batch size, model
+    thread and calls out): kill -9 mid-flood loses nothing and doubles nothing."""
     from tests import detectors
 
     (tmp_path / "models").mkdir()
@@ -616,7 +616,8 @@ def test_model_based_with_several_tasks_per_photo(tmp_path: Path) -> None:
                             "labels": {"name": "efficientnet_lite0", "runtime": "torch",
                                        "precision": "fp32"},
                             "things": {"onnx": str(onnx), "output": "detect",
-                                       "labels": str(labels)}})
+                                       "labels": str(labels),
+                                       "batch": {"max_size": 2}}})
     assert figures["kills"] >= 1  # as the one-task run: this seed kills once in its steps
 
 
