@@ -68,7 +68,7 @@ def flood(root: Path, files: int, **sections: Any) -> Pipeline:
     tasks = sections.pop("tasks")
     config = load_config(write_config(
         root, inbox={"settle_ms": 0}, model=None,
-        models={task: {"batch": {"max_size": size, "max_delay_ms": 50}}
+        models={task: {"batch": {"max_size": size, "max_delay_ms": 50}} if size else {}
                 for task, size in tasks.items()}, **sections))
     for n in range(files):
         make_image(root / "inbox" / f"f{n:03}.png", size=(8, 8), color=(n % 200 + 20, 0, 0))
@@ -207,3 +207,20 @@ def test_a_join_smaller_than_a_task_s_batch_is_refused_saying_what_to_raise(
     with pytest.raises(ConfigError, match=r"model: .*batch is a models: task.s own key.*"
                        r"set the top-level batch:"):
         load_config(one)
+
+
+def test_a_reload_resizes_each_task_s_batch_and_the_join(tmp_path: Path) -> None:
+    """SIGHUP: the top-level batch size reaches the task without its own (the other keeps its
+    own), and capacity.task_join takes effect at once."""
+    pipeline = flood(tmp_path, 0, tasks={"fast": 2, "slow": 0})  # slow: the top-level batch
+    stages = pipeline.model_stage
+    assert isinstance(stages, TaskStages)
+    assert stages.batchers["slow"].capacity == 4  # the top-level default
+    assert stages.join.capacity == 4 * 4  # unset: in_flight_batches x the largest batch
+    new = load_config(write_config(
+        tmp_path, model=None, batch={"max_size": 6}, capacity={"task_join": 9,
+                                                               "in_flight_batches": 2},
+        models={"fast": {"batch": {"max_size": 2}}, "slow": {}}))
+    pipeline.apply_live(new)
+    assert stages.batchers["fast"].capacity == 2 and stages.batchers["slow"].capacity == 6
+    assert stages.join.capacity == 9
