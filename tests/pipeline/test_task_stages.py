@@ -19,6 +19,8 @@ from inboxd.config import ConfigError, load_config
 from inboxd.models.model import Classification
 from inboxd.pipeline.task_stages import TaskStages
 from inboxd.pipeline.wiring import Pipeline
+from inboxd.service.metrics import Metrics
+from prometheus_client.parser import text_string_to_metric_families
 
 from support.waiting import wait_until
 from tests.conftest import make_image, write_config
@@ -99,6 +101,8 @@ def test_each_task_batches_at_its_own_size_and_every_layer_holds_its_bound(
     pipeline = with_models(flood(tmp_path, 60, tasks={"fast": 2, "slow": 5},
                                  capacity={"queue": 4, "preprocess_cache": 8,
                                            "task_join": 12}), fast=fast, slow=slow)
+    metrics = Metrics(pipeline.config)
+    metrics.attach(pipeline)
     asyncio.run(pipeline.process_backlog())
     assert max(fast.batch_sizes) == 2 and max(slow.batch_sizes) == 5
     assert sum(fast.batch_sizes) == sum(slow.batch_sizes) == 60
@@ -112,6 +116,12 @@ def test_each_task_batches_at_its_own_size_and_every_layer_holds_its_bound(
     over = {layer: (record[f"{layer}_HIGH_WATER"], record[f"{layer}_CAPACITY"])
             for layer in layers if record[f"{layer}_HIGH_WATER"] > record[f"{layer}_CAPACITY"]}
     assert over == {}
+    scraped = {sample.labels["layer"]: sample.value for family in
+               text_string_to_metric_families(metrics.exposition().decode())
+               if family.name == "inboxd_layer_high_water_items" for sample in family.samples}
+    assert scraped["batch_fast"] == 2 and scraped["batch_slow"] == 5
+    assert scraped["model_fast"] == scraped["model_slow"] == 1 and "in_flight" not in scraped
+    assert 1 <= scraped["task_join"] <= 12
     found = results(tmp_path)
     assert len(found) == 60 and pipeline.stats.counters.completed == 60
     for name, result in found.items():
