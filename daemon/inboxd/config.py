@@ -85,8 +85,9 @@ class CapacityConfig(Section):
     ocr_crops: Positive = 32
     # models: only: photos handed to the tasks and not yet answered by every one (each task
     # takes them in order, at its own pace; a fast task runs at most this far ahead of the
-    # slowest). Unset: in_flight_batches x batch.max_size of the task with the largest, the
-    # photos one model: config holds at most between the batcher and the result writer.
+    # slowest). Unset: (batches out + 1) x batch.max_size of the task with the most, the
+    # photos one model: config holds at most past the cache (its calls out and one forming
+    # batch; batches out is 1 on an engine that takes one call at a time).
     task_join: Positive | None = None
 
 
@@ -589,13 +590,16 @@ class Config(Section):
         """A task's bound on batches sent and unanswered: its own, else the top-level one."""
         return self.tasks[task].in_flight_batches or self.capacity.in_flight_batches
 
-    def task_join(self) -> int:
+    def task_join(self, calls_out: dict[str, int] | None = None) -> int:
         """``capacity.task_join``, or its default: the photos one model: config holds at most
-        between the batcher and the result writer, for the task with the most."""
+        past the cache (its batches out and the one forming), for the task with the most.
+        ``calls_out``: each task's bound on batches out where its engine takes one call at a
+        time (1); else its ``in_flight_batches``."""
         if self.capacity.task_join is not None:
             return self.capacity.task_join
-        return max(self.task_in_flight(task) * self.task_batch(task).max_size
-                   for task in self.tasks)
+        calls_out = calls_out or {}
+        return max((calls_out.get(task, self.task_in_flight(task)) + 1)
+                   * self.task_batch(task).max_size for task in self.tasks)
 
     def resolved(self, base: Path) -> Config:
         """Relative paths resolve against ``base`` (the working directory), once, at load."""

@@ -226,7 +226,7 @@ def test_a_reload_resizes_each_task_s_batch_and_the_join(tmp_path: Path) -> None
     stages = pipeline.model_stage
     assert isinstance(stages, TaskStages)
     assert stages.batchers["slow"].capacity == 4  # the top-level default
-    assert stages.join.capacity == 4 * 4  # unset: in_flight_batches x the largest batch
+    assert stages.join.capacity == (1 + 1) * 4  # unset: (calls out + 1) x the largest batch
     new = load_config(write_config(
         tmp_path, model=None, batch={"max_size": 6}, capacity={"task_join": 9,
                                                                "in_flight_batches": 2},

@@ -38,7 +38,10 @@ class TaskStages:
     ) -> None:
         """``upstream_busy``: more photos are on their way to the cache (queued or decoding)."""
         self.cache = cache
-        self.join = TaskJoin(list(engines), config.task_join(), deliver, release)
+        # Each task's bound on batches out: one on an engine that takes one call at a time.
+        self.calls_out = {task: config.task_in_flight(task) if engine.parallel_calls else 1
+                          for task, engine in engines.items()}
+        self.join = TaskJoin(list(engines), config.task_join(self.calls_out), deliver, release)
         self.batchers: dict[str, Batcher] = {}
         self.stages: dict[str, ModelStage] = {}
         for task, engine in engines.items():
@@ -99,11 +102,12 @@ class TaskStages:
 
     def configure(self, config: Config) -> None:
         """SIGHUP: each task's batch and in-flight bound, and the join's, from ``config``."""
-        self.join.resize(config.task_join())
         for task, batcher in self.batchers.items():
             batch = config.task_batch(task)
             batcher.configure(batch.max_size, batch.max_delay_ms)
             self.stages[task].resize(config.task_in_flight(task))
+            self.calls_out[task] = self.stages[task].capacity
+        self.join.resize(config.task_join(self.calls_out))
 
     async def run(self) -> None:
         """Photos from the cache into the join while it has room, and every task's stage; the

@@ -47,7 +47,9 @@ def log_started(config: Config, model: TaskModel, tasks: dict[str, TaskModel],
         source = " (tasks " + "; ".join(
             f"{task}: {m.name} {m.output} on {m.device}, {m.runtime} {m.precision}, batches "
             f"of {config.task_batch(task).max_size}, {calls_out(task)} in flight"
-            for task, m in tasks.items()) + f"; {config.task_join()} photos in the task join)"
+            for task, m in tasks.items()) + (
+                f"; {config.task_join({task: calls_out(task) for task in tasks})} photos in "
+                "the task join)")
         runtime["TASKS"] = ",".join(tasks)
     logs.emit(logging.INFO, "started",
               f"inboxd {__version__}: model {model.name}{source} on {on}, runs {ran}, "
