@@ -621,10 +621,6 @@ def test_model_based_user_and_system_actions(tmp_path: Path) -> None:
 @pytest.mark.daemon
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(reason="open (issue 38): on the merged tree a photo rewritten in place while "
-                   "in flight can end in done/ with a several-task result whose sha256 is of "
-                   "its earlier bytes ('done/inplaceN.png: other bytes', seed 20261201, twice); "
-                   "the one-task run holds", strict=False)
 def test_model_based_with_several_tasks_per_photo(tmp_path: Path) -> None:
     """The same guarantees with two tasks per photo (each its own batcher, batch size, model
     thread and calls out): kill -9 mid-flood loses nothing and doubles nothing."""
