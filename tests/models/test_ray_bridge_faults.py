@@ -254,6 +254,7 @@ def test_a_task_on_a_cluster_that_is_gone_holds_the_whole_batch_of_a_models_conf
         running = asyncio.create_task(stages.run())
         try:
             while stages.stages["things"].unavailable_waits < 2:
+                assert not running.done(), running  # a stage that crashed
                 await asyncio.sleep(0.01)
             assert delivered == [], "a photo was answered by one task only"
             assert stages.join.size == 2 and all(p.attempts == 0 for p in photos)
@@ -261,6 +262,7 @@ def test_a_task_on_a_cluster_that_is_gone_holds_the_whole_batch_of_a_models_conf
             ray.settings["script"] = "echo"
             ray._retry_at_s = 0.0  # the backoff is over
             while len(delivered) < 2:
+                assert not running.done(), running
                 await asyncio.sleep(0.01)
         finally:
             running.cancel()
