@@ -117,15 +117,19 @@ $(VENV)/bin/python:
 # why); --ignore-requires-python because the wheel says <3.13 for its code, which is not used.
 OCR_MODELS := rapidocr-onnxruntime==1.4.4
 
-# Without -q: torch and its friends take minutes to fetch, and pip's progress says so.
-$(VENV)/.runtime-installed: pyproject.toml | system-deps $(VENV)/bin/python
-	$(BIN)/python -m pip install --progress-bar on -e .
+# Its stamp names the version: a new OCR_MODELS installs again.
+OCR_MODELS_INSTALLED := $(VENV)/.installed-$(subst ==,-,$(OCR_MODELS))
+$(OCR_MODELS_INSTALLED): | $(VENV)/bin/python
 	$(BIN)/python -m pip install -q --no-deps --ignore-requires-python $(OCR_MODELS)
 	touch $@
 
-$(VENV)/.test-installed: pyproject.toml | system-deps $(VENV)/bin/python
+# Without -q: torch and its friends take minutes to fetch, and pip's progress says so.
+$(VENV)/.runtime-installed: pyproject.toml $(OCR_MODELS_INSTALLED) | system-deps $(VENV)/bin/python
+	$(BIN)/python -m pip install --progress-bar on -e .
+	touch $@
+
+$(VENV)/.test-installed: pyproject.toml $(OCR_MODELS_INSTALLED) | system-deps $(VENV)/bin/python
 	$(BIN)/python -m pip install -q -e '.[test,ray,bench]'
-	$(BIN)/python -m pip install -q --no-deps --ignore-requires-python $(OCR_MODELS)
 	touch $(VENV)/.runtime-installed $@
 
 clean:

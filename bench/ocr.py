@@ -27,7 +27,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench.procs import Daemon, write_config
+from bench.procs import write_config
+from support.daemon import DaemonProcess
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = REPO / "var" / "ocr-corpus"
@@ -75,7 +76,7 @@ def run_inboxd(files: list[Path], root: Path) -> tuple[float, dict[str, list[str
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     config = write_config(root, {"model": {"name": "ocr"}})
-    daemon = Daemon(config)
+    daemon = DaemonProcess(config)
     try:
         daemon.wait_ready()
         staging = root / "staging"

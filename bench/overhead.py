@@ -39,10 +39,11 @@ from bench import profiled, report
 from bench.measure import ResultWatcher, drop_many
 from bench.offline import emit
 from bench.photos import Photo
-from bench.procs import Daemon, cpu_by_thread_s, cpu_s
+from bench.procs import cpu_by_thread_s, cpu_s
 from bench.scenarios import Running, flood, watch
 from support import configs
 from support.configs import shipped_config
+from support.daemon import DaemonProcess
 from support.harness import logger
 from support.models import NullModel
 
@@ -137,11 +138,12 @@ def reference(root: Path, config_path: Path, photos: list[Photo], count: int) ->
             "cpu_ms_per_file": round(cpu_ms, 3)}
 
 
-def start(root: Path, config: Path, command: list[str] | None = None) -> Running:
+def start(root: Path, config: Path, program: list[str] | None = None) -> Running:
     # The daemon runs in its folder: the profiled runner must still find this package.
     path = os.pathsep.join(filter(None, [str(BENCH_DIR.parent), os.environ.get("PYTHONPATH")]))
     # Results are looked for, never read or deleted (bench/measure.py says why).
-    return watch(root, Daemon(config, env={"PYTHONPATH": path}, command=command), consume=False)
+    return watch(root, DaemonProcess(config, env={"PYTHONPATH": path},
+                                    program=program or ("-m", "inboxd")), consume=False)
 
 
 # On this machine's ext4 (no journal) a file created after thousands of others were deleted
@@ -279,7 +281,7 @@ def mean_files_per_s(*runs: dict[str, Any]) -> float:
 
 def two_instances(root: Path, program: Path, labels: Path, photos: list[Photo],
                   count: int) -> dict[str, Any]:
-    daemons = [Daemon(write_config(root, program, labels, name)) for name in ("a", "b")]
+    daemons = [DaemonProcess(write_config(root, program, labels, name)) for name in ("a", "b")]
     watcher = ResultWatcher(root / "results", 0.01, consume=False)
     try:
         for daemon in daemons:

@@ -53,10 +53,11 @@ from bench import cpu_profile
 from bench.measure import ResultWatcher, drop_many
 from bench.peer import DECODERS, ensure_model
 from bench.photos import Photo, build_corpus
-from bench.procs import Daemon, RssSampler, cpu_s
+from bench.procs import RssSampler, cpu_s
 from bench.scenarios import Running
 from support import configs
 from support.configs import shipped_config
+from support.daemon import DaemonProcess
 from support.harness import logger
 
 log = logger("bench-peer")
@@ -166,7 +167,7 @@ def start_inboxd(root: Path, photos: list[Photo], warm: int, settle_s: float
     names = drop_many(photos, root / "inbox", warm, "warm")
     results = ResultWatcher(root / "results")
     started = time.monotonic()
-    daemon = Daemon(config)
+    daemon = DaemonProcess(config)
     rss = RssSampler(daemon.pid)
     try:
         ready_s = daemon.wait_ready()

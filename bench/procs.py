@@ -1,18 +1,12 @@
-"""The real daemon as a child process, and memory sampling of any process by pid.
-
-The daemon's stderr is read line by line on a thread: ``[ready]`` sets an event (start-up is
-timed to it, not guessed), ``[stats]`` lines are parsed into dicts (peak CUDA reserved memory
-comes from them), everything else is kept only as a short tail for error messages.
+"""The bench's daemon config, and what it measures of any process by pid: memory (RSS, its
+peak) and CPU seconds by helper process and by thread. The daemon itself runs as tests run it
+(``support.daemon.DaemonProcess``: ``[ready]`` timed, ``[stats]`` records parsed as they come).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,7 +14,6 @@ from typing import Any
 
 from support import configs
 from support.configs import SHIPPED_CONFIG, shipped_config
-from support.records import numeric_fields
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = SHIPPED_CONFIG
@@ -106,107 +99,6 @@ class RssSampler:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(1)
-
-
-class Daemon:
-    """``python -m inboxd run -c CONFIG``; ``ready_s`` is start → ``[ready]`` in seconds."""
-
-    def __init__(self, config: Path, env: dict[str, str] | None = None,
-                 command: list[str] | None = None) -> None:
-        """``command`` replaces ``-m inboxd`` (the profiled runner, say); ``run -c CONFIG``
-        follows it."""
-        self.config = config
-        self.ready = threading.Event()
-        self.ready_s: float | None = None
-        self.started_fields: dict[str, float | str] = {}
-        # (monotonic arrival time, fields) of every [stats] record.
-        self.stats: list[tuple[float, dict[str, float | str]]] = []
-        self.tail: collections.deque[str] = collections.deque(maxlen=60)
-        self._lock = threading.Condition()
-        self._started = time.monotonic()
-        self.proc = subprocess.Popen(
-            [sys.executable, *(command or ["-m", "inboxd"]), "run", "-c", str(config)],
-            cwd=config.parent,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            errors="replace",
-            # Never the journal: the bench reads the records from stderr.
-            env={k: v for k, v in {**os.environ, **(env or {})}.items() if k != "JOURNAL_STREAM"},
-        )
-        self.pid = self.proc.pid
-        self._reader = threading.Thread(target=self._read, name="daemon-stderr", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            if "[stats]" in line:
-                with self._lock:
-                    self.stats.append((time.monotonic(), numeric_fields(line)))
-                    self._lock.notify_all()
-            elif "[started]" in line:
-                self.started_fields = numeric_fields(line)
-            elif "[ready]" in line and not self.ready.is_set():
-                self.ready_s = time.monotonic() - self._started
-                self.ready.set()
-            if "[completed]" not in line:
-                self.tail.append(line.rstrip("\n"))
-        self.ready.set()  # exited: wake anybody waiting for [ready]
-        with self._lock:
-            self._lock.notify_all()
-
-    def wait_ready(self, timeout_s: float = 180) -> float:
-        if not self.ready.wait(timeout_s) or self.ready_s is None:
-            self.kill()
-            raise RuntimeError("inboxd never became ready:\n" + "\n".join(self.tail))
-        return self.ready_s
-
-    def next_stats(self, timeout_s: float = 30) -> dict[str, float | str]:
-        """Wait for the next ``[stats]`` record (the daemon has been through one more tick)."""
-        with self._lock:
-            seen = len(self.stats)
-            if not self._lock.wait_for(lambda: len(self.stats) > seen or not self.alive(),
-                                       timeout_s):
-                raise RuntimeError(f"no [stats] record from inboxd within {timeout_s} s")
-        self.check_alive()
-        return self.stats[-1][1]
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def check_alive(self) -> None:
-        if not self.alive():
-            raise RuntimeError(f"inboxd exited {self.proc.returncode}:\n" + "\n".join(self.tail))
-
-    def stats_between(self, start_s: float, end_s: float) -> list[dict[str, float | str]]:
-        """Stats records that arrived between two monotonic times."""
-        with self._lock:
-            return [fields for t, fields in self.stats if start_s <= t <= end_s]
-
-    def stat_values(self, key: str, start_s: float, end_s: float) -> list[float]:
-        return [float(value) for f in self.stats_between(start_s, end_s)
-                if isinstance(value := f.get(key), float)]
-
-    def stat_max(self, key: str, start_s: float, end_s: float) -> float | None:
-        return max(self.stat_values(key, start_s, end_s), default=None)
-
-    def stop(self, timeout_s: float = 120) -> int:
-        if self.alive():
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            code = -9
-        self._reader.join(5)
-        return code
-
-    def kill(self) -> None:
-        if self.alive():
-            self.proc.kill()
-            self.proc.wait(30)
 
 
 # CPU seconds read from /proc (what the overhead, profile and peer benches charge).

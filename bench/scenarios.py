@@ -18,7 +18,8 @@ from typing import Any
 
 from bench.measure import ResultWatcher, drop, drop_many, drop_name, percentile
 from bench.photos import Photo
-from bench.procs import Daemon, RssSampler, write_config
+from bench.procs import RssSampler, write_config
+from support.daemon import DaemonProcess
 
 MB = 1024 * 1024
 FAST_POLL_S = 0.002  # single drops: the poll is the measurement's resolution
@@ -36,7 +37,7 @@ class Running:
     """One daemon with its memory sampler and result watcher, in its own folder."""
 
     root: Path
-    daemon: Daemon
+    daemon: DaemonProcess
     rss: RssSampler
     results: ResultWatcher
     idle_rss: int
@@ -60,10 +61,10 @@ def start(root: Path, overrides: dict[str, dict[str, Any]] | None = None) -> Run
     if root.exists():
         shutil.rmtree(root)
     root.mkdir(parents=True)
-    return watch(root, Daemon(write_config(root, overrides)))
+    return watch(root, DaemonProcess(write_config(root, overrides)))
 
 
-def watch(root: Path, daemon: Daemon, consume: bool = True) -> Running:
+def watch(root: Path, daemon: DaemonProcess, consume: bool = True) -> Running:
     """``daemon`` (just started in ``root``) with its memory sampler and result watcher
     (``consume``: see ``ResultWatcher``), once it is READY and has been idle for one stats
     tick."""

@@ -6,8 +6,11 @@ fixed sleep.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import io
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -25,6 +28,7 @@ from support.daemon import drop as drop
 from support.daemon import last_stats as last_stats
 from support.daemon import make_image as make_image
 from support.daemon import read_json as read_json
+from support.records import captured_stderr_records
 from support.records import line_fields as line_fields
 from support.waiting import wait_until as wait_until
 
@@ -34,6 +38,49 @@ REPO = Path(__file__).resolve().parent.parent
 # their own cache_dir.
 SHARED_MODEL_CACHE = Path(tempfile.gettempdir()) / (
     f"inboxd-test-model-cache-{os.getuid()}-{hashlib.sha256(str(REPO).encode()).hexdigest()[:8]}")
+
+
+def shared_model_artifact() -> None:
+    """The built-in model's ONNX artifact in ``SHARED_MODEL_CACHE``, exported once per checkout
+    and machine, under a lock (two xdist workers never both export), checked once per process.
+    Without it, each daemon a test starts on a fresh checkout serves torch and starts an export
+    of its own in the background, which the test's end kills unfinished: the same minutes of
+    CPU, over and over. Checked and built in a child: the test process keeps no session,
+    thread or descriptor of it (tests count this process's descriptors)."""
+    global _shared_artifact_ready
+    if _shared_artifact_ready:
+        return
+    SHARED_MODEL_CACHE.mkdir(parents=True, exist_ok=True)
+    with open(SHARED_MODEL_CACHE / ".export.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        built = subprocess.run([sys.executable, "-c", _BUILD_SHARED_ARTIFACT,
+                                str(SHARED_MODEL_CACHE)], capture_output=True, text=True,
+                               timeout=900, check=False)
+        assert built.returncode == 0, built.stdout + built.stderr
+    _shared_artifact_ready = True
+
+
+# What write_config's daemons load (its cache_dir, every other model key the default's): served
+# from the cache when it is there; else exported as a daemon would, in the background thread.
+_BUILD_SHARED_ARTIFACT = """
+import sys
+from pathlib import Path
+from inboxd.config import ModelConfig
+from inboxd.models.onnx_model import load_cached
+
+config = ModelConfig(cache_dir=Path(sys.argv[1]))
+cached, why = load_cached(config)
+if cached is None and "not built yet" in why:
+    from inboxd.models.fast_path import FastPath
+    from inboxd.models.loading import load_model
+
+    fast = FastPath(load_model(config), config)
+    fast.start()
+    fast.join(900)
+    fast.swap_if_built()
+    assert fast.state == "serving", fast.fields
+"""
+_shared_artifact_ready = False
 
 
 def run_interleaved(targets: list[Callable[[], None]]) -> None:
@@ -53,7 +100,9 @@ def run_interleaved(targets: list[Callable[[], None]]) -> None:
 
 def write_config(root: Path, **sections: Any) -> Path:
     """A config with every folder under ``root``, quick to settle and to report; ``sections``
-    override keys (dicts merge; None removes the key, e.g. ``model=None`` beside ``models=``)."""
+    override keys (dicts merge; None removes the key, e.g. ``model=None`` beside ``models=``).
+    A daemon started with it finds the built-in model's artifact (``shared_model_artifact``)."""
+    shared_model_artifact()
     return configs.write_config(root, {
         "inbox": {"settle_ms": 50, "rescan_interval_s": 5},
         # Every interval, idle or not: tests wait for the next record after a change.
@@ -69,6 +118,13 @@ def fresh_log_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     before it logged."""
     from inboxd import log_budget, logs
     monkeypatch.setattr(logs, "budget", log_budget.RecordBudget())
+
+
+@pytest.fixture
+def stderr_records() -> Iterator[io.StringIO]:
+    """The records this process logs, as the daemon writes them to stderr (one line each)."""
+    with captured_stderr_records() as stream:
+        yield stream
 
 
 @pytest.fixture

@@ -27,6 +27,7 @@ def drop_text(text: TextImage, inbox: Path) -> str:
 
 @pytest.mark.daemon
 @pytest.mark.timeout(600)
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_ocr_from_yaml_reads_upright_and_turned_photos_in_displayed_pixels(
         tmp_path: Path, daemon_factory) -> None:
     config = write_config(tmp_path, model={"name": "ocr", "max_regions": 50},

@@ -5,7 +5,7 @@ rotated, mirrored, EXIF-oriented, 0.3-12 MP, JPEG at several qualities and subsa
 WebP, PNG), the real built-in model in eager fp32 on both sides, so only the decode differs: the
 fast decode against the exact one (torchvision's pixels) must agree on the top-1 class for at
 least 99% of the variants and move the reference's top-1 score by a median of at most 0.01.
-``bench.fidelity`` prints the same rows with p95 and max.
+``python -m bench.fidelity`` prints the same rows with p95 and max.
 
 The corpus is built on first use into ``var/corpus`` (a few minutes on 2 cores), then reused.
 """
@@ -15,8 +15,7 @@ from __future__ import annotations
 import pytest
 from inboxd.decode.pillow import RESIZINGS
 
-from bench import fidelity
-from support import corpus, real_photos
+from support import corpus, fidelity, real_photos
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test`, not `make test-fast`
 

@@ -280,6 +280,7 @@ def test_search_and_index_commands(tmp_path: Path) -> None:
 
 @pytest.mark.daemon
 @pytest.mark.timeout(400)
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_like_finds_a_photos_own_picture_first_with_the_real_model(tmp_path: Path) -> None:
     """The built-in model embedding (``model.output: embed``): ``search --like`` embeds a
     re-encoded, smaller copy of one filed photo, which is not in the index, and ranks that

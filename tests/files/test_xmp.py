@@ -84,6 +84,7 @@ def test_a_sidecar_is_never_written_through_a_link(tmp_path: Path) -> None:
 
 @pytest.mark.daemon
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_the_daemon_writes_sidecars_beside_the_filed_photos(tmp_path: Path) -> None:
     config = write_config(tmp_path, xmp={"min_score": 0.0}, inbox={"settle_ms": 0},
                           model={"device": "cpu"})

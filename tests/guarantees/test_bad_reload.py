@@ -39,6 +39,7 @@ def after(messages: list[str], kind: str) -> list[str]:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_a_reload_of_an_undecodable_file_answers_ready_and_the_next_reload_works(
         tmp_path: Path) -> None:
     notify = NotifySocket(str(tmp_path / "notify.sock"))

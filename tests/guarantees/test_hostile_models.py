@@ -40,6 +40,7 @@ def memory_cgroup(name: str, limit_bytes: int) -> Iterator[Path]:
 
 
 @pytest.mark.daemon
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_a_memory_bomb_onnx_is_refused_with_78_not_oom_killed(tmp_path: Path) -> None:
     """Before: the start-up probe ran the graph in the daemon, which the cgroup's OOM killer
     ended (exit -9; under the unit a restart loop)."""
@@ -129,6 +130,7 @@ def test_an_exporter_stopped_as_it_starts_dies_with_the_daemon(tmp_path: Path) -
 
 
 @pytest.mark.daemon
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_a_batch_slower_than_the_watchdog_allows_is_said_at_start_up(tmp_path: Path) -> None:
     """Before: nothing at start-up; the first busy batch stopped the pings and systemd
     restarted the service, again and again."""
@@ -147,6 +149,7 @@ def test_a_batch_slower_than_the_watchdog_allows_is_said_at_start_up(tmp_path: P
 
 
 @pytest.mark.daemon
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_a_reload_to_a_batch_size_the_onnx_cannot_afford_is_refused_not_fatal(
         tmp_path: Path) -> None:
     """Before: the reload warmed the new size in the daemon, which the OOM killer ended."""

@@ -37,6 +37,7 @@ def backlog(config_path: Path, timeout_s: float = 60) -> None:
     asyncio.run(bounded())
 
 
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_a_folder_named_like_a_result_fails_its_files_and_the_daemon_goes_on(
         tmp_path: Path, daemon_factory) -> None:
     """``a.png`` is done (results/a.png.json); then a folder ``a.png.json/`` with a photo in
@@ -63,6 +64,7 @@ def test_a_folder_named_like_a_result_fails_its_files_and_the_daemon_goes_on(
     assert daemon.stop(timeout_s=30) == 0
 
 
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_a_folder_named_like_a_done_file_fails_its_files(tmp_path: Path) -> None:
     """done/x.png is a file, then a folder x.png/ with photos arrives: done/x.png/a.png can
     never be made. The move failed with ENOTDIR and was retried like a full disk, for ever

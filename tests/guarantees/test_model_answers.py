@@ -94,6 +94,7 @@ class CrashesOn(ModelEngine):
         pass
 
 
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_a_crash_counts_only_against_the_files_inside_the_crashed_stage(tmp_path: Path) -> None:
     """Before: ``record_crash`` counted every claimed file, so after two crashes of the model
     stage on one photo's batch the photos being claimed and decoded meanwhile went to failed/

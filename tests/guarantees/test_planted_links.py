@@ -111,6 +111,7 @@ def test_submit_never_writes_through_a_link_at_a_guessable_temp_name(
     assert sum(1 for p in inbox.iterdir() if p.is_symlink()) == len(pids)
 
 
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_a_planted_processing_folder_never_gets_done_emptied(
         layout: tuple[Path, Path], tmp_path: Path) -> None:
     """The group can rename ``.processing`` away and make its own, with ``.tmp/<instance>`` a

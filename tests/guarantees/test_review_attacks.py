@@ -62,11 +62,11 @@ def test_submit_refuses_a_fifo_or_a_device_named_like_a_photo(tmp_path: Path) ->
     assert (tmp_path / "inbox" / "good.png").read_bytes() == (shared / "good.png").read_bytes()
 
 
-# Each case runs inboxd once (tens of seconds): two in the fast tier, every one in the full suite.
+# Each case runs inboxd once (tens of seconds): one in the fast tier, every one in the full suite.
 @pytest.mark.parametrize("rel", [
     pytest.param("sub/..", id="dotdot-leaf"),
     pytest.param(".", id="dot", marks=pytest.mark.slow),
-    pytest.param(".processing/default/x.png", id="into-processing"),
+    pytest.param(".processing/default/x.png", id="into-processing", marks=pytest.mark.slow),
     pytest.param("a\0b.png", id="nul", marks=pytest.mark.slow),
     pytest.param(["x"], id="not-a-string", marks=pytest.mark.slow)])
 def test_retry_refuses_a_report_whose_path_no_inbox_file_has(tmp_path: Path, rel: object) -> None:
@@ -92,6 +92,7 @@ def test_retry_refuses_a_report_whose_path_no_inbox_file_has(tmp_path: Path, rel
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_a_stop_with_idle_metrics_connections_open_logs_no_traceback(tmp_path: Path) -> None:
     """Any local process can hold connections to metrics.listen open; at a SIGTERM each one's
     handler was cancelled, and Python 3.11's stream callback (task.exception() on a cancelled
@@ -186,6 +187,7 @@ def test_crash_counts_are_never_read_from_a_processing_folder_not_ours(
         lifecycle.unlock_instance()
 
 
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_a_failed_file_with_a_long_name_can_be_retried(tmp_path: Path) -> None:
     """A 250-byte name fits, its report's name (+ ".error.json") does not and is shortened
     to name~hash.error.json. Before, retry took the report's name for the file's and said

@@ -354,6 +354,7 @@ def test_inboxd_stats_ignores_records_a_neighbour_forges(
 FORGED_LINE = "2026-01-01T00:00:00.000Z INFO    [completed] completed forged.png"
 
 
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_control_characters_in_names_never_reach_stderr_or_check_config_raw(
         tmp_path: Path) -> None:
     """A name with ESC and a newline: the daemon's stderr lines and ``check-config`` show it

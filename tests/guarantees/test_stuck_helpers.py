@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -45,22 +42,6 @@ def helper_pids(parent: int, module: str) -> list[int]:
         if ppid == parent and module.encode() in cmdline:
             found.append(int(entry))
     return found
-
-
-class GroupDaemon(DaemonProcess):
-    """The daemon as the leader of a process group of its own, as a shell job is (Ctrl-Z stops
-    the whole group) and as a systemd cgroup holds it with its helpers."""
-
-    def __init__(self, config: Path, env: dict[str, str] | None = None) -> None:
-        self.config = config
-        self.lines: list[str] = []
-        self._lock = threading.Lock()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "inboxd", "run", "-c", str(config)], cwd=config.parent,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
 
 
 SLOW_S = 2.5  # what the injected slow decode sleeps (the test-only fault ``slow``)
@@ -133,7 +114,9 @@ def _slow_daemon(tmp_path: Path, timeout_s: float, **sections: Any) -> tuple[Pat
 def test_a_process_group_stopped_longer_than_decode_timeout_s_fails_no_file(
         tmp_path: Path) -> None:
     config, env = _slow_daemon(tmp_path, timeout_s=4)
-    daemon = GroupDaemon(config, env=env)
+    # The daemon leads a process group of its own, as a shell job does (Ctrl-Z stops the whole
+    # group) and as a systemd cgroup holds it with its helpers.
+    daemon = DaemonProcess(config, env=env, new_session=True)
     try:
         daemon.wait_for("ready")
         drop(make_image(tmp_path / "warm.png"), tmp_path / "inbox")

@@ -170,6 +170,7 @@ def test_start_up_refuses_what_cannot_work_naming_the_key(tmp_path: Path,
         load_model(detector_config(yolo_path, labels_path, layout="boxes"))
 
 
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_a_detector_that_cannot_work_exits_78_naming_the_fix(tmp_path: Path) -> None:
     yolo_path = detectors.yolo_onnx(tmp_path / "yolo.onnx")
     config = write_config(tmp_path, model={"onnx": str(yolo_path), "output": "detect"})
@@ -180,6 +181,7 @@ def test_a_detector_that_cannot_work_exits_78_naming_the_fix(tmp_path: Path) -> 
 
 
 @pytest.mark.daemon
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_inboxd_once_writes_detections_in_the_displayed_photo_s_pixels(
         tmp_path: Path, yolo_path: Path, labels_path: Path) -> None:
     config = write_config(tmp_path, model={"onnx": str(yolo_path), "output": "detect",

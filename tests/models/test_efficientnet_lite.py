@@ -309,6 +309,7 @@ def test_features_are_the_embedding_before_fc(
     assert max_abs_diff(model._fc(features), model(photo_batch)) < TOLERANCE
 
 
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_export_with_dynamic_batch(model: EfficientNetLite0, photo_batch: Tensor) -> None:
     with torch.inference_mode(mode=False):
         batch = torch.export.Dim("batch", min=1, max=1024)

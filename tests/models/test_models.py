@@ -196,6 +196,7 @@ def test_embed_writes_the_pooled_features_as_npy(
     assert not list((tmp_path / "results").glob(".tmp/*/*")), "no temp file left behind"
 
 
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_builtin_embed_is_the_efficientnet_features(photos: dict[str, Path]) -> None:
     """(The pipeline writes the built-in's vectors in the README example test.)"""
     model = load_model(ModelConfig(output="embed", device="cpu"))

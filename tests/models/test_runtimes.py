@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from inboxd.models.runtimes.agreement import SCORE_TOLERANCE, probe_images
 from inboxd.models.runtimes.choice import choose, cpu_flags, native_bf16
 
 from support.photos import photo_paths
+from tests.conftest import SHARED_MODEL_CACHE, shared_model_artifact
 
 CPUINFO = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 avx512f {extra}\n"
 
@@ -169,17 +171,16 @@ def test_precision_auto_with_torch_tries_bf16_only_on_native_bf16(
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One real export (the exporter process) of the built-in model, shared by the tests that
-    only read the artifact."""
+    """A real export (the exporter process) of the built-in model, shared by the tests that
+    only read the artifact: the one every test's daemons serve (``shared_model_artifact``, made
+    by the same FastPath and exporter), copied into a cache of this module's own."""
+    shared_model_artifact()
     cache_dir = tmp_path_factory.mktemp("cache")
     model, config = builtin(cache_dir)
-    fast = FastPath(model, config)
-    fast.start()
-    assert fast.state == "building", fast.fields
-    fast.join(900)
-    fast.swap_if_built()
-    assert fast.state == "serving", fast.fields
-    return fast.path
+    path = FastPath(model, config).path
+    path.parent.mkdir(parents=True)
+    shutil.copyfile(SHARED_MODEL_CACHE / "onnx" / path.name, path)
+    return path
 
 
 @pytest.mark.slow  # a second real export (the fast tier keeps the fixture's, swapped in too)
@@ -208,6 +209,7 @@ def test_the_swap_keeps_every_photo_within_the_contract(tmp_path: Path, exported
     assert fast.path.read_bytes() == exported.read_bytes()  # deterministic: the same export
 
 
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_a_cached_artifact_is_loaded_without_a_second_export(exported: Path) -> None:
     before = os.stat(exported)
 
@@ -290,6 +292,7 @@ def test_a_corrupt_or_hostile_cache_file_is_rebuilt_and_never_crashes(
     assert fast.fields["RUNTIME_REBUILD_REASON"]
 
 
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_a_failing_build_logs_once_and_the_plain_model_keeps_serving(
         tmp_path: Path, runtime_records: Records) -> None:
     model, config = builtin(tmp_path / "cache")
@@ -349,6 +352,7 @@ def test_a_pt2_program_gets_the_same_fast_path(tmp_path: Path) -> None:
     assert torch.allclose(model.outputs(images), before, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_the_exporter_process_reports_why_it_failed(tmp_path: Path) -> None:
     config = ModelConfig(device="cpu", cache_dir=tmp_path)
     with pytest.raises(ExportFailed, match="not the daemon's"):
@@ -375,6 +379,7 @@ def onnx_file(network: torch.nn.Module, path: Path, dynamic: bool = True) -> Pat
     return path
 
 
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_an_onnx_model_is_checked_and_runs_like_its_torch_network(tmp_path: Path) -> None:
     from tests.byo_models import NUM_CLASSES, resnet18
 

@@ -141,6 +141,7 @@ def tasks_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.daemon
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_one_result_holds_every_task_s_section_and_a_task_s_failure_leaves_the_rest(
         tasks_config: Path) -> None:
     root = tasks_config.parent

@@ -46,6 +46,7 @@ def test_without_an_artifact_torch_serves_and_says_why(tmp_path: Path) -> None:
 
 @pytest.mark.daemon
 @pytest.mark.timeout(900)  # one real export first: 15 s on a quiet core, minutes on a busy one
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_a_daemon_serving_a_cached_artifact_has_no_torch(tmp_path: Path, daemon_factory) -> None:
     cache = tmp_path / "cache"
     config = write_config(tmp_path, model={"cache_dir": str(cache), "device": "cpu"})
@@ -74,6 +75,7 @@ def test_a_daemon_serving_a_cached_artifact_has_no_torch(tmp_path: Path, daemon_
     assert daemon.stop() == 0
 
 
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_the_cached_model_gives_the_torch_model_s_answers(tmp_path: Path) -> None:
     """The numpy batch path (normalise, softmax, top-k) against the torch model on one
     artifact: same labels in the same order, scores within float rounding."""

@@ -135,6 +135,7 @@ def test_a_full_done_folder_never_turns_a_success_into_a_failure(
     assert pipeline.stats.counters.completed == 1 and pipeline.stats.counters.failed == 0
 
 
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_kept_file_replaced_by_another_with_an_older_mtime_is_processed_again(
         tmp_path: Path) -> None:
     """keep used to compare mtimes: an older photo moved over a kept one was never seen."""

@@ -6,11 +6,7 @@ from __future__ import annotations
 
 import io
 import logging
-import os
-import pty
-import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,38 +14,23 @@ from inboxd import logs
 from inboxd.config import load_config
 from inboxd.pipeline.wiring import Pipeline
 
-from tests.conftest import REPO, write_config
+from support.terminal import run_on_a_terminal
+from tests.conftest import write_config
 from tests.fakes import FakeModel
 
 
-@pytest.fixture
-def stats_lines() -> Iterator[io.StringIO]:
-    saved = list(logs.log.handlers), logs.log.level, logs.log.propagate
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(logs.StderrFormatter())
-    logs.install_handler(handler, "info")
-    yield stream
-    handlers, level, propagate = saved
-    logs.log.removeHandler(handler)
-    for old in handlers:
-        logs.log.addHandler(old)
-    logs.log.setLevel(level)
-    logs.log.propagate = propagate
-
-
 def test_an_idle_daemon_logs_a_heartbeat_not_a_record_each_interval(
-        tmp_path: Path, stats_lines: io.StringIO) -> None:
+        tmp_path: Path, stderr_records: io.StringIO) -> None:
     now = [1000.0]
     config = load_config(write_config(tmp_path, stats={"interval_s": 10, "heartbeat_s": 300}))
     pipeline = Pipeline(config, FakeModel(), clock=lambda: now[0])  # type: ignore[arg-type]
 
     def interval() -> int:
         """One stats interval; how many records it logged."""
-        before = stats_lines.getvalue().count("[stats]")
+        before = stderr_records.getvalue().count("[stats]")
         now[0] += 10
         pipeline.report.log_stats(quiet_when_idle=True)
-        return stats_lines.getvalue().count("[stats]") - before
+        return stderr_records.getvalue().count("[stats]") - before
 
     assert interval() == 1  # the first
     assert [interval() for _ in range(20)] == [0] * 20  # idle: quiet
@@ -59,7 +40,7 @@ def test_an_idle_daemon_logs_a_heartbeat_not_a_record_each_interval(
     assert interval() == 1  # the heartbeat
     assert interval() == 0
     assert pipeline.report.log_stats()["COMPLETED"] == 1  # asked for (at a stop): always logged
-    assert stats_lines.getvalue().count("[stats]") == 5
+    assert stderr_records.getvalue().count("[stats]") == 5
 
 
 def test_a_records_line_on_a_terminal_stays_short() -> None:
@@ -77,25 +58,13 @@ def test_a_records_line_on_a_terminal_stays_short() -> None:
 
 @pytest.mark.daemon
 @pytest.mark.timeout(120)
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_the_foreground_daemon_on_a_terminal_writes_short_lines(tmp_path: Path) -> None:
     config = write_config(tmp_path)
-    controller, terminal = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "inboxd", "once", "-c", str(config)],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=terminal,
-                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO / "daemon")})
-    os.close(terminal)
-    out = b""
-    while True:
-        try:
-            chunk = os.read(controller, 65536)
-        except OSError:  # EIO: the daemon has gone, and with it the terminal's other side
-            break
-        if not chunk:
-            break
-        out += chunk
-    os.close(controller)
-    assert proc.wait(60) == 0
-    lines = [line for line in out.decode(errors="replace").splitlines() if "[" in line]
+    status, out = run_on_a_terminal([sys.executable, "-m", "inboxd", "once", "-c", str(config)],
+                                    stdout_too=False)
+    assert status == 0, out[-2000:]
+    lines = [line for line in out.splitlines() if "[" in line]
     assert any("[stats]" in line for line in lines), lines
     too_long = [line for line in lines if len(line) > logs.TERMINAL_LINE_CHARS]
     assert too_long == [], too_long

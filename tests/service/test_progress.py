@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import pty
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from inboxd.service.progress import bar_line
 
-from tests.conftest import REPO, make_image, write_config
+from support.terminal import run_on_a_terminal
+from tests.conftest import make_image, write_config
 
 
 def test_the_bar_says_how_far_how_fast_and_how_long() -> None:
@@ -21,27 +19,9 @@ def test_the_bar_says_how_far_how_fast_and_how_long() -> None:
     assert "ETA --:--" in bar_line(0, 0, 10, 1.0)
 
 
-def run_on_a_terminal(args: list[str]) -> tuple[int, str]:
-    """``args`` with stderr (and stdout) on a pseudo-terminal; its exit status and output."""
-    controller, terminal = pty.openpty()
-    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=terminal, stderr=terminal,
-                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO / "daemon")})
-    os.close(terminal)
-    out = b""
-    while True:
-        try:
-            chunk = os.read(controller, 65536)
-        except OSError:  # EIO: the program has gone, and with it the terminal's other side
-            break
-        if not chunk:
-            break
-        out += chunk
-    os.close(controller)
-    return proc.wait(60), out.decode(errors="replace")
-
-
 @pytest.mark.daemon
 @pytest.mark.timeout(180)
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_once_on_a_terminal_draws_a_progress_bar(tmp_path: Path) -> None:
     config = write_config(tmp_path, inbox={"settle_ms": 0})
     for n in range(6):

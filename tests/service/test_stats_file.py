@@ -25,6 +25,7 @@ def inboxd(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.daemon
 @pytest.mark.timeout(400)
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_stats_and_report_of_a_foreground_daemon_without_a_journal(tmp_path: Path) -> None:
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     for root, count in ((ours, 3), (theirs, 1)):

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import io
 import logging
-from collections.abc import Iterator
 
-import pytest
 from inboxd import logs
 
 from tests.conftest import line_fields
@@ -24,28 +22,10 @@ AWKWARD_VALUES = {
 }
 
 
-@pytest.fixture
-def stderr_stream() -> Iterator[io.StringIO]:
-    """The inboxd logger set up as the daemon sets it for stderr, into a string; as it was
-    afterwards (its handlers, level and propagation are global: later tests read them)."""
-    saved = list(logs.log.handlers), logs.log.level, logs.log.propagate
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(logs.StderrFormatter())
-    logs.install_handler(handler, "info")
-    yield stream
-    handlers, level, propagate = saved
-    logs.log.removeHandler(handler)
-    for old in handlers:
-        logs.log.addHandler(old)
-    logs.log.setLevel(level)
-    logs.log.propagate = propagate
-
-
-def test_every_field_of_a_stderr_record_reads_back_as_logged(stderr_stream: io.StringIO) -> None:
+def test_every_field_of_a_stderr_record_reads_back_as_logged(stderr_records: io.StringIO) -> None:
     logs.emit(logging.INFO, "stats", "a message with X=1 and 'quotes' in it",
               count=3, ratio=0.25, **AWKWARD_VALUES)
-    line = stderr_stream.getvalue().rstrip("\n")
+    line = stderr_records.getvalue().rstrip("\n")
     assert "\n" not in line, "one record, one line"
     fields = line_fields(line)
     expected = {key.upper(): value for key, value in AWKWARD_VALUES.items()}

@@ -32,9 +32,25 @@ Output = Literal["classify", "embed", "detect", "ocr"]
 Color = Literal["rgb", "bgr", "gray"]
 
 
+# Each kind of answer says, by two methods (mypy checks each against the ``TaskAnswer`` union):
+#   not_finite() -> str | None: what in it is NaN or infinite (fp16 overflow, a network that
+#     diverges on one input), or None. JSON has no such numbers: ``json.dumps`` would write a
+#     ``NaN`` that strict readers reject, in a result that claims to be an answer.
+#   result_fields(width, height, vector_file) -> dict: its part of the result JSON, given the
+#     displayed photo's size (geometry is in its pixels) and the name of the vector file
+#     written beside the result.
+
+
 @dataclass
 class Classification:
     top_k: list[dict[str, Any]]
+
+    def not_finite(self) -> str | None:
+        bad = sum(not math.isfinite(float(entry.get("score", 0.0))) for entry in self.top_k)
+        return f"{bad} of the top-{len(self.top_k)} scores" if bad else None
+
+    def result_fields(self, width: int, height: int, vector_file: str) -> dict[str, Any]:
+        return {"top_k": self.top_k}
 
 
 @dataclass
@@ -48,6 +64,15 @@ class Embedding:
     @property
     def norm(self) -> float:
         return float(np.linalg.norm(self.vector.astype(np.float64)))
+
+    def not_finite(self) -> str | None:
+        bad = int(np.count_nonzero(~np.isfinite(self.vector)))
+        return f"{bad} of the {self.dim} embedding values" if bad else None
+
+    def result_fields(self, width: int, height: int, vector_file: str) -> dict[str, Any]:
+        # The vector itself is written beside the result, in the group commit.
+        return {"embedding": {"file": vector_file, "dim": self.dim,
+                              "norm": round(self.norm, 6), "dtype": str(self.vector.dtype)}}
 
 
 # What one task says about one photo.
@@ -68,33 +93,15 @@ Prediction: TypeAlias = "TaskAnswer | TaskResults"
 
 
 def loaded_class(module: str, name: str) -> Any:
-    """A class of a module only if that module is loaded: a prediction cannot be an instance
-    of a class nobody imported, and importing it here would load torch into every daemon."""
+    """A class of a module only if that module is loaded: importing it to ask would load
+    torch (or OpenCV) into a daemon that serves none of its models."""
     return getattr(sys.modules.get(module), name, None)
 
 
 def not_finite(prediction: Prediction) -> str | None:
-    """What in ``prediction`` is NaN or infinite (fp16 overflow, a network that diverges on one
-    input), or None. JSON has no such numbers: ``json.dumps`` would write a ``NaN`` that strict
-    readers reject, in a result that claims to be a classification."""
-    if isinstance(prediction, Embedding):
-        bad = int(np.count_nonzero(~np.isfinite(prediction.vector)))
-        return f"{bad} of the {prediction.dim} embedding values" if bad else None
-    if isinstance(prediction, TaskResults):
-        return None  # each section is checked on its own (a task's section says it)
-    reading = loaded_class("inboxd.models.ocr.reader", "OcrReading")
-    if reading is not None and isinstance(prediction, reading):
-        bad = sum(not math.isfinite(line.score) for line in prediction.lines)
-        return f"{bad} of the {len(prediction.lines)} line scores" if bad else None
-    detections = loaded_class("inboxd.models.detect.geometry", "Detections")
-    if detections is not None and isinstance(prediction, detections):
-        bad = sum(not math.isfinite(v) for box, score in zip(prediction.boxes,
-                                                              prediction.scores, strict=True)
-                  for v in (*box, score))
-        return f"{bad} of the detections' box coordinates and scores" if bad else None
-    assert isinstance(prediction, Classification)
-    bad = sum(not math.isfinite(float(entry.get("score", 0.0))) for entry in prediction.top_k)
-    return f"{bad} of the top-{len(prediction.top_k)} scores" if bad else None
+    """What in ``prediction`` is NaN or infinite, or None; a ``TaskResults``'s sections are
+    each checked on their own (a task's section says it)."""
+    return None if isinstance(prediction, TaskResults) else prediction.not_finite()
 
 
 class UnfitAnswer(ValueError):

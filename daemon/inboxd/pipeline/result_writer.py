@@ -20,7 +20,7 @@ import functools
 import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 from inboxd import __version__
 from inboxd.config import Config
@@ -32,22 +32,16 @@ from inboxd.files.names import relative_inside
 from inboxd.item import ModelError, PermanentError, TransientError, WorkItem
 from inboxd.models.engines.interface import Outcome
 from inboxd.models.predictions import (
-    Classification,
     Embedding,
     Prediction,
     TaskAnswer,
     TaskModel,
     TaskResults,
-    loaded_class,
     not_finite,
 )
 from inboxd.models.weights import weights_sha256
 from inboxd.pipeline.committing import Committing
 from inboxd.pipeline.outcomes import Outcomes, RunIO, utc_now
-
-if TYPE_CHECKING:
-    from inboxd.models.detect.geometry import Detections
-    from inboxd.models.ocr.reader import OcrReading
 
 HANDOFF_BATCHES = 1
 
@@ -252,7 +246,7 @@ class ResultWriter:
             "inboxd_version": __version__,
         }
 
-    def _section(self, task: str, outcome: Prediction | Exception, result: TaskResults,
+    def _section(self, task: str, outcome: TaskAnswer | Exception, result: TaskResults,
                  item: WorkItem) -> dict[str, Any]:
         model = self.tasks[task]
         runtime, precision = result.ran.get(task, ("", ""))
@@ -276,26 +270,10 @@ class ResultWriter:
                     for task, outcome in result.sections.items()}
         return self._output(result, item)
 
-    def _output(self, result: Prediction, item: WorkItem) -> dict[str, Any]:
-        # A detector's or OCR's answer can only come from a daemon that loaded their modules
-        # (torch, OpenCV); asking for their classes otherwise would load them here.
-        detections = loaded_class("inboxd.models.detect.geometry", "Detections")
-        if detections is not None and isinstance(result, detections):
-            # In the displayed photo's pixels, whatever size the model saw it at.
-            return {"detections": cast("Detections", result).in_photo(
-                item.image_info["width"], item.image_info["height"])}
-        if isinstance(result, Embedding):
-            return {"embedding": {
-                "file": os.path.basename(self.lifecycle.results.vector_file(item.key)),
-                "dim": result.dim,
-                "norm": round(result.norm, 6),
-                "dtype": str(result.vector.dtype),
-            }}
-        reading = loaded_class("inboxd.models.ocr.reader", "OcrReading")
-        if reading is not None and isinstance(result, reading):
-            return {"ocr": cast("OcrReading", result).as_json()}
-        assert isinstance(result, Classification)
-        return {"top_k": result.top_k}
+    def _output(self, result: TaskAnswer, item: WorkItem) -> dict[str, Any]:
+        return result.result_fields(
+            item.image_info["width"], item.image_info["height"],
+            os.path.basename(self.lifecycle.results.vector_file(item.key)))
 
 
 def _checked_sections(result: TaskResults) -> TaskResults:

@@ -83,21 +83,79 @@ def clean(entry: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def latest(unit: str | None, instance: str | None) -> dict[str, Any] | None:
-    reader = stats_reader(unit, instance)
-    reader.seek_tail()
-    entry = reader.get_previous()
-    return clean(entry) if entry else None
+class JournalRecords:
+    """The stats records of this boot's journal: one unit's, or (no unit) those a trusted user's
+    inboxd sent; of one instance, or of every one."""
+
+    def __init__(self, unit: str | None, instance: str | None) -> None:
+        self.unit, self.instance = unit, instance
+        self.where = "the journal"
+
+    def latest(self) -> dict[str, Any] | None:
+        reader = stats_reader(self.unit, self.instance)
+        reader.seek_tail()
+        entry = reader.get_previous()
+        return clean(entry) if entry else None
+
+    def since(self, start: datetime | None) -> Iterator[dict[str, Any]]:
+        reader = stats_reader(self.unit, self.instance)
+        if start is not None:
+            reader.seek_realtime(start)
+        for entry in reader:
+            yield clean(entry)
+
+    def following(self) -> Iterator[dict[str, Any]]:
+        """Each record after the latest, as it comes; never ends."""
+        reader = stats_reader(self.unit, self.instance)
+        reader.seek_tail()
+        reader.get_previous()
+        while True:
+            reader.wait()
+            for entry in reader:
+                yield clean(entry)
+
+    def none_found(self, command: str) -> str:
+        where = f"unit {self.unit}" if self.unit else "SYSLOG_IDENTIFIER=inboxd"
+        return (f"no stats record in this boot's journal for {where}; for a daemon run in the "
+                f"foreground, give its config: inboxd {command} -c FILE")
 
 
-def since(
-    unit: str | None, instance: str | None, start: datetime | None
-) -> Iterator[dict[str, Any]]:
-    reader = stats_reader(unit, instance)
-    if start is not None:
-        reader.seek_realtime(start)
-    for entry in reader:
-        yield clean(entry)
+class FileRecords:
+    """The stats records ``config``'s daemon keeps in its own file (``files.stats_file``)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.path = stats_file.stats_path(config)
+        self.where = str(self.path)
+
+    def latest(self) -> dict[str, Any] | None:
+        seen = list(stats_file.records(self.path))
+        return seen[-1] if seen else None
+
+    def since(self, start: datetime | None) -> Iterator[dict[str, Any]]:
+        return stats_file.records(self.path, start)
+
+    def following(self) -> Iterator[dict[str, Any]]:
+        """Each record after the latest, as it comes; never ends."""
+        latest = self.latest()
+        last = latest["TIME"] if latest else datetime.min
+        while True:
+            time.sleep(FOLLOW_POLL_S)
+            for record in stats_file.records(self.path):
+                if record["TIME"] > last:
+                    yield record
+                    last = record["TIME"]
+
+    def none_found(self, command: str) -> str:
+        return (f"no stats record in {self.path} (instance {self.config.instance}): has the "
+                "daemon of this config run yet?")
+
+
+def records_of(unit: str | None, instance: str | None,
+               config: Config | None) -> JournalRecords | FileRecords:
+    """Where the records are read from: the file of ``config``'s daemon when a config is given
+    (a daemon run in the foreground), else the journal."""
+    return FileRecords(config) if config is not None else JournalRecords(unit, instance)
 
 
 def format_table(stats: dict[str, Any]) -> str:
@@ -172,43 +230,16 @@ def layers_of(stats: dict[str, Any]) -> list[str]:
 
 def print_stats(unit: str | None, instance: str | None, as_json: bool, follow: bool,
                 config: Config | None = None) -> int:
-    if config is not None:
-        return print_file_stats(config, as_json, follow)
-    stats = latest(unit, instance)
+    """The latest record; ``follow``: then each new one as it comes."""
+    source = records_of(unit, instance, config)
+    stats = source.latest()
     if stats is None:
-        where = f"unit {unit}" if unit else "SYSLOG_IDENTIFIER=inboxd"
-        print(f"inboxd stats: no stats record in this boot's journal for {where}; for a daemon "
-              "run in the foreground, give its config: inboxd stats -c FILE", file=sys.stderr)
+        print(f"inboxd stats: {source.none_found('stats')}", file=sys.stderr)
         return 1
     show(stats, as_json)
     if follow:
-        reader = stats_reader(unit, instance)
-        reader.seek_tail()
-        reader.get_previous()
-        while True:
-            reader.wait()
-            for entry in reader:
-                show(clean(entry), as_json)
-    return 0
-
-
-def print_file_stats(config: Config, as_json: bool, follow: bool) -> int:
-    """The latest record of ``config``'s daemon, from the file it keeps (``files.stats_file``);
-    ``follow``: each new one as it comes."""
-    path = stats_file.stats_path(config)
-    seen = list(stats_file.records(path))
-    if not seen:
-        print(f"inboxd stats: no stats record in {path} (instance {config.instance}): has "
-              "the daemon of this config run yet?", file=sys.stderr)
-        return 1
-    show(seen[-1], as_json)
-    last = seen[-1]["TIME"]
-    while follow:
-        time.sleep(FOLLOW_POLL_S)
-        for record in stats_file.records(path):
-            if record["TIME"] > last:
-                show(record, as_json)
-                last = record["TIME"]
+        for record in source.following():
+            show(record, as_json)
     return 0
 
 
@@ -283,14 +314,10 @@ def draw_report(records: list[dict[str, Any]], output: Path) -> None:
 
 def write_report(unit: str | None, instance: str | None, start: datetime | None,
                  output: Path, config: Config | None = None) -> int:
-    if config is not None:
-        records = list(stats_file.records(stats_file.stats_path(config), start))
-        source = f"{stats_file.stats_path(config)}"
-    else:
-        records = list(since(unit, instance, start))
-        source = "the journal"
+    source = records_of(unit, instance, config)
+    records = list(source.since(start))
     if not records:
-        print(f"inboxd report: no stats records in {source} for that selection"
+        print(f"inboxd report: no stats records in {source.where} for that selection"
               + ("" if config else "; for a daemon run in the foreground, give its config: "
                  "inboxd report -c FILE"), file=sys.stderr)
         return 1

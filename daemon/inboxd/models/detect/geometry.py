@@ -10,6 +10,7 @@ axis to the displayed photo (the fitted image was resized edge to edge from it) 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -64,6 +65,15 @@ class Detections:
     indices: list[int]
     labels: list[str]
     fitted_size: tuple[int, int]  # (width, height) of that image
+
+    def not_finite(self) -> str | None:
+        bad = sum(not math.isfinite(v) for box, score in zip(self.boxes, self.scores, strict=True)
+                  for v in (*box, score))
+        return f"{bad} of the detections' box coordinates and scores" if bad else None
+
+    def result_fields(self, width: int, height: int, vector_file: str) -> dict[str, Any]:
+        # In the displayed photo's pixels, whatever size the model saw it at.
+        return {"detections": self.in_photo(width, height)}
 
     def in_photo(self, width: int, height: int) -> list[dict[str, Any]]:
         """The result's ``detections``: each box scaled to the displayed ``width``×``height``

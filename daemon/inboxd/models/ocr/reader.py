@@ -14,6 +14,7 @@ polygon is given in those pixels.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -75,6 +76,13 @@ class OcrReading:
     def as_json(self) -> dict[str, Any]:
         return {"lines": [line.as_json() for line in self.lines], "full_text": self.full_text,
                 "cut": self.cut}
+
+    def not_finite(self) -> str | None:
+        bad = sum(not math.isfinite(line.score) for line in self.lines)
+        return f"{bad} of the {len(self.lines)} line scores" if bad else None
+
+    def result_fields(self, width: int, height: int, vector_file: str) -> dict[str, Any]:
+        return {"ocr": self.as_json()}
 
 
 class CropLayer:
