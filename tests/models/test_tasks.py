@@ -182,6 +182,7 @@ def test_one_result_holds_every_task_s_section_and_a_task_s_failure_leaves_the_r
 
 
 @pytest.mark.daemon
+@pytest.mark.slow  # a detector and a classifier daemon: `make test`, not the fast tier
 def test_each_real_task_batches_at_its_own_size_within_the_join(tmp_path: Path) -> None:
     """Two real models of different speeds (EfficientNet-Lite0 in eager torch, a constructed
     YOLO-layout ONNX) with batch sizes 3 and 2: the stats record's batch layers show each
