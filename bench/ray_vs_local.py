@@ -82,7 +82,7 @@ async def run_once(config_path: Path) -> dict[str, Any]:
             "batches": len(stats.batch_sizes.samples),
             "call_ms_p50": stats.inference_ms.percentile(50),
             "replica_ms_p50": next(iter(replica.values()), {}).get("p50_ms"),
-            "in_flight_high_water": fields["IN_FLIGHT_HIGH_WATER"]}
+            "model_high_water": fields["MODEL_HIGH_WATER"]}
 
 
 def configure(root: Path, engine: str, model: dict[str, Any], address: str,
@@ -141,7 +141,7 @@ def main() -> None:
     what = "one-line receipt PNGs 1000×200" if args.ocr else f"PNGs {size}×{size}"
     rows = [f"| {label} | {r['files_per_s']:.1f} | {r['wall_s']:.1f} | {r['batches']} | "
             f"{r['call_ms_p50']:.1f} | {r['replica_ms_p50'] or '—'} | "
-            f"{r['in_flight_high_water']} | {r['failed']} |" for label, r in results.items()]
+            f"{r['model_high_water']} | {r['failed']} |" for label, r in results.items()]
     table = "\n".join([
         f"### engine: local vs engine: ray (1 replica), {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
         "",

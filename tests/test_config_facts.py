@@ -119,6 +119,13 @@ def test_the_readmes_capacity_defaults_are_the_models() -> None:
         # "`capacity.preprocess_cache`, `_mb`": the second is the first's name with a suffix.
         names = [first] + [first + k if k.startswith("_") else k.partition(".")[2]
                            for k in keys[1:]]
+        if [_default(section, name) for name in names] == [None]:
+            # Unset by default (capacity.task_join): the cell says what that means.
+            checked += 1
+            if not default_cell.startswith("unset"):
+                wrong.append(f"{section}.{first}: unset in config.py, {default_cell!r} in the "
+                             "README")
+            continue
         numbers = [int(n) for n in re.findall(r"\d+", re.sub(r"\([^)]*\)", "",
                                                               default_cell))]
         assert len(numbers) == len(names), f"{layer}: cannot read {default_cell!r}"

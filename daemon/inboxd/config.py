@@ -83,6 +83,12 @@ class CapacityConfig(Section):
     # model: ocr only: crops cut out of a photo and waiting for the recogniser. A photo's
     # regions are cut this many at a time, so a page of small print holds no more.
     ocr_crops: Positive = 32
+    # models: only: photos handed to the tasks and not yet answered by every one (each task
+    # takes them in order, at its own pace; a fast task runs at most this far ahead of the
+    # slowest). Unset: (batches out + 1) x batch.max_size of the task with the most, the
+    # photos one model: config holds at most past the cache (its calls out and one forming
+    # batch; batches out is 1 on an engine that takes one call at a time).
+    task_join: Positive | None = None
 
 
 class BatchConfig(Section):
@@ -275,6 +281,11 @@ class ModelConfig(Section):
     # Where the model runs: a thread of this process (local) or a Ray Serve application.
     engine: Literal["local", "ray"] = "local"
     ray: RayConfig = RayConfig()
+    # models: only (a model: block has the top-level batch: and capacity.in_flight_batches):
+    # this task's own batches and its own bound on batches sent and unanswered; unset, the
+    # top-level ones.
+    batch: BatchConfig | None = None
+    in_flight_batches: Positive | None = None
 
     # Field validators see the fields declared before them in ``info.data``, so a key that
     # does not fit the model kind is reported at its own YAML line, not at ``model:``.
@@ -549,10 +560,53 @@ class Config(Section):
                              "the one .npy file beside the result)")
         return models
 
+    @field_validator("model")
+    @classmethod
+    def _task_keys_in_tasks(cls, model: ModelConfig) -> ModelConfig:
+        for key in ("batch", "in_flight_batches"):
+            if getattr(model, key) is not None:
+                where = "batch:" if key == "batch" else "capacity.in_flight_batches"
+                raise ValueError(f"{key} is a models: task's own key; with one model: block "
+                                 f"set the top-level {where}")
+        return model
+
+    @model_validator(mode="after")
+    def _join_holds_a_batch(self) -> Config:
+        join = self.capacity.task_join
+        if join is None or self.models is None:
+            return self
+        for task in self.models:
+            size = self.task_batch(task).max_size
+            if join < size:
+                raise ValueError(
+                    f"capacity.task_join ({join}) is smaller than task {task}'s batch.max_size "
+                    f"({size}): its batches could never fill; raise capacity.task_join to at "
+                    f"least {size} or lower the batch size")
+        return self
+
     @property
     def tasks(self) -> dict[str, ModelConfig]:
         """Every task's model block: ``models:``, or ``model:`` alone under its own name."""
         return self.models if self.models is not None else {"model": self.model}
+
+    def task_batch(self, task: str) -> BatchConfig:
+        """A task's batches: its own ``batch:``, else the top-level one."""
+        return self.tasks[task].batch or self.batch
+
+    def task_in_flight(self, task: str) -> int:
+        """A task's bound on batches sent and unanswered: its own, else the top-level one."""
+        return self.tasks[task].in_flight_batches or self.capacity.in_flight_batches
+
+    def task_join(self, calls_out: dict[str, int] | None = None) -> int:
+        """``capacity.task_join``, or its default: the photos one model: config holds at most
+        past the cache (its batches out and the one forming), for the task with the most.
+        ``calls_out``: each task's bound on batches out where its engine takes one call at a
+        time (1); else its ``in_flight_batches``."""
+        if self.capacity.task_join is not None:
+            return self.capacity.task_join
+        calls_out = calls_out or {}
+        return max((calls_out.get(task, self.task_in_flight(task)) + 1)
+                   * self.task_batch(task).max_size for task in self.tasks)
 
     def resolved(self, base: Path) -> Config:
         """Relative paths resolve against ``base`` (the working directory), once, at load."""

@@ -142,7 +142,8 @@ COUNTER_FIELDS = (
 # too, for one release, so dashboards and alerts keep working while they are moved over.
 # New layer name → the old one, whose fields a record still carries (renamed in 0.2.0; the old
 # names are gone in 0.3.0).
-DEPRECATED_LAYER_NAMES = {"preprocess": "decoding", "result_writer": "write_handoff"}
+DEPRECATED_LAYER_NAMES = {"preprocess": "decoding", "result_writer": "write_handoff",
+                          "model": "in_flight"}
 
 # Per layer: the record's field is <LAYER>_<name>, the metric carries the layer as a label.
 LAYER_FIELDS = (

@@ -622,8 +622,8 @@ def test_model_based_user_and_system_actions(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_model_based_with_several_tasks_per_photo(tmp_path: Path) -> None:
-    """The same guarantees with two tasks per photo (each its own model thread and calls out):
-    kill -9 mid-flood loses nothing and doubles nothing."""
+    """The same guarantees with two tasks per photo (each its own batcher, batch size, model
+    thread and calls out): kill -9 mid-flood loses nothing and doubles nothing."""
     from tests import detectors
 
     (tmp_path / "models").mkdir()
@@ -635,7 +635,8 @@ def test_model_based_with_several_tasks_per_photo(tmp_path: Path) -> None:
                             "labels": {"name": "efficientnet_lite0", "runtime": "torch",
                                        "precision": "fp32"},
                             "things": {"onnx": str(onnx), "output": "detect",
-                                       "labels": str(labels)}})
+                                       "labels": str(labels),
+                                       "batch": {"max_size": 2}}})
     assert figures["kills"] >= 1  # as the one-task run: this seed kills once in its steps
 
 

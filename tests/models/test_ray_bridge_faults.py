@@ -218,31 +218,62 @@ def test_the_bridge_answers_every_call_once_even_a_call_that_never_returns(
 
 
 def test_a_task_on_a_cluster_that_is_gone_holds_the_whole_batch_of_a_models_config(
-        make_engine: Any) -> None:
+        make_engine: Any, tmp_path: Path) -> None:
     """``models:`` with one task on Ray and one local: while the cluster cannot be reached the
-    batch is held (``EngineUnavailable`` for the model stage, no attempt spent, no photo answered
-    by one task only); once it is back each photo gets both sections."""
+    Ray task's stage holds its batch (``EngineUnavailable``: it waits and sends it again, no
+    attempt spent) and the photos wait in the task join, none answered by one task only; once
+    the cluster is back each photo gets both sections, once."""
+    from inboxd.config import Config, ModelConfig
     from inboxd.models.engines.local import LocalEngine
     from inboxd.models.predictions import TaskResults
-    from inboxd.models.tasks import TasksEngine
+    from inboxd.pipeline.preprocess_cache import PreprocessCache
+    from inboxd.pipeline.task_stages import TaskStages
+    from inboxd.stats import Stats
 
     ray = make_engine("bad_hello")
     local = LocalEngine(FakeModel())  # type: ignore[arg-type]
-    tasks = TasksEngine({"things": FakeModel(), "labels": FakeModel()},  # type: ignore[dict-item]
-                        {"things": ray, "labels": local}, 4)
+    config = Config(models={"things": ModelConfig(), "labels": ModelConfig()})
     crop = np.zeros((8, 8, 3), dtype=np.uint8)
     photos = [WorkItem(Path(), f"p{i}", f"p{i}", Path(),
                        image=DecodedImage(crop, 8, 8, None, "RGB", others=(crop,)))
               for i in range(2)]
+    delivered: list[Any] = []
+
+    async def deliver(outcomes: list[Any]) -> None:
+        delivered.extend(outcomes)
+
+    async def release(item: WorkItem, why: str) -> None:
+        raise AssertionError(f"{item.key} given back: {why}")
+
+    async def scenario() -> None:
+        cache = PreprocessCache(4, 16)
+        for photo in photos:
+            await cache.put(photo)
+        stages = TaskStages(config, {"things": ray, "labels": local}, cache, Stats(),
+                            deliver, release, time.monotonic, upstream_busy=lambda: False)
+        running = asyncio.create_task(stages.run())
+        try:
+            while stages.stages["things"].unavailable_waits < 2:
+                assert not running.done(), running  # a stage that crashed
+                await asyncio.sleep(0.01)
+            assert delivered == [], "a photo was answered by one task only"
+            assert stages.join.size == 2 and all(p.attempts == 0 for p in photos)
+            assert stages.unavailable_since_s is not None  # what STATUS= and the stats show
+            ray.settings["script"] = "echo"
+            ray._retry_at_s = 0.0  # the backoff is over
+            while len(delivered) < 2:
+                assert not running.done(), running
+                await asyncio.sleep(0.01)
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+
     try:
-        with pytest.raises(EngineUnavailable):
-            asyncio.run(tasks.infer(photos))
-        ray.settings["script"] = "echo"
-        ray._retry_at_s = 0.0  # the backoff is over
-        outcomes = asyncio.run(tasks.infer(photos))
+        asyncio.run(asyncio.wait_for(scenario(), 60))
     finally:
         local.close()
-    assert [item.key for item, _ in outcomes] == ["p0", "p1"]
+    outcomes = delivered
+    assert sorted(item.key for item, _ in outcomes) == ["p0", "p1"]
     for _, outcome in outcomes:
         assert isinstance(outcome, TaskResults), outcome
         assert set(outcome.sections) == {"things", "labels"}

@@ -179,3 +179,46 @@ def test_one_result_holds_every_task_s_section_and_a_task_s_failure_leaves_the_r
     assert listed.returncode == 0, listed.stderr[-2000:]
     assert "task labels" in listed.stdout and "task things" in listed.stdout
     assert "detect: up to 100 boxes" in listed.stdout
+
+
+@pytest.mark.daemon
+@pytest.mark.slow  # a detector and a classifier daemon: `make test`, not the fast tier
+def test_each_real_task_batches_at_its_own_size_within_the_join(tmp_path: Path) -> None:
+    """Two real models of different speeds (EfficientNet-Lite0 in eager torch, a constructed
+    YOLO-layout ONNX) with batch sizes 3 and 2: the stats record's batch layers show each
+    task's own size, every layer stays within its capacity (the task join at 5), and every
+    photo gets one result with both tasks' answers."""
+    labels = tmp_path / "labels.txt"
+    labels.write_text("\n".join(detectors.LABELS) + "\n")
+    onnx = detectors.yolo_onnx(tmp_path / "yolo.onnx")
+    config = write_config(tmp_path, model=None, capacity={"task_join": 5}, models={
+        "labels": {"name": "efficientnet_lite0", "runtime": "torch", "precision": "fp32",
+                   "top_k": 1, "batch": {"max_size": 3, "max_delay_ms": 200}},
+        "things": {"onnx": str(onnx), "output": "detect", "labels": str(labels),
+                   "batch": {"max_size": 2, "max_delay_ms": 200}}})
+    for n in range(24):
+        (tmp_path / "inbox" / f"p{n:02}.png").write_bytes(png((320 + n, 240)))
+    done = subprocess.run([sys.executable, "-m", "inboxd", "once", "-c", str(config)],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "torch fp32, batches of 3, 1 in flight" in done.stderr  # the started record
+    assert "onnxruntime fp32, batches of 2, 1 in flight" in done.stderr
+    assert "5 photos in the task join" in done.stderr
+    shown = subprocess.run([sys.executable, "-m", "inboxd", "stats", "-c", str(config),
+                            "--json"], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    record = json.loads(shown.stdout.splitlines()[-1])
+    figure = {key: int(value) for key, value in record.items()
+              if key.endswith(("_SIZE", "_CAPACITY", "_HIGH_WATER"))
+              and not key.startswith("PREPROCESS_CACHE_")}  # its bytes are checked elsewhere
+    assert figure["BATCH_LABELS_HIGH_WATER"] == figure["BATCH_LABELS_CAPACITY"] == 3
+    assert figure["BATCH_THINGS_HIGH_WATER"] == figure["BATCH_THINGS_CAPACITY"] == 2
+    assert figure["TASK_JOIN_CAPACITY"] == 5 and 1 <= figure["TASK_JOIN_HIGH_WATER"] <= 5
+    layers = [key.removesuffix("_CAPACITY") for key in figure if key.endswith("_CAPACITY")]
+    assert {"MODEL_LABELS", "MODEL_THINGS"} <= set(layers) and "IN_FLIGHT" not in layers
+    assert [layer for layer in layers
+            if figure[f"{layer}_HIGH_WATER"] > figure[f"{layer}_CAPACITY"]] == []
+    for n in range(24):
+        result = json.loads((tmp_path / "results" / f"p{n:02}.png.json").read_text())
+        assert len(result["labels"]["top_k"]) == 1 and "detections" in result["things"]
+        assert (tmp_path / "done" / f"p{n:02}.png").is_file()

@@ -136,3 +136,9 @@ def test_a_renamed_layer_keeps_its_old_fields_for_one_release(tmp_path: Path) ->
     assert record["RESULT_WRITER_CAPACITY"] > 0
     assert capacities["write_handoff"] == capacities["result_writer"]
     assert "result_writer " in table and "write_handoff" not in table
+    # The model stage's layer was called ``in_flight``: the same for it.
+    for part in ("SIZE", "CAPACITY", "HIGH_WATER"):
+        assert record[f"IN_FLIGHT_{part}"] == record[f"MODEL_{part}"], part
+    assert record["MODEL_CAPACITY"] > 0 and record["MODEL_HIGH_WATER"] >= 1
+    assert capacities["in_flight"] == capacities["model"]
+    assert "model " in table and "in_flight" not in table

@@ -1,64 +1,45 @@
 """Several tasks per photo (``models:``): one decode, each task's model, one result.
 
 Each photo is read, hashed and decoded once; the decode worker cuts each task's input from that
-decode (``DecodedImage.others``). A batch goes to every task's engine at once, each task seeing
-its own copy of the batch's items with its own image, each engine in its own thread with its own
-bound on calls out (the ``in_flight_<task>`` layers). The outcomes are joined per photo into one
-``TaskResults``: a task whose model failed on this photo (``ModelError``) keeps its reason in its
-section and the others their answers; only a transient failure of a task (a CUDA OOM at batch
-size 1) sends the whole photo round again, so its one outcome is still decided once.
+decode (``DecodedImage.others``). Each task sees its own copy of the photo's item with its own
+image (``task_copy``), batched by its own batcher and run by its own engine with its own bound
+on calls out (``pipeline/task_stages.py``). The answers are joined per photo into one
+``TaskResults`` (``joined``): a task whose model failed on this photo (``ModelError``) keeps its
+reason in its section and the others their answers; only a transient failure of a task (a CUDA
+OOM at batch size 1) sends the whole photo round again, so its one outcome is still decided once.
 """
 
 from __future__ import annotations
 
-import asyncio
 import copy
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from inboxd.item import PermanentError, TransientError, WorkItem
 from inboxd.models.engines.interface import ModelEngine, Outcome
 from inboxd.models.predictions import Prediction, TaskAnswer, TaskModel, TaskResults
 
-
-class TaskLayer:
-    """A task's calls out on its engine: at most one per model stage slot (the stage bounds
-    them), reported per task so a slow task shows."""
-
-    def __init__(self, task: str, capacity: int) -> None:
-        self.name = f"in_flight_{task}"
-        self._capacity = capacity
-        self.size_now = 0
-        self.high_water = 0
-
-    @property
-    def size(self) -> int:
-        return self.size_now
-
-    @property
-    def capacity(self) -> int:
-        return self._capacity
-
-    def enter(self) -> None:
-        self.size_now += 1
-        self.high_water = max(self.high_water, self.size_now)
-
-    def leave(self) -> None:
-        self.size_now -= 1
+if TYPE_CHECKING:  # the fast path is torch's: a daemon that serves without torch has none
+    from inboxd.models.fast_path import FastPath
 
 
-class TasksEngine(ModelEngine):
-    """The model engine of a ``models:`` config: every task's engine behind one interface."""
+class TasksEngine:
+    """The engines of a ``models:`` config, one per task, each with its own thread (the local
+    engine) or its own calls out. The pipeline gives each task its own batcher and model stage
+    (``pipeline/task_stages.py``); this holds what is asked of them all at once: warm-up, the
+    stats fields, close."""
+
+    # A faster runner being brought in (the one-model engine's ``fast``): none for the tasks
+    # as a whole; each task's engine reports its own in the started record.
+    fast: FastPath | None = None
 
     def __init__(self, models: dict[str, TaskModel], engines: dict[str, ModelEngine],
-                 in_flight: int) -> None:
+                 batch_sizes: dict[str, int] | None = None) -> None:
+        """``batch_sizes``: the tasks whose ``batch.max_size`` is their own (the others take
+        the top-level one), for the warm-up."""
         self.models = models
         self.engines = engines
-        self.parallel_calls = all(e.parallel_calls for e in engines.values())
-        # The slowest task's own limit on a call: a batch waits for every task.
-        self.call_limit_s = max((e.call_limit_s for e in engines.values()), default=0.0)
-        bound = in_flight if self.parallel_calls else 1
-        self.layers = {task: TaskLayer(task, bound) for task in engines}
+        self.batch_sizes = batch_sizes or {}
 
     def stats_fields(self) -> dict[str, Any]:
         fields: dict[str, Any] = {}
@@ -67,31 +48,14 @@ class TasksEngine(ModelEngine):
         return fields
 
     async def warm_up(self, max_size: int) -> tuple[list[int], float]:
+        """Each task at its own largest batch (``max_size`` where it has none of its own)."""
         sizes: set[int] = set()
         seconds = 0.0
-        for engine in self.engines.values():  # one at a time: each warms its own thread
-            warmed, took = await engine.warm_up(max_size)
+        for task, engine in self.engines.items():  # one at a time: each warms its own thread
+            warmed, took = await engine.warm_up(self.batch_sizes.get(task, max_size))
             sizes.update(warmed)
             seconds += took
         return sorted(sizes), seconds
-
-    async def infer(self, batch: list[WorkItem]) -> list[Outcome]:
-        copies = {task: [task_copy(item, index) for item in batch]
-                  for index, task in enumerate(self.engines)}
-        answers = await asyncio.gather(*(self._one(task, copies[task]) for task in self.engines))
-        by_task = {task: {id(item): outcome for item, outcome in outcomes}
-                   for task, outcomes in zip(self.engines, answers, strict=True)}
-        return [joined(item, {task: (copies[task][n], by_task[task][id(copies[task][n])])
-                              for task in self.engines})
-                for n, item in enumerate(batch)]
-
-    async def _one(self, task: str, items: list[WorkItem]) -> list[Outcome]:
-        layer = self.layers[task]
-        layer.enter()
-        try:
-            return await self.engines[task].infer(items)
-        finally:
-            layer.leave()
 
     def close(self) -> None:
         for engine in self.engines.values():

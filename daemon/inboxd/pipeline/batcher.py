@@ -1,5 +1,9 @@
 """The batcher: preprocess cache → one forming batch of at most ``batch.max_size`` items.
 
+With ``models:`` each task has its own batcher (layer ``batch_<task>``), forming that task's
+batches of its own ``batch.max_size`` from the photos the task join hands it
+(``pipeline/task_join.py``).
+
 The batch closes when it is full, when ``batch.max_delay_ms`` have passed since its first item
 arrived, or at once when nothing else is on the way (the queue is empty and no file is being
 decoded): a lone file never waits for company that is not coming, and a busy daemon fills
@@ -10,24 +14,34 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from inboxd.item import WorkItem
-from inboxd.pipeline.preprocess_cache import PreprocessCache
 from inboxd.stats import Window
 
 
-class Batcher:
-    name = "batch"
+class BatchSource(Protocol):
+    """Where a batcher takes its items: the preprocess cache, or one task's feed."""
 
+    async def get(self) -> WorkItem: ...
+
+    def take_nowait(self) -> WorkItem | None: ...
+
+    async def wait_arrival(self, timeout_s: float) -> None: ...
+
+
+class Batcher:
     def __init__(
         self,
-        cache: PreprocessCache,
+        cache: BatchSource,
         max_size: int,
         max_delay_ms: float,
         clock: Callable[[], float] = time.monotonic,
         sizes: Window | None = None,
         more_coming: Callable[[], bool] = lambda: True,
+        name: str = "batch",
     ) -> None:
+        self.name = name  # the layer: one forming batch
         self.cache = cache
         self.more_coming = more_coming
         self.sizes = sizes or Window()

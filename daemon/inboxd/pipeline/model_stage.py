@@ -34,8 +34,6 @@ MIN_UNAVAILABLE_WAIT_S = 0.2
 
 
 class ModelStage:
-    name = "in_flight"  # the layer: batches sent to the engine and not answered yet
-
     def __init__(
         self,
         engine: ModelEngine,
@@ -46,7 +44,11 @@ class ModelStage:
         on_device_fault: Callable[[DeviceFault], None] = lambda fault: None,
         on_inferred: Callable[[float], None] = lambda seconds: None,
         in_flight: int = 1,
+        name: str = "model",
     ) -> None:
+        # The layer: batches sent to the engine and not answered yet (``model_<task>`` for a
+        # task of a models: config; ``in_flight`` until 0.3.0).
+        self.name = name
         self.engine = engine
         self.on_inferred = on_inferred  # the seconds each engine call took (stats, metrics)
         self.release = release

@@ -22,6 +22,7 @@ from inboxd.decode.pool import DecodePool
 from inboxd.files.commits import Commits
 from inboxd.files.stats_file import StatsFile
 from inboxd.models.engines.interface import ModelEngine
+from inboxd.models.tasks import TasksEngine
 from inboxd.pipeline.event_buffer import EventBuffer
 from inboxd.pipeline.full_outputs import FullOutputs
 from inboxd.pipeline.model_stage import ModelStage
@@ -29,6 +30,7 @@ from inboxd.pipeline.outcomes import Outcomes
 from inboxd.pipeline.preprocess_cache import PreprocessCache
 from inboxd.pipeline.queue import PipelineQueue
 from inboxd.pipeline.stalls import DEFAULT_PATIENCE_S, Stall, StallClock
+from inboxd.pipeline.task_stages import TaskStages
 from inboxd.stats import Stats
 
 
@@ -43,8 +45,8 @@ class PipelineReport:
         queue: PipelineQueue,
         preprocess_cache: PreprocessCache,
         decode_pool: DecodePool,
-        model_stage: ModelStage,
-        engine: ModelEngine,
+        model_stage: ModelStage | TaskStages,
+        engine: ModelEngine | TasksEngine,
         commits: Commits,
         outcomes: Outcomes,
         outputs: FullOutputs,

@@ -1,7 +1,9 @@
 """The whole pipeline, wired in data-flow order, and its start-up and shutdown.
 
 watcher → event buffer → intake (await queue.put) → queue → preprocess → preprocess cache
-→ batcher → model → result writer, with the retry list feeding back into the queue.
+→ batcher → model → result writer, with the retry list feeding back into the queue. With
+``models:`` the cache feeds the task join, and each task its own batcher and model stage
+(``pipeline/task_stages.py``).
 
 Shutdown goes in the same order: stop noticing and claiming, let what is already claimed drain
 (``queue.join()``, then the stages behind it) for at most ``shutdown.grace_s``, cancel the rest
@@ -53,6 +55,7 @@ from inboxd.pipeline.result_writer import ResultWriter
 from inboxd.pipeline.retry_list import RetryList
 from inboxd.pipeline.status import PipelineReport
 from inboxd.pipeline.takeover_sweep import Takeovers
+from inboxd.pipeline.task_stages import TaskStages
 from inboxd.pipeline.watch_events import WatchFn, real_awatch
 from inboxd.pipeline.watcher import Watcher
 from inboxd.stats import Stats
@@ -79,7 +82,7 @@ class Pipeline:
         watch: WatchFn = real_awatch,
         clock: Callable[[], float] = time.monotonic,
         lifecycle: Lifecycle | None = None,
-        engine: ModelEngine | None = None,
+        engine: ModelEngine | TasksEngine | None = None,
         tasks: dict[str, TaskModel] | None = None,
     ) -> None:
         """``tasks``: a ``models:`` config's models by task name (``model`` is then the first),
@@ -140,27 +143,37 @@ class Pipeline:
                                             pre.max_image_pixels, pre.max_file_mb << 20,
                                             decoders_for(pre.workers)),
         )
-        self.batcher = Batcher(
-            self.preprocess_cache, config.batch.max_size, config.batch.max_delay_ms, clock,
-            self.stats.batch_sizes,
-            more_coming=lambda: self.queue.qsize() > 0 or self.preprocessor.in_progress > 0,
-        )
         self.commits: Commits = CommitProcess(config, self.lifecycle)
         self.result_writer = ResultWriter(config, model, self.lifecycle, self.commits,
                                           self.outcomes, self.run_io, clock, tasks)
-        self.engine = engine or (LocalEngine(model) if tasks is None else TasksEngine(
-            tasks, {task: LocalEngine(m) for task, m in tasks.items()},
-            capacity.in_flight_batches))
-        self.model_stage = ModelStage(
-            self.engine, self.batcher, self.result_writer.submit, clock,
-            release=self.outcomes.release, on_device_fault=self._device_fault,
-            on_inferred=lambda s: self.stats.inference_ms.add(s * 1000),
-            in_flight=capacity.in_flight_batches)
         self.stats.register(self.event_buffer, self.queue, self.preprocessor,
-                            self.preprocess_cache, self.batcher, self.model_stage,
-                            self.result_writer, self.result_writer.committing, self.retry_list)
-        if isinstance(self.engine, TasksEngine):
-            self.stats.register(*self.engine.layers.values())
+                            self.preprocess_cache)
+        self.engine: ModelEngine | TasksEngine
+        self.model_stage: ModelStage | TaskStages
+        self.batcher: Batcher | None = None  # one model's (with models:, each task has its own)
+        if tasks is None:
+            self.engine = engine or LocalEngine(model)
+            assert not isinstance(self.engine, TasksEngine)
+            self.batcher = Batcher(
+                self.preprocess_cache, config.batch.max_size, config.batch.max_delay_ms, clock,
+                self.stats.batch_sizes, more_coming=self._more_decoded)
+            self.model_stage = ModelStage(
+                self.engine, self.batcher, self.result_writer.submit, clock,
+                release=self.outcomes.release, on_device_fault=self._device_fault,
+                on_inferred=lambda s: self.stats.inference_ms.add(s * 1000),
+                in_flight=capacity.in_flight_batches)
+            self.stats.register(self.batcher, self.model_stage)
+        else:
+            self.engine = engine or TasksEngine(
+                tasks, {task: LocalEngine(m) for task, m in tasks.items()})
+            assert isinstance(self.engine, TasksEngine), "models: runs on a TasksEngine"
+            self.model_stage = TaskStages(
+                config, self.engine.engines, self.preprocess_cache, self.stats,
+                self.result_writer.submit, self.outcomes.release, clock,
+                upstream_busy=lambda: self.preprocess_cache.size > 0 or self._more_decoded(),
+                on_device_fault=self._device_fault)
+            self.stats.register(*self.model_stage.layers)
+        self.stats.register(self.result_writer, self.result_writer.committing, self.retry_list)
         for ocr in ocr_models(self.models):  # the OCR task's fan-out: crops for the recogniser
             ocr.crops.resize(capacity.ocr_crops)
             self.stats.register(ocr.crops)
@@ -176,6 +189,10 @@ class Pipeline:
             preprocess_cache=self.preprocess_cache, decode_pool=self.decode_pool,
             model_stage=self.model_stage, engine=self.engine,
             commits=self.commits, outcomes=self.outcomes, outputs=self.outputs)
+
+    def _more_decoded(self) -> bool:
+        """Files are on their way to the preprocess cache (queued, or being decoded)."""
+        return self.queue.qsize() > 0 or self.preprocessor.in_progress > 0
 
     async def run_io(self, work: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.io_executor, work)
@@ -298,13 +315,16 @@ class Pipeline:
         self.queue.resize(capacity.queue)
         self.preprocess_cache.resize(capacity.preprocess_cache, capacity.preprocess_cache_mb)
         self.retry_list.capacity = capacity.retry_list
-        self.model_stage.resize(capacity.in_flight_batches)
         for ocr in ocr_models(self.models):
             ocr.crops.resize(capacity.ocr_crops)
-        self.batcher.configure(config.batch.max_size, config.batch.max_delay_ms)
         self.config = self.config.model_copy(
             update={"capacity": capacity, "batch": config.batch, "stats": config.stats}
         )
+        if isinstance(self.model_stage, TaskStages):  # a task's own batch: keys need a restart
+            self.model_stage.configure(self.config)
+        else:
+            self.model_stage.resize(capacity.in_flight_batches)
+            self.model_stage.batcher.configure(config.batch.max_size, config.batch.max_delay_ms)
         self.report.reconfigure(self.config)
 
     async def process_backlog(self, progress: Callable[[], None] | None = None,

@@ -26,6 +26,7 @@ from inboxd.heap import freeze_startup_heap
 from inboxd.models import faults
 from inboxd.models.device import with_device_defaults
 from inboxd.models.engines.choice import load_here, make_engine
+from inboxd.models.engines.interface import ModelEngine
 from inboxd.models.onnx_model import OnnxModel
 from inboxd.models.onnx_probe import daemon_sizes, probe_in_child
 from inboxd.models.predictions import TaskModel, loaded_class
@@ -99,7 +100,9 @@ class Service:
                       else [self.config.model])
             for block in blocks:
                 if block.kind == "onnx":  # a graph may ask for any memory: try it aside
-                    await asyncio.to_thread(probe_in_child, block, daemon_sizes(self.config))
+                    own = [block.batch.max_size] if block.batch is not None else []
+                    await asyncio.to_thread(probe_in_child, block,
+                                            sorted({*daemon_sizes(self.config), *own}))
             tasks = await asyncio.to_thread(load_tasks, self.config)
             model = next(iter(tasks.values())) if tasks else await asyncio.to_thread(
                 load_here, self.config.model)
@@ -107,11 +110,16 @@ class Service:
                             if m.max_batch is not None]
             self.config, profile = with_device_defaults(  # unset keys follow the device
                 self.config, model.device, min(batch_bounds, default=None))
-            engine = make_engine(self.config, model) if not tasks else TasksEngine(
-                tasks, {task: make_engine(self.config.model_copy(update={"model": block}),
-                                          tasks[task])
-                        for task, block in self.config.tasks.items()},
-                self.config.capacity.in_flight_batches)
+            engine: ModelEngine | TasksEngine
+            if not tasks:
+                engine = make_engine(self.config, model)
+            else:  # each task at its own batch size where it has one
+                engine = TasksEngine(
+                    tasks, {task: make_engine(self.config.model_copy(update={"model": block}),
+                                              tasks[task])
+                            for task, block in self.config.tasks.items()},
+                    {task: block.batch.max_size for task, block in self.config.tasks.items()
+                     if block.batch is not None})
             try:
                 warmed, warm_s = await engine.warm_up(self.config.batch.max_size)
             except BaseException:

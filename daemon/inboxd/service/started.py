@@ -16,10 +16,11 @@ from inboxd.models.device import device_fields
 from inboxd.models.engines.interface import ModelEngine
 from inboxd.models.predictions import TaskModel
 from inboxd.models.runtime_record import runtime_fields
+from inboxd.models.tasks import TasksEngine
 
 
 def log_started(config: Config, model: TaskModel, tasks: dict[str, TaskModel],
-                engine: ModelEngine, plans: list[WatchPlan], profile: dict[str, str],
+                engine: ModelEngine | TasksEngine, plans: list[WatchPlan], profile: dict[str, str],
                 warmed: list[int], warm_s: float, loading_started: float) -> None:
     """``loading_started``: ``time.perf_counter()`` when loading began; ``tasks``: {} for one
     ``model:``."""
@@ -36,10 +37,16 @@ def log_started(config: Config, model: TaskModel, tasks: dict[str, TaskModel],
     ran = (f"{model.runtime} {model.precision}"
            + (" (onnxruntime being prepared in the background)" if state == "building" else "")
            )
-    if tasks:  # every task, what it runs and where, in the record and its message
+    if tasks and isinstance(engine, TasksEngine):  # every task: what it runs, where, how
+        def calls_out(task: str) -> int:  # the stage's bound: one call on a serial engine
+            return config.task_in_flight(task) if engine.engines[task].parallel_calls else 1
+
         source = " (tasks " + "; ".join(
             f"{task}: {m.name} {m.output} on {where(config.tasks[task], m)}, {m.runtime} "
-            f"{m.precision}" for task, m in tasks.items()) + ")"
+            f"{m.precision}, batches of {config.task_batch(task).max_size}, "
+            f"{calls_out(task)} in flight" for task, m in tasks.items()) + (
+                f"; {config.task_join({task: calls_out(task) for task in tasks})} photos in "
+                "the task join)")
         runtime["TASKS"] = ",".join(tasks)
     logs.emit(logging.INFO, "started",
               f"inboxd {__version__}: model {model.name}{source} on {on}, runs {ran}, "
