@@ -17,6 +17,7 @@ from inboxd.files.takeover import take_over_dead
 
 from support.harness import sha256_hex
 from support.waiting import wait_until
+from tests.byo_models import value_shaped_bomb
 from tests.conftest import DaemonProcess, write_config
 from tests.guarantees.test_claim_area import drop_all, outcome_shas, photos
 from tests.guarantees.test_planted_links import NEIGHBOUR_UID, as_neighbour, shared_inbox
@@ -110,45 +111,14 @@ def test_a_claim_area_moved_every_10_ms_fails_no_good_photo(
     assert daemon.stop() == 0
 
 
-def value_shaped_bomb(path: Path, per_unit: float = 40_000.0) -> Path:
-    """A classifier whose every call also fills a k×k tensor, k = the input's largest value ×
-    ``per_unit``: nothing for the probe's all-zero input, 6.4 GB for a pixel of 1.0."""
-    import onnx
-    from onnx import TensorProto, helper
-
-    def ints(name: str, values: list[int]) -> onnx.TensorProto:
-        return helper.make_tensor(name, TensorProto.INT64, [len(values)], values)
-
-    nodes = [helper.make_node("ReduceMean", ["x"], ["means"], axes=[2, 3], keepdims=0),
-             helper.make_node("ReduceMax", ["x"], ["peak"], keepdims=0),
-             helper.make_node("Mul", ["peak", "per_unit"], ["kf"]),
-             helper.make_node("Cast", ["kf"], ["ki"], to=TensorProto.INT64),
-             helper.make_node("Reshape", ["ki", "one"], ["k"]),
-             helper.make_node("Concat", ["k", "k"], ["shape"], axis=0),
-             helper.make_node("ConstantOfShape", ["shape"], ["big"],
-                              value=helper.make_tensor("v", TensorProto.FLOAT, [1], [1.0])),
-             helper.make_node("ReduceMin", ["big"], ["low"], keepdims=0),
-             helper.make_node("Mul", ["means", "low"], ["y"])]
-    graph = helper.make_graph(
-        nodes, "value_shaped_bomb",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 224, 224])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])],
-        [ints("one", [1]), helper.make_tensor("per_unit", TensorProto.FLOAT, [], [per_unit])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8
-    onnx.save(model, path)
-    return path
-
-
-@pytest.mark.xfail(strict=True, reason="open: the probe runs all-zero inputs only; a graph "
-                   "whose allocations follow pixel values passes it and allocates in the daemon")
 def test_an_onnx_whose_memory_follows_pixel_values_is_refused(tmp_path: Path) -> None:
-    """The probe (1 and batch.max_size, all zeros) passes this model; at a real photo it asks
+    """The probe (1 and batch.max_size, all zeros) passed this model; at a real photo it asks
     ONNX Runtime for 6.4 GB in the daemon's own process (tuned to just under the machine's
-    memory, the OOM killer ends the daemon: the class 7 restart loop again)."""
+    memory, the OOM killer ends the daemon: the class 7 restart loop again). The probe now
+    runs bright and random batches too, under the blank batch's peak plus a bound."""
     from inboxd.config import ConfigError, ModelConfig
     from inboxd.models.onnx_probe import probe_in_child
 
     bomb = value_shaped_bomb(tmp_path / "bomb.onnx")
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="its memory follows the pixel values"):
         probe_in_child(ModelConfig.model_validate({"onnx": str(bomb)}), [1, 8], timeout_s=120)
