@@ -139,6 +139,7 @@ class Pipeline:
             device_route=device_route.build(gpu_decode, model.device, model.spec,
                                             pre.max_image_pixels, pre.max_file_mb << 20,
                                             decoders_for(pre.workers)),
+            open_claimed=self.lifecycle.open_claimed,
         )
         self.batcher = Batcher(
             self.preprocess_cache, config.batch.max_size, config.batch.max_delay_ms, clock,
