@@ -59,6 +59,35 @@ def test_areas_moved_away_in_a_loop_do_not_pile_up(root: Path) -> None:
         lifecycle.unlock_instance()
 
 
+def test_a_claimed_file_is_opened_in_the_area_held_whatever_the_name_leads_to(
+        root: Path) -> None:
+    """What a decode worker reopens: the daemon's descriptor of the claimed file, opened in
+    the area held (put back first, under the area's lock) however often the member moved it
+    and whatever they put at the name; it is the claimed file, never one of theirs."""
+    inbox = root / "inbox"
+    shared_inbox(inbox)
+    lifecycle = Lifecycle(load_config(write_config(root, inbox={"settle_ms": 0})))
+    lifecycle.lock_instance()
+    try:
+        (inbox / "p.png").write_bytes(b"the photo")
+        claimed = lifecycle.claim(inbox, "p.png")
+        assert claimed is not None
+        for n in range(3):
+            def swap(n: int = n) -> None:
+                os.rename(inbox / ".processing", inbox / f".moved{n}")
+                os.mkdir(inbox / ".processing")
+                os.mkdir(inbox / ".processing" / "default")
+                (inbox / ".processing" / "default" / "p.png").write_bytes(b"the member's")
+            as_neighbour(swap)
+            fd = lifecycle.open_claimed(claimed)
+            try:
+                assert os.read(fd, 100) == b"the photo"
+            finally:
+                os.close(fd)
+    finally:
+        lifecycle.unlock_instance()
+
+
 def swap_in_a_loop(inbox: Path, for_s: float, every_s: float = 0.01) -> None:
     """As the member: move ``.processing`` away and put a link in its place, again and again."""
     end = time.monotonic() + for_s
