@@ -88,6 +88,40 @@ def test_a_claimed_file_is_opened_in_the_area_held_whatever_the_name_leads_to(
         lifecycle.unlock_instance()
 
 
+def test_a_file_handed_back_as_the_area_is_put_back_reaches_the_inbox(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A release reaches the claimed file's folder, then the area is put back (another
+    thread, after a member's move) and the file moved into the fresh area before the rename
+    out: it met no file, took it for gone, and the photo stayed claimed with nobody to finish
+    it (stranded while the daemon ran). It is handed back from where it is now."""
+    import inboxd.files.lifecycle as lifecycle_module
+
+    inbox = root / "inbox"
+    shared_inbox(inbox)
+    lifecycle = Lifecycle(load_config(write_config(root, inbox={"settle_ms": 0})))
+    lifecycle.lock_instance()
+    real_place_inside = lifecycle_module.place_inside
+    moves = []
+
+    def put_back_first(*args: object, **kwargs: object) -> str:
+        if not moves:  # the race, made certain: between the lookup and the rename
+            moves.append(1)
+            as_neighbour(lambda: os.rename(inbox / ".processing", inbox / ".moved"))
+            assert lifecycle.ensure_claim_areas() == 1
+        return real_place_inside(*args, **kwargs)  # type: ignore[arg-type]
+
+    try:
+        (inbox / "p.png").write_bytes(b"the photo")
+        claimed = lifecycle.claim(inbox, "p.png")
+        assert claimed is not None
+        monkeypatch.setattr(lifecycle_module, "place_inside", put_back_first)
+        assert lifecycle.release(claimed, inbox / "p.png") == str(inbox / "p.png")
+        assert (inbox / "p.png").read_bytes() == b"the photo"
+        assert not list((inbox / ".processing" / "default").iterdir())
+    finally:
+        lifecycle.unlock_instance()
+
+
 def swap_in_a_loop(inbox: Path, for_s: float, every_s: float = 0.01) -> None:
     """As the member: move ``.processing`` away and put a link in its place, again and again."""
     end = time.monotonic() + for_s
@@ -175,8 +209,9 @@ def test_a_claim_area_moved_every_10_ms_costs_no_decode_an_attempt(
         wait_until(lambda: wanted <= set(outcome_shas(root)), 30, "40 photos with an outcome")
     reports = [json.loads(path.read_text()) for path in (root / "failed").rglob("*.json")]
     assert [(r["reason_class"], r["reason"]) for r in reports] == []
+    left = [str(p.relative_to(inbox)) for p in inbox.rglob("*.png")]  # where, if not done
     assert {sha: where for sha, where in outcome_shas(root).items() if sha in wanted} == {
-        sha: ["done"] for sha in wanted}
+        sha: ["done"] for sha in wanted}, (left, daemon.output()[-6000:])
     assert daemon.stop() == 0
 
 

@@ -101,6 +101,7 @@ class Lifecycle:
         self._areas: dict[Path, claim_area.HeldArea] = {}  # by inbox, while locked
         # Putting an area back (the claim thread, the io thread) is done by one at a time.
         self._areas_lock = threading.Lock()
+        self._put_backs = 0  # areas put back since start: a file met missing may have moved
         self.max_file_bytes = config.preprocess.max_file_mb * 2**20
         self._done = os.fspath(config.done_dir)
         self._done_tmp = tmp_dir_in(config.done_dir, config.instance)
@@ -210,6 +211,7 @@ class Lifecycle:
                       inbox=str(inbox), error=repr(exc))
             return held
         self._areas[inbox] = fresh
+        self._put_backs += 1
         if report is not None:
             _say_put_back(report)
         return fresh
@@ -287,10 +289,15 @@ class Lifecycle:
         else:
             inbox, rel = os.path.split(where)
         for attempt in range(RELEASE_TRIES):
+            put_backs = self._put_backs
             try:
                 with self.claimed_file(claimed) as (folder, name):
                     placed = place_inside(name, folder, inbox, rel, time_token())
-            except (FileNotFoundError, LinkedFolder):
+            except FileNotFoundError:
+                if self._put_backs != put_backs:
+                    continue  # moved into a fresh area as it was handed back: there now
+                return None
+            except LinkedFolder:
                 return None
             except OSError as exc:
                 if exc.errno not in SHORT_OF_RESOURCES:
