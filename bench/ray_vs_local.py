@@ -6,8 +6,9 @@ sees it, minus the forward pass as the replica measured it).
 The pipeline runs in this process (``Pipeline.process_backlog``, the code of ``inboxd once``)
 after the engine is warmed up and, for Ray, deployed, so start-up is not in the figures. The
 model is a tiny exported classifier by default (the overhead is then most of a batch: the
-worst case for Ray); ``--builtin`` uses EfficientNet-Lite0. Prints one table; ``--append``
-adds it to ``bench/RESULTS.md``.
+worst case for Ray); ``--builtin`` uses EfficientNet-Lite0, ``--ocr`` the built-in OCR
+(``name: ocr``) on receipts of one rendered line each, where a call ships the whole fitted photo
+and its answer is text lines. Prints one table; ``--append`` adds it to ``bench/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import yaml
 from PIL import Image
 
 from support.models import tiny_program
+from support.text_images import draw_lines
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
@@ -46,11 +48,17 @@ def start_cluster() -> tuple[Any, str]:
     return cluster, f"127.0.0.1:{port}"
 
 
-def flood(root: Path, files: int, size: int) -> None:
+def flood(root: Path, files: int, size: int, text: bool = False) -> None:
     inbox = root / "inbox"
     inbox.mkdir(parents=True)
     for n in range(files):
-        Image.new("RGB", (size, size), (n % 256, (n // 256) % 256, 90)).save(inbox / f"f{n}.png")
+        if text:  # a distinct line per file: the same bytes twice would be one result
+            image = Image.new("RGB", (1000, 200), "white")
+            draw_lines(image, [f"Total {n + 100}.20 EUR"], (40, 60), 40, "DejaVuSans.ttf",
+                       (0, 0, 0))
+        else:
+            image = Image.new("RGB", (size, size), (n % 256, (n // 256) % 256, 90))
+        image.save(inbox / f"f{n}.png")
 
 
 async def run_once(config_path: Path) -> dict[str, Any]:
@@ -98,11 +106,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", type=int, default=800)
     parser.add_argument("--builtin", action="store_true", help="EfficientNet-Lite0, not tiny")
+    parser.add_argument("--ocr", action="store_true", help="name: ocr on one-line receipts")
     parser.add_argument("--append", action="store_true", help="append to bench/RESULTS.md")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="inboxd-bench-ray-"))
-    if args.builtin:
-        model: dict[str, Any] = {"name": "efficientnet_lite0", "device": "cpu"}
+    if args.ocr:
+        model: dict[str, Any] = {"name": "ocr", "device": "cpu"}
+        size = 1000
+    elif args.builtin:
+        model = {"name": "efficientnet_lite0", "device": "cpu"}
         size = 256
     else:
         program = tiny_program(work / "tiny.pt2")
@@ -116,7 +128,7 @@ def main() -> None:
         for label, engine, in_flight in (("local", "local", 1), ("ray, 1 in flight", "ray", 1),
                                          ("ray, 2 in flight", "ray", 2)):
             root = work / label.replace(" ", "").replace(",", "-")
-            flood(root, args.files, size)
+            flood(root, args.files, size, text=args.ocr)
             results[label] = asyncio.run(run_once(configure(root, engine, model, address,
                                                             in_flight)))
     finally:
@@ -124,17 +136,19 @@ def main() -> None:
     local, ray1, ray2 = (results[k] for k in ("local", "ray, 1 in flight",
                                                 "ray, 2 in flight"))
     overhead = ray1["call_ms_p50"] - (ray1["replica_ms_p50"] or 0)
-    name = "EfficientNet-Lite0" if args.builtin else "tiny .pt2 (32×32)"
+    name = ("name: ocr (PP-OCRv4, ONNX Runtime)" if args.ocr else
+            "EfficientNet-Lite0" if args.builtin else "tiny .pt2 (32×32)")
+    what = "one-line receipt PNGs 1000×200" if args.ocr else f"PNGs {size}×{size}"
     rows = [f"| {label} | {r['files_per_s']:.1f} | {r['wall_s']:.1f} | {r['batches']} | "
             f"{r['call_ms_p50']:.1f} | {r['replica_ms_p50'] or '—'} | "
             f"{r['in_flight_high_water']} | {r['failed']} |" for label, r in results.items()]
     table = "\n".join([
         f"### engine: local vs engine: ray (1 replica), {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
         "",
-        f"{args.files} PNGs {size}×{size}, model {name} on the CPU, batch 8; the replica on a "
+        f"{args.files} {what}, model {name} on the CPU, batch 8; the replica on a "
         f"local 2-node Ray cluster on the same machine ({platform.node()}, {os.cpu_count()} "
         f"cores, load {os.getloadavg()[0]:.1f}); `python -m bench.ray_vs_local"
-        f"{' --builtin' if args.builtin else ''}`.",
+        f"{' --builtin' if args.builtin else ''}{' --ocr' if args.ocr else ''}`.",
         "",
         "| engine | files/s | wall s | batches | engine call p50 ms | replica forward p50 ms "
         "| in flight high water | failed |",

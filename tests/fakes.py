@@ -33,6 +33,7 @@ class FakeModel:
     """Classifies an image as its top-left red value: fast, deterministic, no weights."""
 
     name = "fake"
+    output = "classify"
     device = torch.device("cpu")
     precision = "fp32"
     runtime = "torch"

@@ -379,9 +379,6 @@ class ModelConfig(Section):
         if wrong:
             raise ValueError(f"name: ocr brings its own networks, input and output (text lines "
                              f"in ONNX Runtime, fp32): remove {', '.join(wrong)}")
-        if self.engine == "ray":
-            raise ValueError("name: ocr runs in this process (engine: local); engine: ray "
-                             "serves classifiers and embedders")
 
     @property
     def kind(self) -> ModelKind:
@@ -529,14 +526,24 @@ class Config(Section):
             return None
         if not 1 <= len(models) <= MAX_TASKS:
             raise ValueError(f"models: name 1 to {MAX_TASKS} tasks (task name: model block)")
-        for task, block in models.items():
+        for task in models:
             if not re.fullmatch(TASK_NAME, task) or task in RESULT_FIELDS:
                 raise ValueError(f"models: task name {task!r}: lower-case letters, digits and _ "
                                  f"(starting with a letter), none of the result's own fields "
                                  f"({', '.join(sorted(RESULT_FIELDS))})")
-            if block.engine != "local":
-                raise ValueError(f"models.{task}: engine: ray serves one model: block; with "
-                                 "models: every task runs in this process")
+        on_ray: dict[str, str] = {}
+        for task, block in models.items():
+            if block.engine != "ray":
+                continue
+            # Two tasks deployed under one name would be one application: the second task
+            # would find the first's running and send its photos to the first's model.
+            app = f"{block.ray.address} {block.ray.app_name}"
+            if app in on_ray:
+                raise ValueError(f"models.{task} and models.{on_ray[app]} both run on the Ray "
+                                 f"cluster at {block.ray.address} as application "
+                                 f"{block.ray.app_name}: give each task its own ray.app_name "
+                                 f"(e.g. app_name: inboxd_{task})")
+            on_ray[app] = task
         if sum(block.output == "embed" for block in models.values()) > 1:
             raise ValueError("models: at most one task may have output: embed (its vector is "
                              "the one .npy file beside the result)")

@@ -42,7 +42,7 @@ def main() -> None:
                          "replicas": {"RUNNING": 1}}))
     while True:
         try:
-            _, call_id, crops = conn.recv()
+            _, call_id, crops, _ = conn.recv()
         except EOFError:
             return
         answer = reply(crops)

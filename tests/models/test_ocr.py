@@ -124,11 +124,14 @@ def test_reads_what_rapidocr_reads() -> None:
 
 def test_the_config_refuses_what_ocr_does_not_take(tmp_path) -> None:
     for model, says in [({"name": "ocr", "top_k": 3}, "remove top_k"),
-                        ({"name": "ocr", "engine": "ray"}, "engine: local"),
+                        ({"name": "ocr", "precision": "fp16"}, "remove precision"),
                         ({"name": "efficientnet_lite0", "max_regions": 5}, "name: ocr")]:
         with pytest.raises(ConfigError) as caught:
             load_config(write_config(tmp_path, model=model))
         assert says in str(caught.value), caught.value
+    # engine: ray serves OCR too (its replicas read the text: tests/models/test_ray_tasks.py).
+    on_ray = load_config(write_config(tmp_path, model={"name": "ocr", "engine": "ray"}))
+    assert on_ray.model.engine == "ray" and on_ray.model.kind == "ocr"
 
 
 def test_loads_from_the_config_and_says_where_it_runs(tmp_path) -> None:

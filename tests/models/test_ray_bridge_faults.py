@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
@@ -149,12 +150,18 @@ def replica(model: Any) -> Replica:
     """A replica around ``model``, without Serve or the model files (``__init__``'s part)."""
     made = Replica.__new__(Replica)
     made.model, made.name, made.broken = model, "test:1", None
+    made.running = threading.Lock()
     return made
+
+
+def photos(crops: list[Any]) -> list[Any]:
+    """A call's photos: each crop with its displayed size (here the crop's own)."""
+    return [(crop, (crop.shape[1], crop.shape[0])) for crop in crops]
 
 
 def test_a_replica_failing_on_one_input_fails_that_input_only() -> None:
     crops = [np.full((8, 8, 3), red, dtype=np.uint8) for red in (40, POISON_RED, 41, 42)]
-    reply = replica(FakeModel())(crops)
+    reply = replica(FakeModel())(photos(crops))
     outcomes = decode_reply(reply, len(crops))
     assert [type(o).__name__ for o in outcomes] == ["Classification", "ModelError",
                                                     "Classification", "Classification"]
@@ -172,7 +179,7 @@ def test_a_replica_whose_device_failed_loses_the_batch_and_fails_its_health_chec
 
     broken = replica(Broken())
     with pytest.raises(RuntimeError, match="device of replica"):
-        broken([np.zeros((8, 8, 3), dtype=np.uint8)] * 2)
+        broken(photos([np.zeros((8, 8, 3), dtype=np.uint8)] * 2))
     with pytest.raises(RuntimeError):
         broken.check_health()  # Serve replaces it
 
@@ -183,7 +190,7 @@ class Handle:
     def __init__(self, how: str) -> None:
         self.how = how
 
-    def remote(self, crops: list[Any], delay_s: float) -> Any:
+    def remote(self, crops: list[Any], delay_s: float, **options: Any) -> Any:
         async def answer() -> Any:
             if self.how == "never":
                 await asyncio.sleep(3600)
@@ -201,10 +208,42 @@ def test_the_bridge_answers_every_call_once_even_a_call_that_never_returns(
     ours, theirs = socket.socketpair()
     daemon_end, bridge_end = Connection(ours.detach()), Connection(theirs.detach())
     bridge = Bridge(bridge_end, Handle(how), {"call_timeout_s": 0.2, "replica_delay_s": 0})
-    asyncio.run(bridge.call(7, [np.zeros((8, 8, 3), dtype=np.uint8)] * 3))
+    asyncio.run(bridge.call(7, photos([np.zeros((8, 8, 3), dtype=np.uint8)] * 3), {}))
     answer = daemon_end.recv()
     assert answer[:2] == (kind, 7) and not daemon_end.poll(0.1), "one answer, for call 7"
     if why is not None:
         assert answer[2].startswith(why) and "\n" not in answer[2], answer
     daemon_end.close()
     bridge_end.close()
+
+
+def test_a_task_on_a_cluster_that_is_gone_holds_the_whole_batch_of_a_models_config(
+        make_engine: Any) -> None:
+    """``models:`` with one task on Ray and one local: while the cluster cannot be reached the
+    batch is held (``EngineUnavailable`` for the model stage, no attempt spent, no photo answered
+    by one task only); once it is back each photo gets both sections."""
+    from inboxd.models.engines.local import LocalEngine
+    from inboxd.models.predictions import TaskResults
+    from inboxd.models.tasks import TasksEngine
+
+    ray = make_engine("bad_hello")
+    local = LocalEngine(FakeModel())  # type: ignore[arg-type]
+    tasks = TasksEngine({"things": FakeModel(), "labels": FakeModel()},  # type: ignore[dict-item]
+                        {"things": ray, "labels": local}, 4)
+    crop = np.zeros((8, 8, 3), dtype=np.uint8)
+    photos = [WorkItem(Path(), f"p{i}", f"p{i}", Path(),
+                       image=DecodedImage(crop, 8, 8, None, "RGB", others=(crop,)))
+              for i in range(2)]
+    try:
+        with pytest.raises(EngineUnavailable):
+            asyncio.run(tasks.infer(photos))
+        ray.settings["script"] = "echo"
+        ray._retry_at_s = 0.0  # the backoff is over
+        outcomes = asyncio.run(tasks.infer(photos))
+    finally:
+        local.close()
+    assert [item.key for item, _ in outcomes] == ["p0", "p1"]
+    for _, outcome in outcomes:
+        assert isinstance(outcome, TaskResults), outcome
+        assert set(outcome.sections) == {"things", "labels"}
+        assert all(isinstance(s, Classification) for s in outcome.sections.values()), outcome

@@ -6,7 +6,7 @@ device), so ``inboxd models -c FILE`` is the full test of a model config before 
 
 from __future__ import annotations
 
-from inboxd.config import Config
+from inboxd.config import Config, ConfigError
 from inboxd.decode.spec import PreprocessSpec
 from inboxd.models.predictions import TaskModel
 
@@ -46,6 +46,7 @@ def builtin_lines() -> list[str]:
 def configured_lines(config: Config, model: TaskModel, where: str) -> list[str]:
     info = model.info
     assert info is not None
+    ray = ray_lines(config, model) if config.model.engine == "ray" else []
     if model.output == "ocr":
         return [
             f"configured ({where}):",
@@ -56,7 +57,9 @@ def configured_lines(config: Config, model: TaskModel, where: str) -> list[str]:
             f"full_text; at most {config.model.max_regions} regions per photo, "
             f"{config.capacity.ocr_crops} crops waiting for the recogniser",
             f"    runs on: {model.device} (ONNX Runtime), precision {model.precision}, "
-            f"up to {config.batch.max_size} photos per batch",
+            f"up to {config.batch.max_size} photos per batch"
+            + (" (this host's copy, for its checks)" if ray else ""),
+            *ray,
         ]
     from inboxd.models.onnx_model import OnnxModel
 
@@ -79,7 +82,6 @@ def configured_lines(config: Config, model: TaskModel, where: str) -> list[str]:
     batches = f"up to {config.batch.max_size} images per batch"
     if info.max_batch is not None:
         batches += f" (the program accepts up to {info.max_batch})"
-    ray = ray_lines(config, model) if config.model.engine == "ray" else []
     return [
         f"configured ({where}):",
         f"  {model.name}: {info.source}",
@@ -97,10 +99,9 @@ def ray_lines(config: Config, model: TaskModel) -> list[str]:
     """``engine: ray``: connect, deploy (or find the application running) and say what runs."""
     import asyncio
 
+    from inboxd.models.engines.interface import EngineUnavailable
     from inboxd.models.engines.ray_serve import RayEngine
-    from inboxd.models.model import Model
 
-    assert isinstance(model, Model)  # engine: ray loads the torch model (engines/choice.py)
     ray = config.model.ray
 
     async def deploy() -> dict[str, object]:
@@ -110,7 +111,11 @@ def ray_lines(config: Config, model: TaskModel) -> list[str]:
         finally:
             engine.close()
 
-    info = asyncio.run(deploy())
+    try:
+        info = asyncio.run(deploy())
+    except EngineUnavailable as exc:  # unreachable, or an application running another model
+        raise ConfigError("model.ray", [f"cannot use the Ray Serve application "
+                                        f"{ray.app_name} at {ray.address}: {exc}"]) from None
     return [
         f"  Ray Serve application {info['app_name']} at {ray.address} "
         f"({'already running' if info['reused'] else 'deployed now'}, status {info['status']}, "

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from inboxd import __version__, logs
-from inboxd.config import Config
+from inboxd.config import Config, ModelConfig
 from inboxd.files.filesystems import WatchPlan
 from inboxd.files.filesystems import describe as describe_watch
 from inboxd.models.device import device_fields
@@ -25,11 +25,8 @@ def log_started(config: Config, model: TaskModel, tasks: dict[str, TaskModel],
     ``model:``."""
     source = f" ({model.info.source})" if model.info is not None else ""
     device = {**device_fields(model.device), **profile}
-    on = str(model.device)
-    if config.model.engine == "ray":
-        ray = config.model.ray
-        on = f"Ray Serve application {ray.app_name} at {ray.address}"
-    elif "NVIDIA_DRIVER" in device:
+    on = where(config.model, model)
+    if config.model.engine != "ray" and "NVIDIA_DRIVER" in device:
         on += (f" ({device['DEVICE_NAME']}, compute capability "
                f"{device['COMPUTE_CAPABILITY']}, {int(device['GPU_MEMORY_BYTES']) / 2**30:.0f}"
                f" GiB, driver {device['NVIDIA_DRIVER']}, CUDA {device['CUDA_RUNTIME']}, "
@@ -41,8 +38,8 @@ def log_started(config: Config, model: TaskModel, tasks: dict[str, TaskModel],
            )
     if tasks:  # every task, what it runs and where, in the record and its message
         source = " (tasks " + "; ".join(
-            f"{task}: {m.name} {m.output} on {m.device}, {m.runtime} {m.precision}"
-            for task, m in tasks.items()) + ")"
+            f"{task}: {m.name} {m.output} on {where(config.tasks[task], m)}, {m.runtime} "
+            f"{m.precision}" for task, m in tasks.items()) + ")"
         runtime["TASKS"] = ",".join(tasks)
     logs.emit(logging.INFO, "started",
               f"inboxd {__version__}: model {model.name}{source} on {on}, runs {ran}, "
@@ -54,3 +51,10 @@ def log_started(config: Config, model: TaskModel, tasks: dict[str, TaskModel],
               instance=config.instance, version=__version__,
               watch=",".join("polling" if p.polling else "inotify" for p in plans),
               filesystems=",".join(p.filesystem for p in plans))
+
+
+def where(block: ModelConfig, model: TaskModel) -> str:
+    """Where a model block runs, in words: its device, or its Ray Serve application."""
+    if block.engine == "ray":
+        return f"Ray Serve application {block.ray.app_name} at {block.ray.address}"
+    return str(model.device)

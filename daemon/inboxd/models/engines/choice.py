@@ -36,11 +36,11 @@ def load_here(config: ModelConfig) -> TaskModel:
 
 
 def make_engine(config: Config, model: TaskModel) -> ModelEngine:
+    """Where ``config.model`` runs; with ``models:`` each task's engine is made here from its
+    own block, so a task on ``engine: ray`` and one on ``local`` run side by side."""
     if config.model.engine == "ray":
         from inboxd.models.engines.ray_serve import RayEngine
-        from inboxd.models.model import Model
 
-        assert isinstance(model, Model)  # the config refuses engine: ray for name: ocr
         return RayEngine(model, config.model, config.batch.max_size)
     return LocalEngine(model, fast=fast_path(config.model, model))
 

@@ -9,7 +9,8 @@ with backoff, which connects to whatever cluster is at the address by then. It a
 threads, memory and signal handlers out of the daemon.
 
 The protocol, pickled over one socket (``multiprocessing.connection``): the daemon sends
-``{"settings"}`` once, then ``("infer", call_id, crops)``; the bridge answers ``("ready", info)``
+``{"settings"}`` once, then ``("infer", call_id, photos, options)`` (``Replica.__call__``'s
+photos and keyword arguments); the bridge answers ``("ready", info)``
 or ``("failed", why)`` once, then ``("result", call_id, reply)`` or ``("lost", call_id, why)``
 for each call: lost means the batch never got outcomes (its replica or node died, a timeout)
 and the daemon retries it. The bridge dies with the daemon (``PR_SET_PDEATHSIG``)
@@ -36,6 +37,8 @@ GCS_RECONNECT_TIMEOUT_S = 10
 # ends, so the GPU does not wait for the network. The bound on what is sent stays the daemon's
 # capacity.in_flight_batches, never Serve's queue.
 MAX_ONGOING_PER_REPLICA = 2
+# How long a running application's replica may take to say which model it runs.
+REUSE_CHECK_TIMEOUT_S = 60
 
 
 def actor_options(resources: dict[str, float]) -> dict[str, Any]:
@@ -64,6 +67,7 @@ def connect(settings: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     reused = existing is not None and _name(existing.status) in ("RUNNING", "DEPLOYING")
     if reused:
         handle = serve.get_app_handle(app_name)
+        check_same_model(handle, settings)
     else:
         serve.start(proxy_location="Disabled")
         deployment: Any = serve.deployment(
@@ -75,6 +79,24 @@ def connect(settings: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
                               settings["max_batch_size"])
         handle = serve.run(app, name=app_name, route_prefix=None)
     return handle, describe(app_name, reused)
+
+
+def check_same_model(handle: Any, settings: dict[str, Any]) -> None:
+    """A running application under our name must run our model: another ingest host's (or an
+    older config's) model would answer our photos with its own results."""
+    from inboxd.models.engines.ray_replica import model_fingerprint
+
+    ours = model_fingerprint(settings["model_config"], settings["files"])
+    try:
+        theirs = handle.describe.remote().result(timeout_s=REUSE_CHECK_TIMEOUT_S)["fingerprint"]
+    except Exception as exc:  # an application of an inboxd without fingerprints, or none of ours
+        theirs = f"unknown ({type(exc).__name__})"
+    if theirs != ours:
+        raise RuntimeError(
+            f"the Serve application {settings['app_name']} at {settings['address']} runs "
+            f"another model (fingerprint {theirs}, this config's {ours}): give this model "
+            f"block its own ray.app_name, or remove the running one (serve.delete"
+            f"({settings['app_name']!r}))")
 
 
 def describe(app_name: str, reused: bool) -> dict[str, Any]:
@@ -128,15 +150,15 @@ class Bridge:
         threading.Thread(target=read, name="inboxd-bridge-reader", daemon=True).start()
         await closed.wait()
 
-    def start_call(self, message: tuple[str, int, Any]) -> None:
-        _, call_id, crops = message
-        task = asyncio.create_task(self.call(call_id, crops))
+    def start_call(self, message: tuple[str, int, Any, dict[str, Any]]) -> None:
+        _, call_id, photos, options = message
+        task = asyncio.create_task(self.call(call_id, photos, options))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def call(self, call_id: int, crops: list[Any]) -> None:
+    async def call(self, call_id: int, photos: list[Any], options: dict[str, Any]) -> None:
         try:
-            reply = await asyncio.wait_for(self.handle.remote(crops, self.delay_s),
+            reply = await asyncio.wait_for(self.handle.remote(photos, self.delay_s, **options),
                                            self.call_timeout_s)
         except Exception as exc:  # any way a batch can be lost on the cluster: retried
             why = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]

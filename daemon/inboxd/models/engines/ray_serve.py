@@ -1,7 +1,11 @@
 """``model.engine: ray``: batches go to a Ray Serve application whose replicas hold the model.
 
-This host keeps everything durable (claims, results, moves, retries); only the forward pass
-runs on the cluster. Ray itself lives in a child process (``ray_bridge``), started on the first
+This host keeps everything durable (claims, results, moves, retries) and decodes each photo as
+the task needs it (``ray_replica`` says what runs there: the model, with everything it does after
+the decode); only that runs on the cluster, whatever the task: a classifier, an embedder, a
+detector, OCR. A call carries the batch's decoded pixels and each photo's displayed size, and
+the answers are checked against the task's type and bound (``Expected``) before they are
+trusted. Ray itself lives in a child process (``ray_bridge``), started on the first
 connection and again after the cluster was lost, so a dead head costs a bridge, never the daemon.
 This module never imports Ray: with ``engine: local`` nothing of it is loaded at all.
 
@@ -31,8 +35,14 @@ from inboxd.config import ModelConfig
 from inboxd.item import TransientError, WorkItem
 from inboxd.models.engines.interface import EngineUnavailable, ModelEngine, Outcome
 from inboxd.models.engines.ray_bridge import BridgeGone, BridgeProcess
-from inboxd.models.engines.ray_replica import BadReply, decode_reply, model_files
-from inboxd.models.model import Model
+from inboxd.models.engines.ray_replica import (
+    BadReply,
+    Photo,
+    decode_reply,
+    expected_answer,
+    model_files,
+)
+from inboxd.models.predictions import TaskModel
 from inboxd.stats import Window
 
 # Deploying loads and warms the model on every replica; past this the attempt counts as failed.
@@ -49,9 +59,13 @@ BRIDGE_MARGIN_S = 30.0
 class RayEngine(ModelEngine):
     parallel_calls = True  # the model stage keeps capacity.in_flight_batches calls out
 
-    def __init__(self, model: Model, config: ModelConfig, max_batch_size: int,
+    def __init__(self, model: TaskModel, config: ModelConfig, max_batch_size: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.model = model  # on this host only for its checks; inference runs on the replicas
+        self.expected = expected_answer(model.output, config)
+        # OCR's crop layer: its capacity goes with every call (the bound holds on the replica,
+        # and a SIGHUP's new one reaches it), its high-water mark comes back in every reply.
+        self.crops = getattr(model, "crops", None)
         self.ray = config.ray
         # The longest one ``infer`` can legitimately take: (re)connecting and deploying, then
         # the call with the bridge's own timeout and our margin on it. Everything in it is
@@ -180,9 +194,11 @@ class RayEngine(ModelEngine):
         call_id = self._next_id = self._next_id + 1
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[call_id] = future
-        crops = [item.image.pixels for item in batch if item.image is not None]
+        photos: list[Photo] = [(item.image.pixels, (item.image.width, item.image.height))
+                               for item in batch if item.image is not None]
+        options = {} if self.crops is None else {"ocr_crops": self.crops.capacity}
         try:
-            await bridge.send(("infer", call_id, crops))
+            await bridge.send(("infer", call_id, photos, options))
             kind, _, payload = await asyncio.wait_for(future,
                                                       self.ray.call_timeout_s + BRIDGE_MARGIN_S)
         except BridgeGone as exc:
@@ -195,11 +211,14 @@ class RayEngine(ModelEngine):
         if kind == "lost":
             return self._lost(batch, str(payload))
         try:
-            decoded = decode_reply(payload, len(batch))
+            decoded = decode_reply(payload, len(batch), self.expected)
             replica, ms = str(payload["replica"]), float(payload["ms"])
-        except (BadReply, KeyError, TypeError, ValueError) as exc:
+            crops_high_water = int(payload.get("ocr_crops_high_water", 0))
+        except (BadReply, KeyError, TypeError, ValueError, AttributeError) as exc:
             return self._lost(batch, f"a malformed reply: {exc}")
         self._record(replica, ms)
+        if self.crops is not None:
+            self.crops.saw_elsewhere(crops_high_water)
         for item in batch:
             item.inference_ms = ms
         return list(zip(batch, decoded, strict=True))

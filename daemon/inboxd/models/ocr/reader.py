@@ -101,6 +101,12 @@ class CropLayer:
         """SIGHUP: the next photo's crops are cut in groups of the new size."""
         self._capacity = capacity
 
+    def saw_elsewhere(self, high_water: int) -> None:
+        """``engine: ray``: the crops are cut on the replicas, each holding this layer at this
+        capacity; the stats record shows the highest mark a replica reported."""
+        with self._lock:
+            self.high_water = max(self.high_water, high_water)
+
     @contextmanager
     def holding(self, count: int) -> Iterator[None]:
         with self._lock:
