@@ -171,6 +171,32 @@ def onnx_memory_bomb(path: Path, side: int = 30_000) -> Path:
     return _save_onnx(nodes, initializers, path, 3)
 
 
+def value_shaped_bomb(path: Path, per_unit: float = 40_000.0) -> Path:
+    """A classifier whose every call also fills a k×k tensor, k = the input's largest value ×
+    ``per_unit``: nothing for the probe's all-zero input, 6.4 GB for a pixel of 1.0."""
+    from onnx import TensorProto, helper, save
+
+    nodes = [helper.make_node("ReduceMean", ["x"], ["means"], axes=[2, 3], keepdims=0),
+             helper.make_node("ReduceMax", ["x"], ["peak"], keepdims=0),
+             helper.make_node("Mul", ["peak", "per_unit"], ["kf"]),
+             helper.make_node("Cast", ["kf"], ["ki"], to=TensorProto.INT64),
+             helper.make_node("Reshape", ["ki", "one"], ["k"]),
+             helper.make_node("Concat", ["k", "k"], ["shape"], axis=0),
+             helper.make_node("ConstantOfShape", ["shape"], ["big"],
+                              value=helper.make_tensor("v", TensorProto.FLOAT, [1], [1.0])),
+             helper.make_node("ReduceMin", ["big"], ["low"], keepdims=0),
+             helper.make_node("Mul", ["means", "low"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "value_shaped_bomb",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 224, 224])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])],
+        [_ints("one", [1]), helper.make_tensor("per_unit", TensorProto.FLOAT, [], [per_unit])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", ONNX_OPSET)])
+    model.ir_version = ONNX_IR_VERSION
+    save(model, str(path))
+    return path
+
+
 def labels_file(root: Path, classes: int) -> Path:
     path = root / "labels.txt"
     path.write_text("".join(f"class {i}\n" for i in range(classes)))

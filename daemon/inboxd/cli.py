@@ -148,15 +148,19 @@ def setup_logging(level: str) -> None:
 def cmd_check_config(args: argparse.Namespace) -> int:
     from inboxd.decode import formats
     from inboxd.files.names import NameFilter
+    from inboxd.models.onnx_probe import probe_onnx_blocks
     from inboxd.models.preflight import preflight
 
     config = read_config(args)
-    # The model's files too (milliseconds, no torch); `inboxd models` loads the model itself.
+    # The model's files too (no torch); `inboxd models` loads the model itself.
     problems = [problem if config.models is None
                 else f"models.{task}.{problem.removeprefix('model.')}"
                 for task, block in config.tasks.items() for problem in preflight(block)]
     if problems:
         raise ConfigError(str(args.config or "config/inboxd.yaml"), problems)
+    # A bring-your-own .onnx is run as the daemon would run it, in a child under a memory
+    # limit (seconds): one a photo could make ask for any memory is refused here already.
+    probe_onnx_blocks(config)
     print(f"{logs.shown(args.config or 'config/inboxd.yaml (embedded default)')}: OK")
     for key, value in config.model_dump(mode="json").items():
         print(f"  {key}: {logs.shown(value)}")
@@ -363,8 +367,10 @@ def cmd_index(args: argparse.Namespace) -> int:
 def cmd_models(args: argparse.Namespace) -> int:
     from inboxd.models import listing as model_listing
     from inboxd.models.engines.choice import load_here
+    from inboxd.models.onnx_probe import probe_onnx_blocks
 
     config = read_config(args)
+    probe_onnx_blocks(config)  # before this process loads a graph that may ask for any memory
     where = str(args.config or "config/inboxd.yaml, the embedded default")
     lines = [*model_listing.builtin_lines(), ""]
     for task, block in config.tasks.items():

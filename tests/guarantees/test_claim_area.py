@@ -225,3 +225,35 @@ def test_instances_sharing_an_inbox_each_take_their_own_files_back(root: Path) -
     finally:
         a.unlock_instance()
         b.unlock_instance()
+
+
+def test_an_entry_filed_while_the_area_is_put_back_does_not_stop_the_put_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commit process files a claimed photo by name while the daemon puts its area back:
+    the entry listed is gone when its turn comes. The put-back stopped there (the rest of the
+    claimed files left in the moved folder, stranded while the daemon ran) and kept the fresh
+    area's lock on a descriptor nobody closed, so every later put-back failed (seen under a
+    2 ms move storm: "cannot be made again now: FileNotFoundError"). Now the gone entry is
+    skipped and the rest taken back."""
+    from inboxd.files import claim_area
+
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    held, _ = claim_area.open_area(inbox, "default")
+    for name in ("a.png", "c.png"):
+        (inbox / ".processing" / "default" / name).write_bytes(name.encode())
+    os.rename(inbox / ".processing", inbox / ".moved")
+    real_listdir = os.listdir
+
+    def listed_with_a_filed_one(folder: int) -> list[str]:  # the race, made certain
+        return [*real_listdir(folder), "b.png"]
+
+    monkeypatch.setattr(claim_area.os, "listdir", listed_with_a_filed_one)
+    fresh, report = claim_area.put_back(inbox, "default", held)
+    monkeypatch.undo()
+    assert report is not None and report.taken_back == 2
+    assert sorted(os.listdir(inbox / ".processing" / "default")) == ["a.png", "c.png"]
+    os.rename(inbox / ".processing", inbox / ".moved2")  # and the next put-back works
+    again, report = claim_area.put_back(inbox, "default", fresh)
+    assert report is not None and report.taken_back == 2
+    again.close()

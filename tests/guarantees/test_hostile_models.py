@@ -174,3 +174,23 @@ def test_a_reload_to_a_batch_size_the_onnx_cannot_afford_is_refused_not_fatal(
         finally:
             code = daemon.stop()
     assert code == 0, daemon.output()
+
+
+@pytest.mark.parametrize("command", ["check-config", "models", "once"])
+def test_the_commands_that_read_an_onnx_probe_it_first(tmp_path: Path, command: str) -> None:
+    """`inboxd models` loaded a bring-your-own .onnx in its own process and `check-config`
+    only checked the file was readable: a graph whose memory follows the pixel values (here
+    ~500 MB for a bright photo, gigabytes as easily) was listed as fine, and the daemon
+    (`once`, as `run`) served it. All refuse it, with 78, the key and what to do."""
+    from tests.byo_models import value_shaped_bomb
+
+    bomb = value_shaped_bomb(tmp_path / "bomb.onnx", per_unit=4_400.0)
+    config = write_config(tmp_path, model={"onnx": str(bomb),
+                                           "labels": str(labels_file(tmp_path, 3))})
+    make_image(tmp_path / "inbox" / "a.png")
+    ran = subprocess.run([sys.executable, "-m", "inboxd", command, "-c", str(config)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 78, (ran.returncode, ran.stdout[-2000:], ran.stderr[-3000:])
+    assert f"model: onnx: {bomb}: its memory follows the pixel values" in ran.stderr
+    assert (tmp_path / "inbox" / "a.png").exists()  # nothing taken
+    assert "export it with shapes that do not depend on the input's values" in ran.stderr

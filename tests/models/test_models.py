@@ -27,13 +27,13 @@ import yaml
 from inboxd import cli
 from inboxd.config import ConfigError, ModelConfig, parse_config
 from inboxd.decode.pillow import decode_image
-from inboxd.decode.spec import PreprocessSpec
+from inboxd.decode.spec import TORCHVISION_INPUT, PreprocessSpec
 from inboxd.exit_codes import EX_CONFIG
 from inboxd.models.efficientnet_lite import EMBEDDING_DIM, load_efficientnet_lite0
 from inboxd.models.loading import load_model, strip_classifier
 from inboxd.models.model import Color, Model
 from inboxd.models.preflight import read_labels
-from inboxd.models.sources import TORCHVISION_INPUT, Source, last_linear
+from inboxd.models.sources import Source, last_linear
 from PIL import Image
 from torch import nn
 

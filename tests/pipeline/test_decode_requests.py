@@ -41,7 +41,8 @@ class FailingPool:
     def __init__(self) -> None:
         self.asked: list[list[str]] = []
 
-    def decode_many(self, files: Sequence[tuple[Path, str | None]]) -> list[DecodeResult]:
+    def decode_many(self, files: Sequence[tuple[Path, str | None]],
+                    opened: Sequence[int | None] = ()) -> list[DecodeResult]:
         self.asked.append([path.name for path, _ in files])
         raise TransientError("cannot start a decode worker: EAGAIN")
 
@@ -56,7 +57,8 @@ class BlockingPool:
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def decode_many(self, files: Sequence[tuple[Path, str | None]]) -> list[DecodeResult]:
+    def decode_many(self, files: Sequence[tuple[Path, str | None]],
+                    opened: Sequence[int | None] = ()) -> list[DecodeResult]:
         self.entered.set()
         self.release.wait(10)
         return [DecodeResult("0" * 64, 1, image=crop()) for _ in files]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -94,7 +95,8 @@ class RecordingPool:
     def __init__(self) -> None:
         self.requests: list[list[str]] = []
 
-    def decode_many(self, files: list[tuple[Path, str | None]]) -> list[DecodeResult]:
+    def decode_many(self, files: list[tuple[Path, str | None]],
+                    opened: Sequence[int | None] = ()) -> list[DecodeResult]:
         self.requests.append([Path(path).name for path, _ in files])
         return [DecodeResult("0" * 64, 1, error=PermanentError("bad")) if "bad" in str(path)
                 else DecodeResult("0" * 64, 1, image=DecodedImage(
@@ -150,7 +152,8 @@ class OneWorkerPool:
         self.worker = threading.Lock()
         self.finish = threading.Semaphore(0)
 
-    def decode_many(self, files: list[tuple[Path, str | None]]) -> list[DecodeResult]:
+    def decode_many(self, files: list[tuple[Path, str | None]],
+                    opened: Sequence[int | None] = ()) -> list[DecodeResult]:
         with self.worker:
             assert self.finish.acquire(timeout=10), "the test never let the decode finish"
             return [DecodeResult("0" * 64, 1, image=DecodedImage(

@@ -113,15 +113,17 @@ class DecodePool:
         """Read, hash and decode one file in a worker (see ``decode_many``)."""
         return self.decode_many([(path, expected_sha256)])[0]
 
-    def decode_many(self, files: Sequence[tuple[os.PathLike[str] | str, str | None]]
-                    ) -> list[DecodeResult]:
+    def decode_many(self, files: Sequence[tuple[os.PathLike[str] | str, str | None]],
+                    opened: Sequence[int | None] = ()) -> list[DecodeResult]:
         """Read, hash and decode each (path, expected sha256) in one worker, in order: one
-        request for them all, one reply per file as soon as it is done. Every outcome of a
-        file is its returned ``DecodeResult``; a worker that dies, hangs or is recycled costs
-        only the file it was on, and the rest go to its replacement. Only a pool that is closed
-        or cannot start workers raises, before any file was answered (then every file of the
-        call is tried again later); after, the files not yet answered get that TransientError
-        and those answered keep their outcome."""
+        request for them all, one reply per file as soon as it is done. ``opened``: this
+        process's descriptor of each file where it holds one open (kept open by the caller
+        until this returns): the worker reopens the file through it, not by its path. Every
+        outcome of a file is its returned ``DecodeResult``; a worker that dies, hangs or is
+        recycled costs only the file it was on, and the rest go to its replacement. Only a
+        pool that is closed or cannot start workers raises, before any file was answered (then
+        every file of the call is tried again later); after, the files not yet answered get
+        that TransientError and those answered keep their outcome."""
         if self.closed:
             raise TransientError("inboxd is shutting down")
         self.start()
@@ -132,8 +134,11 @@ class DecodePool:
                 raise TransientError("inboxd is shutting down")
             if process is None:
                 process = self._start()
+            fds: Sequence[int | None] = opened or [None] * len(files)
+            entries = [_entry(path, expected, fd)
+                       for (path, expected), fd in zip(files, fds, strict=True)]
             while len(results) < len(files):
-                rest = files[len(results):]
+                rest = entries[len(results):]
                 process = self._hand_over(process, rest)
                 process = self._answers(process, len(rest), results)
             return results
@@ -148,11 +153,9 @@ class DecodePool:
         finally:
             self._idle.put(self._keep(process))
 
-    def _hand_over(self, process: WorkerProcess,
-                   files: Sequence[tuple[os.PathLike[str] | str, str | None]]) -> WorkerProcess:
+    def _hand_over(self, process: WorkerProcess, files: list[dict[str, Any]]) -> WorkerProcess:
         """The worker that has taken ``files`` (acknowledged the request)."""
-        request = {"files": [{"path_hex": os.fsencode(path).hex(), "expected_sha256": expected}
-                             for path, expected in files]}
+        request: dict[str, Any] = {"files": files}
         for attempt in range(2):
             process = self._ensure_ready(process)
             why = self._deliver(process, request)
@@ -308,3 +311,12 @@ class DecodePool:
 def _malformed(why: str) -> tuple[DecodeResult, str]:
     return DecodeResult(None, None, error=PermanentError(
         f"the decoder sent a malformed reply: {why}")), why
+
+
+def _entry(path: os.PathLike[str] | str, expected: str | None, fd: int | None
+           ) -> dict[str, Any]:
+    """One file of a request; its name travels hex-encoded (any bytes a name may hold)."""
+    entry: dict[str, Any] = {"path_hex": os.fsencode(path).hex(), "expected_sha256": expected}
+    if fd is not None:
+        entry["opened"] = f"/proc/{os.getpid()}/fd/{fd}"
+    return entry

@@ -105,3 +105,14 @@ def fit_size(width: int, height: int, side: int) -> tuple[int, int]:
     ``side``² and the rounded size at it (at least one pixel each way)."""
     gain = min(side / width, side / height)
     return max(1, min(side, round(width * gain))), max(1, min(side, round(height * gain)))
+
+
+# torchvision's weights conventions for its classifiers (``ImageClassification`` transforms):
+# what a bring-your-own classifier or embedder is fed where ``input:`` leaves a key unset.
+TORCHVISION_INPUT = PreprocessSpec(
+    resize=256, crop=224, interpolation="bilinear",
+    mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225),
+)
+# 0-1 input, no per-channel normalisation: what Ultralytics models and torchvision's detectors
+# (whose own transform normalises) take.
+UNIT_SCALE = ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0))

@@ -135,7 +135,8 @@ class Worker:
         path = os.fsdecode(bytes.fromhex(entry["path_hex"]))
         state: dict[str, Any] = {"sha256": None, "size_bytes": None}
         try:
-            header, pixels = self._decode(path, entry.get("expected_sha256"), state)
+            header, pixels = self._decode(path, entry.get("expected_sha256"), state,
+                                          entry.get("opened"))
             return header, pixels, False
         except (PermanentError, TransientError) as exc:
             return _error(exc, state), b"", False
@@ -152,10 +153,10 @@ class Worker:
             return _error(PermanentError(
                 f"the decoder failed on this file: {type(exc).__name__}: {exc}"), state), b"", False
 
-    def _decode(self, path: str, expected: str | None,
-                state: dict[str, Any]) -> tuple[dict[str, Any], bytes | memoryview]:
+    def _decode(self, path: str, expected: str | None, state: dict[str, Any],
+                opened: str | None = None) -> tuple[dict[str, Any], bytes | memoryview]:
         image = None
-        with open_input(path, self.max_file_bytes) as handle:
+        with open_input(path, self.max_file_bytes, opened) as handle:
             before = os.fstat(handle.fileno())
             state["sha256"], state["size_bytes"], whole = hash_stream(handle,
                                                                        self.max_file_bytes)

@@ -211,11 +211,21 @@ def put_back(inbox: Path, instance: str, held: HeldArea) -> tuple[HeldArea, PutB
     if fresh is held:
         return held, None
     report = PutBack(inbox, _where(held.processing), moved)
-    for name in sorted(os.listdir(held.folder)):
-        placed = first_free(name, time_token(), functools.partial(
-            _rename_into, name, held.folder, fresh.folder))
-        report.taken_back += 1
-        report.renamed += placed != name
+    try:
+        for name in sorted(os.listdir(held.folder)):
+            try:
+                placed = first_free(name, time_token(), functools.partial(
+                    _rename_into, name, held.folder, fresh.folder))
+            except FileNotFoundError:
+                continue  # filed or handed back meanwhile (the commit process): not claimed
+            report.taken_back += 1
+            report.renamed += placed != name
+    except BaseException:
+        # Not kept half-made: its lock, held by a descriptor nobody would close, would keep
+        # every later put-back out. What was moved in stays at the name, where the next one
+        # holds it again and brings the rest.
+        fresh.close()
+        raise
     # Its crash counts follow it; one the fresh area has already is newer.
     with contextlib.suppress(OSError):
         rename_noreplace(instance + LEDGER_SUFFIX, instance + LEDGER_SUFFIX,

@@ -39,6 +39,7 @@ from inboxd.files.instances import LOCK_WAIT_S
 from inboxd.files.layout import PROCESSING_DIRNAME, TMP_DIRNAME, processing_dir
 from inboxd.files.names import fit_name, relative_inside
 from inboxd.files.portable_names import filing_key
+from inboxd.files.reading import READ_CLAIMED_FLAGS
 from inboxd.files.renames import (
     name_variants,
     no_free_name,
@@ -100,6 +101,7 @@ class Lifecycle:
         self._areas: dict[Path, claim_area.HeldArea] = {}  # by inbox, while locked
         # Putting an area back (the claim thread, the io thread) is done by one at a time.
         self._areas_lock = threading.Lock()
+        self._put_backs = 0  # areas put back since start: a file met missing may have moved
         self.max_file_bytes = config.preprocess.max_file_mb * 2**20
         self._done = os.fspath(config.done_dir)
         self._done_tmp = tmp_dir_in(config.done_dir, config.instance)
@@ -209,6 +211,7 @@ class Lifecycle:
                       inbox=str(inbox), error=repr(exc))
             return held
         self._areas[inbox] = fresh
+        self._put_backs += 1
         if report is not None:
             _say_put_back(report)
         return fresh
@@ -286,10 +289,15 @@ class Lifecycle:
         else:
             inbox, rel = os.path.split(where)
         for attempt in range(RELEASE_TRIES):
+            put_backs = self._put_backs
             try:
                 with self.claimed_file(claimed) as (folder, name):
                     placed = place_inside(name, folder, inbox, rel, time_token())
-            except (FileNotFoundError, LinkedFolder):
+            except FileNotFoundError:
+                if self._put_backs != put_backs:
+                    continue  # moved into a fresh area as it was handed back: there now
+                return None
+            except LinkedFolder:
                 return None
             except OSError as exc:
                 if exc.errno not in SHORT_OF_RESOURCES:
@@ -320,6 +328,26 @@ class Lifecycle:
                     os.close(folder)
                 return
         yield None, path
+
+    def open_claimed(self, claimed: str | Path) -> int:
+        """A claimed file opened for reading (not following a link, not blocking on a FIFO),
+        for a decode worker to reopen through ``/proc``: in the area held, by descriptor,
+        with the area not put back meanwhile (putting it back moves every claimed file out of
+        the folder held). A member moving ``.processing`` every few ms cannot make this fail
+        for a file that is claimed. Reached as ``claimed_file`` reaches it otherwise."""
+        path = os.fspath(claimed)
+        for inbox in self.config.inbox.paths:
+            rel = relative_inside(path, inbox)
+            if rel is None or not rel.startswith(PROCESSING_DIRNAME + "/"):
+                continue
+            folders, name = split_rel(rel)
+            with self._claim_area(inbox) as area:
+                if area is not None and folders[:2] == [PROCESSING_DIRNAME,
+                                                        self.config.instance]:
+                    with open_inside(area.folder, folders[2:], own=True) as folder:
+                        return os.open(name, READ_CLAIMED_FLAGS, dir_fd=folder)
+        with self.claimed_file(claimed) as (folder, name):
+            return os.open(name, READ_CLAIMED_FLAGS, dir_fd=folder)
 
     def _open_claimed_folder(self, inbox: Path, folders: list[str]) -> int:
         """The folder of a claimed file, checked to be ours: under the area held, reached by

@@ -24,14 +24,21 @@ TRANSIENT_READ_ERRNOS = {errno.EACCES, errno.EPERM, errno.EIO, errno.EAGAIN, err
                          errno.ENOENT, errno.ESTALE, errno.ETIMEDOUT, errno.ENOMEM,
                          errno.EINTR, errno.ENFILE, errno.EMFILE}
 HASH_CHUNK_BYTES = 1 << 20  # big enough to amortise the syscalls, small next to any image
+# A claimed file is opened as it is found: never through a link at its name, and without
+# blocking on a FIFO (the checks on the descriptor refuse both).
+READ_CLAIMED_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 
 
-def open_input(path: os.PathLike[str] | str, max_bytes: int | None = None) -> BinaryIO:
+def open_input(path: os.PathLike[str] | str, max_bytes: int | None = None,
+               opened: str | None = None) -> BinaryIO:
     """The file, opened for reading after checking what it is on the open descriptor (not the
     path, which an adversary can swap): not a link, a regular file (a FIFO opened for reading
-    would block a worker for ever), and not larger than ``max_bytes``."""
+    would block a worker for ever), and not larger than ``max_bytes``. ``opened``: the
+    daemon's descriptor of it (``/proc/<pid>/fd/<n>``), reopened in preference to the path."""
     try:
-        fd = _open_claimed(os.fspath(path))
+        fd = _reopen(opened) if opened is not None else None
+        if fd is None:
+            fd = _open_claimed(os.fspath(path))
     except LinkedFolder as exc:
         # A folder on the way to a claimed file is not ours: a member of the group moved the
         # claim area's name. The daemon puts the area back within AREA_CHECK_S, and the
@@ -56,19 +63,30 @@ def open_input(path: os.PathLike[str] | str, max_bytes: int | None = None) -> Bi
         raise
 
 
+def _reopen(opened: str) -> int | None:
+    """The file the daemon holds open, reopened through its ``/proc/<pid>/fd/<n>``: the
+    kernel's link to the very file, whatever its folder is called now (a member of the
+    group may be moving ``.processing`` every few ms). It is followed on purpose: the daemon
+    opened the file without following links. None when /proc will not give it (a hardened
+    /proc): the path is walked then, as before."""
+    try:
+        return os.open(opened, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError:
+        return None
+
+
 def _open_claimed(path: str) -> int:
     """``path`` opened for reading without following a link; a claimed file
     (``<inbox>/.processing/<instance>/…``) from its inbox, each folder on the way checked to be
     the daemon's own: the group can swap ``.processing`` for a folder whose ``<instance>`` is a
     link to its own files, and reading by path would read (and file a result of) one of
     those. Hidden folders are never walked into, so the last ``/.processing/`` is the one."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     inbox, sep, below = path.rpartition(f"/{PROCESSING_DIRNAME}/")
     if not sep or not inbox:
-        return os.open(path, flags)
+        return os.open(path, READ_CLAIMED_FLAGS)
     folders, leaf = split_rel(f"{PROCESSING_DIRNAME}/{below}")
     with open_inside(inbox, folders, own=True) as folder:
-        return os.open(leaf, flags, dir_fd=folder)
+        return os.open(leaf, READ_CLAIMED_FLAGS, dir_fd=folder)
 
 
 def hash_stream(handle: BinaryIO, max_bytes: int | None = None

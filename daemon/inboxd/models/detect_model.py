@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from inboxd.config import ModelConfig
-from inboxd.decode.spec import PreprocessSpec
+from inboxd.decode.spec import UNIT_SCALE, PreprocessSpec
 from inboxd.models.detect.geometry import (
     Detections,
     Layout,
@@ -55,9 +55,6 @@ TORCHVISION_DETECTORS = (
 COCO_DETECTION_CLASSES = 91  # torchvision's COCO detectors: background + 90 ids (some "N/A")
 DEFAULT_ONNX_SIZE = 640  # Ultralytics' export default
 PROBE_BATCH = 2
-# 0-1 input, no per-channel normalisation: what Ultralytics models and torchvision's detectors
-# (whose own transform normalises) take.
-UNIT_SCALE = ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
 Family = Literal["onnx", "torchvision"]
 
 

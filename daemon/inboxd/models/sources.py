@@ -23,15 +23,10 @@ import torch
 from torch import nn
 
 from inboxd.config import ModelConfig
-from inboxd.decode.spec import PreprocessSpec
+from inboxd.decode.spec import TORCHVISION_INPUT, PreprocessSpec
 from inboxd.models.builtin_weights import BUILTIN_NAME, builtin_description
 from inboxd.models.preflight import problem
 
-# torchvision's weights conventions for its classifiers (``ImageClassification`` transforms).
-TORCHVISION_INPUT = PreprocessSpec(
-    resize=256, crop=224, interpolation="bilinear",
-    mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225),
-)
 IMAGENET_CLASSES = 1000
 _SHOWN = 3  # mismatching keys named in an error, per kind of mismatch
 

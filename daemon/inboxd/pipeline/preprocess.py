@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -80,6 +81,7 @@ class Preprocessor:
         on_changing: Release,
         clock: Callable[[], float] = time.monotonic,
         device_route: DeviceRoute | None = None,
+        open_claimed: Callable[[str], int] | None = None,
     ) -> None:
         self.queue = queue
         self.cache = cache
@@ -92,6 +94,7 @@ class Preprocessor:
         self.on_changing = on_changing
         self.clock = clock
         self.device_route = device_route
+        self.open_claimed = open_claimed
         self.decoders = decoders_for(workers)  # run_worker tasks the pipeline starts
         self.executor = ThreadPoolExecutor(self.decoders, thread_name_prefix="inboxd-preprocess",
                                            initializer=name_this_thread)
@@ -163,15 +166,32 @@ class Preprocessor:
         on_cpu = [(item.claimed_path, sha256)
                   for item, sha256, result in zip(items, expected, routed, strict=True)
                   if result is None]
+        opened = [self._open(path) for path, _ in on_cpu]
         try:
-            decoded = self.pool.decode_many(on_cpu) if on_cpu else []
+            decoded = self.pool.decode_many(on_cpu, opened) if on_cpu else []
         except TransientError as exc:  # the pool is closed or cannot start workers
             # Only the CPU files' outcome: a file decoded on the device has its crop already.
             decoded = [DecodeResult(None, None, error=exc) for _ in on_cpu]
+        finally:
+            for fd in opened:
+                if fd is not None:
+                    os.close(fd)
         assert len(decoded) == len(on_cpu), "one outcome per file sent to the pool"
         from_pool = iter(decoded)
         return [self._outcome(item, next(from_pool) if result is None else result)
                 for item, result in zip(items, routed, strict=True)]
+
+    def _open(self, claimed: str) -> int | None:
+        """The claimed file held open by descriptor while a worker reads it: the worker reopens
+        it through this process's /proc, so a member of the group renaming ``.processing``
+        meanwhile cannot make it fail. None where it cannot be opened here: the worker tries
+        the path, and its error is the file's outcome as before."""
+        if self.open_claimed is None:
+            return None
+        try:
+            return self.open_claimed(claimed)
+        except OSError:  # a link, a member's folder at .processing (LinkedFolder), gone
+            return None
 
     def _on_device(self, item: WorkItem, expected_sha256: str | None) -> DecodeResult | None:
         """The file's outcome from the device path, or None (the CPU path takes it). A surprise

@@ -50,7 +50,9 @@ def real_awatch(
 async def inotify_awatch(*paths: Path, recursive: bool,
                          stop_event: asyncio.Event) -> AsyncIterator[ChangeSet]:
     """Change sets as awatch yields them: after the first event, more are gathered every
-    WATCH_STEP_MS for at most WATCH_DEBOUNCE_MS, then handed over; until ``stop_event``."""
+    WATCH_STEP_MS for at most WATCH_DEBOUNCE_MS, then handed over; until ``stop_event``. Each
+    read takes at most one kernel read (``MAX_CHANGES_PER_READ``), so one set holds at most
+    that per step, however fast the events come."""
     watch = TreeWatch([str(path) for path in paths], recursive, folder_skipped)
     loop = asyncio.get_running_loop()
     readable = asyncio.Event()

@@ -142,6 +142,7 @@ class Pipeline:
             device_route=device_route.build(gpu_decode, model.device, model.spec,
                                             pre.max_image_pixels, pre.max_file_mb << 20,
                                             decoders_for(pre.workers)),
+            open_claimed=self.lifecycle.open_claimed,
         )
         self.commits: Commits = CommitProcess(config, self.lifecycle)
         self.result_writer = ResultWriter(config, model, self.lifecycle, self.commits,

@@ -28,7 +28,7 @@ from inboxd.models.device import with_device_defaults
 from inboxd.models.engines.choice import load_here, make_engine
 from inboxd.models.engines.interface import ModelEngine
 from inboxd.models.onnx_model import OnnxModel
-from inboxd.models.onnx_probe import daemon_sizes, probe_in_child
+from inboxd.models.onnx_probe import probe_in_child, probe_onnx_blocks
 from inboxd.models.predictions import TaskModel, loaded_class
 from inboxd.models.tasks import TasksEngine
 from inboxd.pipeline.stalls import DEFAULT_PATIENCE_S
@@ -96,13 +96,8 @@ class Service:
         started = time.perf_counter()
         extending = asyncio.create_task(self._extend_start_timeout())
         try:
-            blocks = (list(self.config.models.values()) if self.config.models is not None
-                      else [self.config.model])
-            for block in blocks:
-                if block.kind == "onnx":  # a graph may ask for any memory: try it aside
-                    own = [block.batch.max_size] if block.batch is not None else []
-                    await asyncio.to_thread(probe_in_child, block,
-                                            sorted({*daemon_sizes(self.config), *own}))
+            # A graph may ask for any memory: tried aside first.
+            await asyncio.to_thread(probe_onnx_blocks, self.config)
             tasks = await asyncio.to_thread(load_tasks, self.config)
             model = next(iter(tasks.values())) if tasks else await asyncio.to_thread(
                 load_here, self.config.model)

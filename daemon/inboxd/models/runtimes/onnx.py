@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from inboxd.config import ModelConfig
+from inboxd.decode.spec import TORCHVISION_INPUT
 from inboxd.models.preflight import problem
 from inboxd.models.runtimes.choice import cpu_flags
 from inboxd.models.runtimes.onnx_artifact import (
@@ -43,7 +44,7 @@ from inboxd.models.runtimes.onnx_artifact import (
     write_atomically,
 )
 from inboxd.models.runtimes.runner import Runner
-from inboxd.models.sources import TORCHVISION_INPUT, Source
+from inboxd.models.sources import Source
 
 # The artifact's torch-free half lives in onnx_artifact; its names are this module's too.
 __all__ = ["ARTIFACT_FORMAT", "ARTIFACT_GRAPH_BYTES", "INPUT_NAME", "KEY_METADATA",
