@@ -170,6 +170,28 @@ def test_start_up_refuses_what_cannot_work_naming_the_key(tmp_path: Path,
         load_model(detector_config(yolo_path, labels_path, layout="boxes"))
 
 
+def test_an_onnx_detector_asked_for_a_gpu_without_onnxruntime_s_cuda_runs_on_the_cpu_saying_so(
+        yolo_path: Path, labels_path: Path, yolo: Detector,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU is the boundary faked here (``pick_device`` answers cuda); the onnxruntime is
+    the installed CPU package, which has no CUDA provider: the detector runs on the CPU, the
+    started record's fields say why, and its boxes are the CPU detector's."""
+    import onnxruntime as ort
+    from inboxd.models import detect_model
+
+    assert "CUDAExecutionProvider" not in ort.get_available_providers()
+    monkeypatch.setattr(detect_model, "pick_device", lambda requested: torch.device("cuda"))
+    model = load_model(detector_config(yolo_path, labels_path).model_copy(
+        update={"device": "cuda"}))
+    assert isinstance(model, Detector)
+    assert model.device.type == "cpu"
+    assert "no CUDA provider" in model.fields["MODEL_NOTE"], model.fields
+    assert "CPUExecutionProvider" in model.fields["RUNTIME_REASON"], model.fields
+    data = photo_bytes((640, 480))
+    assert detect_one(model, data) == detect_one(yolo, data)
+    assert "MODEL_NOTE" not in yolo.fields  # asked for the CPU: nothing to explain
+
+
 @pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_a_detector_that_cannot_work_exits_78_naming_the_fix(tmp_path: Path) -> None:
     yolo_path = detectors.yolo_onnx(tmp_path / "yolo.onnx")

@@ -140,4 +140,4 @@ def test_loads_from_the_config_and_says_where_it_runs(tmp_path) -> None:
     assert isinstance(model, OcrModel)
     assert model.reader.settings.max_regions == 7
     assert model.spec.kind == "fit_within" and model.spec.crop == 2000
-    assert model.providers == ["CPUExecutionProvider"]
+    assert model.providers == ("CPUExecutionProvider",)

@@ -105,6 +105,7 @@ class Detector(Model):
         self.pad_value = pad_value
         self.layout = layout
         self.fixed_batch = fixed_batch  # an ONNX graph exported for one batch size
+        self.fields: dict[str, Any] = {}  # for the started record: where it runs, and why
 
     @property
     def side(self) -> int:
@@ -177,11 +178,7 @@ def boxes_layout(outputs: list[torch.Tensor], layout: OutputLayout
 
 
 def load_detector(config: ModelConfig) -> Detector:
-    device = pick_device("cpu" if config.kind == "onnx" and config.device == "auto"
-                         else config.device)
-    if config.kind == "onnx" and device.type == "cuda":
-        raise problem("onnx: models run in onnxruntime on the CPU (the onnxruntime package has "
-                      "no CUDA execution provider): set device: cpu or auto")
+    device = pick_device(config.device)
     precision = "fp32" if config.precision == "auto" else config.precision
     if config.kind == "onnx" and precision != "fp32":
         raise problem("an onnx: model runs at the precision it was exported with: set "
@@ -207,8 +204,16 @@ def _onnx_detector(config: ModelConfig, device: torch.device, post: PostProcess,
 
     assert config.onnx is not None
     path = config.onnx
+    # On a GPU: ONNX Runtime's CUDA provider where the installed onnxruntime has one, else
+    # the CPU, said in the started record (the CPU package is what inboxd installs).
+    providers: tuple[str, ...] = onnx_runtime.CPU_PROVIDERS
+    note: str | None = None
+    if device.type == "cuda":
+        providers, note = onnx_runtime.providers_for_gpu("the ONNX detector")
+        if note is not None:
+            device = torch.device("cpu")
     try:
-        session = onnx_runtime.session(str(path), torch.get_num_threads())
+        session = onnx_runtime.session(str(path), torch.get_num_threads(), providers)
     except Exception as exc:
         raise problem(f"onnx: cannot read {path}: no such file" if not path.is_file() else
                       f"onnx: {path} cannot be loaded by onnxruntime: {type(exc).__name__}: "
@@ -242,6 +247,9 @@ def _onnx_detector(config: ModelConfig, device: torch.device, post: PostProcess,
     detector.layout = layout
     detector.info = ModelInfo("onnx", f"ONNX detector {path} ({layout.layout} layout)", 0,
                               classes or len(detector.labels))
+    detector.fields["RUNTIME_REASON"] = f"the ONNX detector runs on ONNX Runtime's {providers[0]}"
+    if note is not None:
+        detector.fields["MODEL_NOTE"] = note
     _probe(detector)
     return detector
 

@@ -24,6 +24,8 @@ from inboxd.models.model import ModelInfo, Output
 from inboxd.models.ocr.assets import OcrAssets, OcrAssetsMissing, find_assets
 from inboxd.models.ocr.reader import CropLayer, OcrReader, OcrReading, OcrSettings
 from inboxd.models.preflight import problem
+from inboxd.models.runtimes.onnx_artifact import CPU_PROVIDERS, providers_for_gpu
+from inboxd.models.runtimes.onnx_artifact import session as onnx_session
 
 NAME = "ocr"
 
@@ -45,7 +47,7 @@ class OcrModel:
     precision = "fp32"
     batches_overlap = False  # ONNX Runtime's own sessions: nothing of torch's split applies
 
-    def __init__(self, reader: OcrReader, device: torch.device, providers: list[str],
+    def __init__(self, reader: OcrReader, device: torch.device, providers: tuple[str, ...],
                  note: str | None, assets: OcrAssets) -> None:
         self.name = NAME
         self.reader = reader
@@ -101,26 +103,20 @@ class OcrModel:
 
 
 def load_ocr(config: ModelConfig, device: torch.device) -> OcrModel:
-    import onnxruntime as ort
-
-    from inboxd.models.runtimes.onnx import session_options
-
     try:
         assets = find_assets()
     except OcrAssetsMissing as exc:
         raise problem(str(exc)) from exc
-    providers, note = ["CPUExecutionProvider"], None
+    providers: tuple[str, ...] = CPU_PROVIDERS
+    note: str | None = None
     if device.type == "cuda":
-        if "CUDAExecutionProvider" in ort.get_available_providers():
-            providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
-        else:
-            note = ("the installed onnxruntime has no CUDA provider: OCR runs on the CPU "
-                    "(install onnxruntime-gpu for the GPU)")
+        providers, note = providers_for_gpu("OCR")
+        if note is not None:
             device = torch.device("cpu")
     threads = torch.get_num_threads()
 
     def session(path: Any) -> Any:
-        return ort.InferenceSession(str(path), session_options(threads), providers=providers)
+        return onnx_session(str(path), threads, providers)
 
     settings = OcrSettings(max_regions=config.max_regions)
     reader = OcrReader(session(assets.detector), session(assets.angle_classifier),

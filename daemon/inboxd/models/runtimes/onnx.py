@@ -29,6 +29,7 @@ from inboxd.models.runtimes.choice import cpu_flags
 from inboxd.models.runtimes.onnx_artifact import (
     ARTIFACT_FORMAT,
     ARTIFACT_GRAPH_BYTES,
+    CPU_PROVIDERS,
     INPUT_NAME,
     KEY_METADATA,
     MAX_ARTIFACT_BYTES,
@@ -38,6 +39,7 @@ from inboxd.models.runtimes.onnx_artifact import (
     artifact_path,
     check_self_contained,
     key_of,
+    providers_for_gpu,
     read_artifact,
     session,
     session_options,
@@ -47,12 +49,13 @@ from inboxd.models.runtimes.runner import Runner
 from inboxd.models.sources import Source
 
 # The artifact's torch-free half lives in onnx_artifact; its names are this module's too.
-__all__ = ["ARTIFACT_FORMAT", "ARTIFACT_GRAPH_BYTES", "INPUT_NAME", "KEY_METADATA",
-           "MAX_ARTIFACT_BYTES", "OUTPUT_NAME", "STALE_TEMP_S", "ArtifactRefused", "OnnxNetwork",
-           "artifact_limit_bytes", "artifact_path", "cache_key", "check_self_contained",
-           "cpu_identity", "expected_key", "export_bytes", "from_bytes", "key_of",
-           "onnx_program", "read_artifact", "runner", "session", "session_options", "verified",
-           "versions", "weights_digest", "with_metadata", "write_atomically"]
+__all__ = ["ARTIFACT_FORMAT", "ARTIFACT_GRAPH_BYTES", "CPU_PROVIDERS", "INPUT_NAME",
+           "KEY_METADATA", "MAX_ARTIFACT_BYTES", "OUTPUT_NAME", "STALE_TEMP_S", "ArtifactRefused",
+           "OnnxNetwork", "artifact_limit_bytes", "artifact_path", "cache_key",
+           "check_self_contained", "cpu_identity", "expected_key", "export_bytes", "from_bytes",
+           "key_of", "onnx_program", "providers_for_gpu", "read_artifact", "runner", "session",
+           "session_options", "verified", "versions", "weights_digest", "with_metadata",
+           "write_atomically"]
 
 
 

@@ -136,8 +136,23 @@ def session_options(threads: int) -> Any:
     return options
 
 
-def session(data: bytes | str, threads: int) -> Any:
+CPU_PROVIDERS = ("CPUExecutionProvider",)
+CUDA_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
+
+
+def providers_for_gpu(what: str) -> tuple[tuple[str, ...], str | None]:
+    """The providers for ``what`` asked to run on a GPU: CUDA's where the installed
+    onnxruntime has it; else the CPU's, and a note saying why (for the started record)."""
     import onnxruntime as ort
 
-    return ort.InferenceSession(data, session_options(threads),
-                                providers=["CPUExecutionProvider"])
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        return CUDA_PROVIDERS, None
+    return CPU_PROVIDERS, (f"the installed onnxruntime has no CUDA provider: {what} runs on "
+                           "the CPU (install onnxruntime-gpu for the GPU)")
+
+
+def session(data: bytes | str, threads: int,
+            providers: tuple[str, ...] = CPU_PROVIDERS) -> Any:
+    import onnxruntime as ort
+
+    return ort.InferenceSession(data, session_options(threads), providers=list(providers))
