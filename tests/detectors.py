@@ -4,15 +4,18 @@
 N×(4+C)×A, cx/cy/w/h in the letterboxed input, no NMS) whose output is a constant: the candidates
 below, the same for every image. The boxes inboxd reports for a photo are then exactly
 computable from the photo's displayed size alone (``expected_boxes``): the letterbox undone and
-the scale back to the photo are the only things between the two.
+the scale back to the photo are the only things between the two. ``yolo_pt2`` is the same
+detector as a torch.export program.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import onnx
+import torch
 from inboxd.decode.spec import fit_size
 from inboxd.models.detect.geometry import placement
 from onnx import TensorProto, helper, numpy_helper
@@ -120,3 +123,42 @@ def expected_boxes(width: int, height: int, side: int = SIDE) -> list[dict[str, 
         out.append({"label": LABELS[index], "index": index, "score": score,
                     "box": [round(v, 2) for v in clipped]})
     return out
+
+
+Pt2Layout = Literal["yolo", "boxes", "neither"]
+
+
+class ConstantDetector(torch.nn.Module):
+    """0 × the mean of each image + constant outputs: the batch axis is the input's, the values
+    the candidates'. ``boxes``: a dict of boxes, scores and labels (the survivors, as a program
+    with NMS inside returns them); ``neither``: one N×7 output, which no layout reads."""
+
+    def __init__(self, layout: Pt2Layout) -> None:
+        super().__init__()
+        self.layout = layout
+        survivors = np.array([[*box, score, index] for box, score, index in SURVIVORS],
+                             dtype=np.float32)
+        # Contiguous copies: torch.export.save warns of a strided view's storage.
+        candidates = np.ascontiguousarray(candidates_array())
+        self.register_buffer("candidates", torch.from_numpy(candidates))
+        self.register_buffer("survivors", torch.from_numpy(survivors[None].copy()))
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        zeros = images.mean(dim=(1, 2, 3)).view(-1, 1, 1) * 0
+        if self.layout == "yolo":
+            return zeros + self.candidates
+        if self.layout == "neither":
+            return zeros[:, :, 0] + self.candidates[:, 0, :7]
+        rows = zeros + self.survivors
+        return {"boxes": rows[..., :4], "scores": rows[..., 4],
+                "labels": rows[..., 5].round().long()}
+
+
+def yolo_pt2(path: Path, side: int = SIDE, layout: Pt2Layout = "yolo") -> Path:
+    """The constant detector as a torch.export program with a dynamic batch, saved as a user
+    would save theirs."""
+    example = torch.rand(2, 3, side, side)
+    program = torch.export.export(ConstantDetector(layout).eval(), (example,),
+                                  dynamic_shapes={"images": {0: torch.export.Dim("batch")}})
+    torch.export.save(program, path)
+    return path

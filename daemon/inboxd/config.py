@@ -366,10 +366,10 @@ class ModelConfig(Section):
             self._check_ocr()
         elif self._not_default({"max_regions"}):
             raise ValueError("max_regions only applies to name: ocr")
-        if self.output == "detect" and self.kind not in ("torchvision", "onnx"):
+        if self.output == "detect" and self.kind not in ("torchvision", "onnx", "export"):
             raise ValueError("output: detect runs a detector you bring: torchvision: ARCH with "
-                             "weights: PATH, or onnx: PATH (a YOLO-layout or boxes/scores/labels "
-                             "export)")
+                             "weights: PATH, or onnx: PATH or export: PATH (a YOLO-layout or "
+                             "boxes/scores/labels export)")
         if self.torchvision is not None and self.weights is None:
             raise ValueError(
                 "torchvision: needs weights: PATH, a local state_dict file "

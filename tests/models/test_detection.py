@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -145,6 +146,89 @@ def test_a_fixed_batch_export_and_the_packed_boxes_layout_give_the_same_boxes(
                 image.width, image.height)
 
 
+# -- a torch.export program (.pt2) ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pt2_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return detectors.yolo_pt2(tmp_path_factory.mktemp("pt2") / "yolo.pt2")
+
+
+def pt2_config(program: Path, labels: Path, **detect: object) -> ModelConfig:
+    return ModelConfig(export=program, output="detect", labels=labels, device="cpu",
+                       detect={"score_threshold": detectors.SCORE_THRESHOLD, **detect})
+
+
+@pytest.fixture(scope="module")
+def pt2(pt2_path: Path, labels_path: Path) -> Detector:
+    model = load_model(pt2_config(pt2_path, labels_path))
+    assert isinstance(model, Detector)
+    return model
+
+
+@pytest.mark.parametrize(("size", "orientation"), [
+    ((1200, 800), 1), ((1200, 800), 3), ((1200, 800), 6), ((1200, 800), 8),
+    ((1600, 900), 1), ((900, 1600), 1)],
+    ids=["orientation1", "orientation3", "orientation6", "orientation8", "landscape",
+         "portrait"])
+def test_a_pt2_detector_gives_the_onnx_detector_s_boxes(
+        pt2: Detector, yolo: Detector, size: tuple[int, int], orientation: int) -> None:
+    """The same constant detector as a torch.export program: the same letterbox, layout and
+    NMS, so exactly the ONNX detector's boxes, in the displayed photo's pixels."""
+    assert pt2.family == "export" and pt2.layout is not None and pt2.layout.layout == "yolo"
+    data = photo_bytes(size, orientation)
+    found, width, height = detect_one(pt2, data)
+    assert (width, height) == (size[::-1] if orientation in (6, 8) else size)
+    assert found == detect_one(yolo, data)[0] == detectors.expected_boxes(width, height)
+
+
+def test_a_pt2_detector_returning_boxes_scores_and_labels_gives_the_same_boxes(
+        tmp_path: Path, labels_path: Path, pt2: Detector) -> None:
+    """A program with NMS inside returning a dict: its keys tell scores from labels; a batch
+    of mixed shapes gives each photo its own boxes."""
+    boxes = load_model(pt2_config(detectors.yolo_pt2(tmp_path / "nms.pt2", layout="boxes"),
+                                  labels_path))
+    assert isinstance(boxes, Detector)
+    assert boxes.layout is not None and boxes.layout.layout == "boxes"
+    datas = [photo_bytes((1600, 900)), photo_bytes((700, 1000), 6), photo_bytes((23, 11))]
+    for model in (boxes, pt2):
+        images = [decode_image(d, model.spec, MAX_PIXELS) for d in datas]
+        for image, found in zip(images, model.predict([i.pixels for i in images]),
+                                strict=True):
+            assert isinstance(found, Detections)
+            assert found.in_photo(image.width, image.height) == detectors.expected_boxes(
+                image.width, image.height)
+
+
+def test_a_pt2_detector_is_checked_at_start_up_naming_the_key(
+        tmp_path: Path, labels_path: Path, pt2_path: Path) -> None:
+    neither = detectors.yolo_pt2(tmp_path / "neither.pt2", layout="neither")
+    with pytest.raises(ConfigError, match=re.escape(
+            f"export: {neither}: its outputs [[2, 7]] fit no detector layout")):
+        load_model(pt2_config(neither, labels_path))
+    with pytest.raises(ConfigError, match=re.escape(
+            f"input.size is 320 but export: {pt2_path} takes 64×64 images")):
+        load_model(ModelConfig(export=pt2_path, output="detect", labels=labels_path,
+                               input={"size": 320}))
+    with pytest.raises(ConfigError, match="precision it was exported with"):
+        load_model(ModelConfig(export=pt2_path, output="detect", labels=labels_path,
+                               precision="bf16", device="cpu"))
+
+
+@pytest.mark.slow  # a costly run: `make test`, not the fast tier
+def test_a_pt2_whose_outputs_fit_no_layout_exits_78_naming_the_key_and_the_fix(
+        tmp_path: Path, labels_path: Path) -> None:
+    neither = detectors.yolo_pt2(tmp_path / "neither.pt2", layout="neither")
+    config = write_config(tmp_path, model={"export": str(neither), "output": "detect",
+                                           "labels": str(labels_path)})
+    done = subprocess.run([sys.executable, "-m", "inboxd", "models", "-c", str(config)],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == EX_CONFIG, done.stderr
+    said = done.stderr + done.stdout
+    assert f"export: {neither}: its outputs [[2, 7]] fit no detector layout" in said, said
+    assert "the YOLO layout is one N×(4+classes)×candidates output" in said, said
+
+
 def test_start_up_refuses_what_cannot_work_naming_the_key(tmp_path: Path,
                                                           labels_path: Path) -> None:
     yolo_path = detectors.yolo_onnx(tmp_path / "yolo.onnx")
@@ -204,9 +288,13 @@ def test_a_detector_that_cannot_work_exits_78_naming_the_fix(tmp_path: Path) -> 
 
 @pytest.mark.daemon
 @pytest.mark.slow  # a costly run: `make test`, not the fast tier
+@pytest.mark.parametrize("source", ["onnx", "export"])
 def test_inboxd_once_writes_detections_in_the_displayed_photo_s_pixels(
-        tmp_path: Path, yolo_path: Path, labels_path: Path) -> None:
-    config = write_config(tmp_path, model={"onnx": str(yolo_path), "output": "detect",
+        tmp_path: Path, yolo_path: Path, pt2_path: Path, labels_path: Path,
+        source: str) -> None:
+    """From the YAML, for the ONNX detector and the same detector as a .pt2 program."""
+    network = yolo_path if source == "onnx" else pt2_path
+    config = write_config(tmp_path, model={source: str(network), "output": "detect",
                                            "labels": str(labels_path),
                                            "detect": {"score_threshold": 0.25}})
     photos = {"turned.jpg": ((1200, 800), 6), "wide.jpg": ((1600, 900), 1),

@@ -1,14 +1,15 @@
 """``output: detect``: a detector a user brings, loaded and checked at start-up, run per batch.
 
-Two sources. An ``.onnx`` detector in ONNX Runtime, in the YOLO layout (an Ultralytics export:
-one output N×(4+classes)×candidates, no NMS inside) or the boxes layout (NMS inside: boxes,
-scores and labels outputs, or one N×K×6 output), fed the letterbox it was trained on
-(``models/detect/geometry.py``). A torchvision detection architecture with a local state_dict, fed
-each fitted photo as it is: its own transform normalises and resizes, and its own
-post-processing (NMS included) maps boxes back to that photo.
+Three sources. An ``.onnx`` detector in ONNX Runtime or a ``.pt2`` torch.export program in
+torch, in the YOLO layout (an Ultralytics export: one output N×(4+classes)×candidates, no NMS
+inside) or the boxes layout (NMS inside: boxes, scores and labels outputs, or one N×K×6 output),
+fed the letterbox it was trained on (``models/detect/geometry.py``): the two differ only in the
+network that runs on the letterboxed batch. A torchvision detection architecture with a local
+state_dict, fed each fitted photo as it is: its own transform normalises and resizes, and its
+own post-processing (NMS included) maps boxes back to that photo.
 
 Everything that would otherwise fail on the first photo is checked here with a blank probe batch:
-the input size against the ONNX graph's, the output layout (from the output shapes, or
+the input size against the graph's, the output layout (from the output shapes, or
 ``detect.layout`` where they could be either), the class count against the labels. A failure is
 a ``ConfigError`` naming the key and the fix (exit 78).
 """
@@ -41,7 +42,7 @@ from inboxd.models.device import pick_device
 from inboxd.models.model import Model, ModelInfo, Pixels
 from inboxd.models.preflight import problem, read_labels
 from inboxd.models.runtimes.runner import Runner
-from inboxd.models.sources import load_state_dict, state_dict_mismatch
+from inboxd.models.sources import export_program, load_state_dict, state_dict_mismatch
 
 # torchvision's detection architectures inboxd builds (weights=None, weights_backbone=None)
 # and loads strictly from a local state_dict: each takes a list of 0-1 images and returns
@@ -55,7 +56,8 @@ TORCHVISION_DETECTORS = (
 COCO_DETECTION_CLASSES = 91  # torchvision's COCO detectors: background + 90 ids (some "N/A")
 DEFAULT_ONNX_SIZE = 640  # Ultralytics' export default
 PROBE_BATCH = 2
-Family = Literal["onnx", "torchvision"]
+# onnx and export: a letterboxed batch through a network in one of the two layouts.
+Family = Literal["onnx", "export", "torchvision"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +87,21 @@ class OnnxDetectorNetwork(nn.Module):
                      for out in self.session.run(self.output_names, {self.input_name: array}))
 
 
+class ExportedDetectorNetwork(nn.Module):
+    """A torch.export program returning its outputs as a tuple: a program may return one
+    tensor, a tuple or list of them, or a dict (whose keys name the outputs)."""
+
+    def __init__(self, program: nn.Module) -> None:
+        super().__init__()
+        self.program = program
+
+    def forward(self, batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = self.program(batch)
+        if isinstance(out, torch.Tensor):
+            return (out,)
+        return tuple(out.values() if isinstance(out, dict) else out)
+
+
 class Detector(Model):
     """A detection model: fitted photos in, ``Detections`` (boxes in each fitted photo's pixels;
     the result writer maps them to the displayed photo) out."""
@@ -95,7 +112,8 @@ class Detector(Model):
     def __init__(self, name: str, network: nn.Module, spec: PreprocessSpec, labels: list[str],
                  device: torch.device, precision: str, *, family: Family, post: PostProcess,
                  pad_value: int, layout: OutputLayout | None, fixed_batch: int | None,
-                 color: Literal["rgb", "bgr", "gray"], info: ModelInfo | None) -> None:
+                 color: Literal["rgb", "bgr", "gray"], info: ModelInfo | None,
+                 input_dtype: torch.dtype = torch.float32) -> None:
         runner = (Runner("onnxruntime", "fp32", network, torch.contiguous_format)
                   if family == "onnx" else None)
         super().__init__(name, network, spec, labels, device, precision, 1, output="detect",
@@ -105,6 +123,8 @@ class Detector(Model):
         self.pad_value = pad_value
         self.layout = layout
         self.fixed_batch = fixed_batch  # an ONNX graph exported for one batch size
+        # What the network was exported to take: a .pt2 exported in half precision runs in it.
+        self.input_dtype = input_dtype
         self.fields: dict[str, Any] = {}  # for the started record: where it runs, and why
 
     @property
@@ -127,8 +147,8 @@ class Detector(Model):
         """The network's outputs for a letterboxed batch (chunked to a fixed batch size), and
         where each image was put."""
         canvas, placements = letterbox(images, self.side, self.pad_value, self.device)
-        inputs = self.normalise(canvas).contiguous()
-        step = self.fixed_batch or len(images)
+        inputs = self.normalise(canvas).contiguous().to(self.input_dtype)
+        step = self.fixed_batch or self.max_batch or len(images)
         chunks = []
         with self._autocast(self.runner):
             for start in range(0, len(images), step):
@@ -180,14 +200,16 @@ def boxes_layout(outputs: list[torch.Tensor], layout: OutputLayout
 def load_detector(config: ModelConfig) -> Detector:
     device = pick_device(config.device)
     precision = "fp32" if config.precision == "auto" else config.precision
-    if config.kind == "onnx" and precision != "fp32":
-        raise problem("an onnx: model runs at the precision it was exported with: set "
-                      "precision: auto or fp32")
+    if config.kind in ("onnx", "export") and precision != "fp32":
+        raise problem(f"an {config.kind}: detector runs at the precision it was exported with: "
+                      "set precision: auto or fp32")
     post = PostProcess(config.detect.score_threshold, config.detect.iou_threshold,
                        config.detect.max_detections)
     labels = read_labels(config.labels) if config.labels is not None else None
     if config.kind == "onnx":
         return _onnx_detector(config, device, post, labels)
+    if config.kind == "export":
+        return _export_detector(config, device, post, labels)
     return _torchvision_detector(config, device, precision, post, labels)
 
 
@@ -225,28 +247,16 @@ def _onnx_detector(config: ModelConfig, device: torch.device, post: PostProcess,
     batch, channels, height, width = inputs[0].shape
     if channels != 3:
         raise problem(f"onnx: {path} takes {channels} channels; inboxd feeds 3 (RGB)")
-    size = _onnx_size(config, path, height, width)
+    size = _letterbox_size(config, f"onnx: {path}", height, width)
     fixed_batch = batch if isinstance(batch, int) else None
     network = OnnxDetectorNetwork(session)
-    spec = _input_spec(config, size)
     metadata_names = _metadata_names(session)
-    probe_images = _probe_images(size)
-    detector = Detector(path.name, network, spec, labels or metadata_names or [], device,
-                        "fp32", family="onnx", post=post, pad_value=config.detect.pad_value,
-                        layout=None, fixed_batch=fixed_batch, color=config.input.color,
-                        info=None)
-    try:
-        outputs, _ = detector.raw_outputs(probe_images)
-    except Exception as exc:
-        raise problem(f"onnx: {path} fails on a {len(probe_images)}×3×{size}×{size} letterboxed "
-                      f"batch (input.size is {size}): {type(exc).__name__}: {str(exc)[:300]}"
-                      ) from exc
-    layout = output_layout(outputs, session, config.detect.layout, path)
-    classes = outputs[0].shape[1] - 4 if layout.layout == "yolo" else None
-    detector.labels = _detector_labels(config, labels, metadata_names, classes)
-    detector.layout = layout
-    detector.info = ModelInfo("onnx", f"ONNX detector {path} ({layout.layout} layout)", 0,
-                              classes or len(detector.labels))
+    detector = Detector(path.name, network, _input_spec(config, size),
+                        labels or metadata_names or [], device, "fp32", family="onnx", post=post,
+                        pad_value=config.detect.pad_value, layout=None, fixed_batch=fixed_batch,
+                        color=config.input.color, info=None)
+    _settle_layout(detector, config, f"onnx: {path}", network.output_names, labels,
+                   metadata_names, 0, f"ONNX detector {path}")
     detector.fields["RUNTIME_REASON"] = f"the ONNX detector runs on ONNX Runtime's {providers[0]}"
     if note is not None:
         detector.fields["MODEL_NOTE"] = note
@@ -254,14 +264,62 @@ def _onnx_detector(config: ModelConfig, device: torch.device, post: PostProcess,
     return detector
 
 
-def _onnx_size(config: ModelConfig, path: Any, height: Any, width: Any) -> int:
+def _export_detector(config: ModelConfig, device: torch.device, post: PostProcess,
+                     labels: list[str] | None) -> Detector:
+    """A torch.export program in torch on the model's device (``export_program`` moves it),
+    fed the letterboxed batch in the dtype it was exported with."""
+    assert config.export is not None
+    path = config.export
+    source = export_program(config, device)
+    height, width = source.input_size or (None, None)
+    size = _letterbox_size(config, f"export: {path}", height, width)
+    network = ExportedDetectorNetwork(source.network)
+    parameters = sum(p.numel() for p in network.parameters())
+    detector = Detector(path.name, network, _input_spec(config, size), labels or [], device,
+                        "fp32", family="export", post=post, pad_value=config.detect.pad_value,
+                        layout=None, fixed_batch=None, color=config.input.color,
+                        info=ModelInfo("export", "", parameters, 0, source.max_batch),
+                        input_dtype=source.input_dtype)
+    _settle_layout(detector, config, f"export: {path}", source.output_names, labels, None,
+                   parameters, f"torch.export detector {path}")
+    detector.fields["RUNTIME_REASON"] = (f"a torch.export program runs in torch on {device}, "
+                                         f"fed {str(source.input_dtype).removeprefix('torch.')}")
+    _probe(detector)
+    return detector
+
+
+def _settle_layout(detector: Detector, config: ModelConfig, where: str, output_names: list[str],
+                   labels: list[str] | None, metadata_names: list[str] | None, parameters: int,
+                   description: str) -> None:
+    """Run the probe batch through the network, and set the layout its outputs show, the
+    labels and the info from them."""
+    probe_images = _probe_images(detector.side)
+    size = detector.side
+    try:
+        outputs, _ = detector.raw_outputs(probe_images)
+    except Exception as exc:
+        raise problem(f"{where} fails on a {len(probe_images)}×3×{size}×{size} letterboxed "
+                      f"batch (input.size is {size}): {type(exc).__name__}: {str(exc)[:300]}"
+                      ) from exc
+    layout = output_layout(outputs, output_names, config.detect.layout, where)
+    classes = outputs[0].shape[1] - 4 if layout.layout == "yolo" else None
+    detector.labels = _detector_labels(config, labels, metadata_names, classes)
+    detector.layout = layout
+    max_batch = detector.info.max_batch if detector.info is not None else None
+    detector.info = ModelInfo(config.kind, f"{description} ({layout.layout} layout)", parameters,
+                              classes or len(detector.labels), max_batch)
+
+
+def _letterbox_size(config: ModelConfig, where: str, height: Any, width: Any) -> int:
+    """The letterbox's side: the network's fixed input, which input.size must agree with;
+    input.size or Ultralytics' default for a network that takes any size."""
     wanted = config.input.size
     if isinstance(height, int) and isinstance(width, int):
         if height != width:
-            raise problem(f"onnx: {path} takes {height}×{width} images; the letterbox is square: "
-                          "export it with a square imgsz")
+            raise problem(f"{where} takes {height}×{width} images; the letterbox is square: "
+                          "export it with a square input size (Ultralytics: imgsz)")
         if wanted is not None and wanted != height:
-            raise problem(f"input.size is {wanted} but {path} takes {height}×{width} images: "
+            raise problem(f"input.size is {wanted} but {where} takes {height}×{width} images: "
                           f"set model.input.size to {height} (or remove it)")
         return height
     return wanted or DEFAULT_ONNX_SIZE
@@ -280,11 +338,14 @@ def _metadata_names(session: Any) -> list[str] | None:
     return None
 
 
-def output_layout(outputs: list[torch.Tensor], session: Any, wanted: str,
-                  path: Any) -> OutputLayout:
-    """The layout the probe batch's outputs show, checked against ``detect.layout``."""
+def output_layout(outputs: list[torch.Tensor], output_names: list[str], wanted: str,
+                  where: str) -> OutputLayout:
+    """The layout the probe batch's outputs show, checked against ``detect.layout``.
+    ``where``: the key and file, as errors name them (``onnx: PATH``)."""
     shapes = [list(out.shape) for out in outputs]
-    names = [output.name.lower() for output in session.get_outputs()]
+    # A program returning a tuple names none: its outputs are told apart by shape and dtype.
+    names = [(output_names[i] if i < len(output_names) else f"output{i}").lower()
+             for i in range(len(outputs))]
     found: OutputLayout | None = None
     ambiguous = False
     if len(outputs) == 1 and outputs[0].ndim == 3:
@@ -300,11 +361,11 @@ def output_layout(outputs: list[torch.Tensor], session: Any, wanted: str,
     elif len(outputs) in (2, 3, 4):
         found = _named_outputs(outputs, names) if wanted in ("auto", "boxes") else None
     if ambiguous:
-        raise problem(f"onnx: {path}'s output {shapes[0]} could be the YOLO layout (classes × "
+        raise problem(f"{where}: its output {shapes[0]} could be the YOLO layout (classes × "
                       "candidates) or the boxes layout (detections × 6): set "
                       "model.detect.layout to yolo or boxes")
     if found is None:
-        raise problem(f"onnx: {path}'s outputs {shapes} fit no detector layout inboxd reads"
+        raise problem(f"{where}: its outputs {shapes} fit no detector layout inboxd reads"
                       + (f" (detect.layout is {wanted})" if wanted != "auto" else "")
                       + ": the YOLO layout is one N×(4+classes)×candidates output (an "
                       "Ultralytics export with nms=False); the boxes layout is boxes N×K×4, "

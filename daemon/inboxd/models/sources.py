@@ -14,7 +14,7 @@ import re
 import warnings
 import zipfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,8 @@ class Source:
     classes: int | None  # known before running: the built-in and torchvision models
     max_batch: int | None = None  # a .pt2 program's bound on its batch dimension
     input_size: tuple[int, int] | None = None  # a .pt2 program's fixed height × width
+    input_dtype: torch.dtype = torch.float32  # what a .pt2 program was exported to take
+    output_names: list[str] = field(default_factory=list)  # a .pt2 program's, where it names them
 
 
 def builtin() -> Source:
@@ -217,14 +219,15 @@ def export_program(config: ModelConfig, device: torch.device) -> Source:
         raise problem(f"export: cannot load {path} with torch {torch.__version__}: "
                       f"{type(exc).__name__}: {str(exc)[:300]} (a .pt2 must come from "
                       "torch.export.save, ideally with the same torch version)") from exc
-    max_batch, input_size = _input_signature(program, path)
+    max_batch, input_size, input_dtype = _input_signature(program, path)
     if device.type != "cpu":
         from torch.export.passes import move_to_device_pass
 
         # Tensors the graph creates itself carry the device they were exported on.
         program = move_to_device_pass(program, device)
     return Source(path.name, program.module(), TORCHVISION_INPUT,
-                  f"torch.export program {path}", None, max_batch, input_size)
+                  f"torch.export program {path}", None, max_batch, input_size, input_dtype,
+                  _output_names(program))
 
 
 @contextlib.contextmanager
@@ -243,9 +246,10 @@ def _weights_only_loads() -> Iterator[None]:
             os.environ[key] = before
 
 
-def _input_signature(program: Any, path: Path) -> tuple[int | None, tuple[int, int] | None]:
-    """The batch bound and fixed height × width, from the program's one input: N×3×H×W with
-    a dynamic N."""
+def _input_signature(program: Any, path: Path
+                     ) -> tuple[int | None, tuple[int, int] | None, torch.dtype]:
+    """The batch bound, fixed height × width and dtype, from the program's one input: N×3×H×W
+    with a dynamic N."""
     inputs = [node for node in program.graph.nodes
               if node.op == "placeholder" and node.name in program.graph_signature.user_inputs]
     value = inputs[0].meta.get("val") if len(inputs) == 1 else None
@@ -266,5 +270,14 @@ def _input_signature(program: Any, path: Path) -> tuple[int | None, tuple[int, i
     max_batch = int(upper) if isinstance(upper, (int, sympy.Integer)) else None
     height, width = shape[2], shape[3]
     fixed = (height, width) if isinstance(height, int) and isinstance(width, int) else None
-    return max_batch, fixed
+    return max_batch, fixed, value.dtype
+
+
+def _output_names(program: Any) -> list[str]:
+    """The keys of a program that returns a dict (a detector's ``boxes``, ``scores``,
+    ``labels``); none for one that returns a tensor or a tuple."""
+    spec = program.call_spec.out_spec
+    if spec is not None and spec.type is dict:
+        return [str(key) for key in spec.context]
+    return []
 
