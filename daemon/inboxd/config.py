@@ -370,6 +370,10 @@ class ModelConfig(Section):
             raise ValueError("output: detect runs a detector you bring: torchvision: ARCH with "
                              "weights: PATH, or onnx: PATH or export: PATH (a YOLO-layout or "
                              "boxes/scores/labels export)")
+        if (self.output == "detect" and self.export is not None
+                and (self.compile or self.runtime == "onnxruntime")):
+            raise ValueError("an export: detector runs in torch as it was exported: remove "
+                             "compile: true and runtime: onnxruntime")
         if self.torchvision is not None and self.weights is None:
             raise ValueError(
                 "torchvision: needs weights: PATH, a local state_dict file "

@@ -213,6 +213,21 @@ def test_a_pt2_detector_is_checked_at_start_up_naming_the_key(
     with pytest.raises(ConfigError, match="precision it was exported with"):
         load_model(ModelConfig(export=pt2_path, output="detect", labels=labels_path,
                                precision="bf16", device="cpu"))
+    with pytest.raises(ValueError, match="runs in torch as it was exported: remove compile"):
+        ModelConfig(export=pt2_path, output="detect", labels=labels_path, compile=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_pt2_detector_on_the_gpu_gives_the_cpu_boxes(pt2_path: Path, labels_path: Path,
+                                                       pt2: Detector) -> None:
+    """The program is moved to the GPU (move_to_device_pass: its own constants too) and the
+    letterbox is cut there."""
+    model = load_model(pt2_config(pt2_path, labels_path).model_copy(update={"device": "cuda"}))
+    assert isinstance(model, Detector) and model.device.type == "cuda"
+    for size, orientation in (((1200, 800), 6), ((1600, 900), 1)):
+        data = photo_bytes(size, orientation)
+        assert detect_one(model, data) == detect_one(pt2, data)
 
 
 @pytest.mark.slow  # a costly run: `make test`, not the fast tier
