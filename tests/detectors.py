@@ -129,13 +129,15 @@ Pt2Layout = Literal["yolo", "boxes", "neither"]
 
 
 class ConstantDetector(torch.nn.Module):
-    """0 × the mean of each image + constant outputs: the batch axis is the input's, the values
-    the candidates'. ``boxes``: a dict of boxes, scores and labels (the survivors, as a program
-    with NMS inside returns them); ``neither``: one N×7 output, which no layout reads."""
+    """0 × the mean of a convolution of each image + constant outputs: the batch axis is the
+    input's, the values the candidates' (the convolution takes only its own dtype). ``boxes``:
+    a dict of boxes, scores and labels (the survivors, as a program with NMS inside returns
+    them); ``neither``: one N×7 output, which no layout reads."""
 
     def __init__(self, layout: Pt2Layout) -> None:
         super().__init__()
         self.layout = layout
+        self.features = torch.nn.Conv2d(3, 1, kernel_size=1)
         survivors = np.array([[*box, score, index] for box, score, index in SURVIVORS],
                              dtype=np.float32)
         # Contiguous copies: torch.export.save warns of a strided view's storage.
@@ -144,7 +146,7 @@ class ConstantDetector(torch.nn.Module):
         self.register_buffer("survivors", torch.from_numpy(survivors[None].copy()))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
-        zeros = images.mean(dim=(1, 2, 3)).view(-1, 1, 1) * 0
+        zeros = self.features(images).mean(dim=(1, 2, 3)).view(-1, 1, 1) * 0
         if self.layout == "yolo":
             return zeros + self.candidates
         if self.layout == "neither":
@@ -154,11 +156,12 @@ class ConstantDetector(torch.nn.Module):
                 "labels": rows[..., 5].round().long()}
 
 
-def yolo_pt2(path: Path, side: int = SIDE, layout: Pt2Layout = "yolo") -> Path:
+def yolo_pt2(path: Path, side: int = SIDE, layout: Pt2Layout = "yolo",
+             dtype: torch.dtype = torch.float32) -> Path:
     """The constant detector as a torch.export program with a dynamic batch, saved as a user
-    would save theirs."""
-    example = torch.rand(2, 3, side, side)
-    program = torch.export.export(ConstantDetector(layout).eval(), (example,),
+    would save theirs; ``dtype``: exported in that precision (weights and input)."""
+    example = torch.rand(2, 3, side, side, dtype=dtype)
+    program = torch.export.export(ConstantDetector(layout).to(dtype).eval(), (example,),
                                   dynamic_shapes={"images": {0: torch.export.Dim("batch")}})
     torch.export.save(program, path)
     return path

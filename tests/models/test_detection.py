@@ -200,6 +200,20 @@ def test_a_pt2_detector_returning_boxes_scores_and_labels_gives_the_same_boxes(
                 image.width, image.height)
 
 
+def test_a_pt2_detector_runs_at_the_precision_it_was_exported_with(
+        tmp_path: Path, labels_path: Path) -> None:
+    """Exported in fp16, it is fed fp16 (its convolution takes nothing else): the same boxes,
+    scores to fp16's precision."""
+    half = load_model(pt2_config(detectors.yolo_pt2(tmp_path / "half.pt2", dtype=torch.float16),
+                                 labels_path))
+    assert isinstance(half, Detector) and half.input_dtype == torch.float16
+    found, width, height = detect_one(half, photo_bytes((1200, 800), 6))
+    expected = detectors.expected_boxes(width, height)
+    assert [d["box"] for d in found] == [d["box"] for d in expected]
+    assert [d["label"] for d in found] == [d["label"] for d in expected]
+    assert np.allclose([d["score"] for d in found], [d["score"] for d in expected], atol=1e-3)
+
+
 def test_a_pt2_detector_is_checked_at_start_up_naming_the_key(
         tmp_path: Path, labels_path: Path, pt2_path: Path) -> None:
     neither = detectors.yolo_pt2(tmp_path / "neither.pt2", layout="neither")
