@@ -157,11 +157,15 @@ class ConstantDetector(torch.nn.Module):
 
 
 def yolo_pt2(path: Path, side: int = SIDE, layout: Pt2Layout = "yolo",
-             dtype: torch.dtype = torch.float32) -> Path:
+             dtype: torch.dtype = torch.float32, any_size: bool = False) -> Path:
     """The constant detector as a torch.export program with a dynamic batch, saved as a user
-    would save theirs; ``dtype``: exported in that precision (weights and input)."""
+    would save theirs; ``dtype``: exported in that precision (weights and input);
+    ``any_size``: height and width dynamic too."""
     example = torch.rand(2, 3, side, side, dtype=dtype)
+    axes = {0: torch.export.Dim("batch")}
+    if any_size:
+        axes |= {2: torch.export.Dim("height"), 3: torch.export.Dim("width")}
     program = torch.export.export(ConstantDetector(layout).to(dtype).eval(), (example,),
-                                  dynamic_shapes={"images": {0: torch.export.Dim("batch")}})
+                                  dynamic_shapes={"images": axes})
     torch.export.save(program, path)
     return path

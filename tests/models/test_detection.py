@@ -214,6 +214,21 @@ def test_a_pt2_detector_runs_at_the_precision_it_was_exported_with(
     assert np.allclose([d["score"] for d in found], [d["score"] for d in expected], atol=1e-3)
 
 
+def test_a_pt2_detector_of_any_input_size_is_fed_input_size(tmp_path: Path,
+                                                            labels_path: Path) -> None:
+    """A program exported with a dynamic height and width: the letterbox's side is
+    ``input.size`` (640 unset, Ultralytics' default)."""
+    program = detectors.yolo_pt2(tmp_path / "any.pt2", any_size=True)
+    unset = load_model(pt2_config(program, labels_path))
+    assert isinstance(unset, Detector) and unset.side == 640
+    sized = load_model(ModelConfig(export=program, output="detect", labels=labels_path,
+                                   device="cpu", input={"size": detectors.SIDE},
+                                   detect={"score_threshold": detectors.SCORE_THRESHOLD}))
+    assert isinstance(sized, Detector) and sized.side == detectors.SIDE
+    found, width, height = detect_one(sized, photo_bytes((900, 1600), 8))
+    assert found == detectors.expected_boxes(width, height)
+
+
 def test_a_pt2_detector_is_checked_at_start_up_naming_the_key(
         tmp_path: Path, labels_path: Path, pt2_path: Path) -> None:
     neither = detectors.yolo_pt2(tmp_path / "neither.pt2", layout="neither")
