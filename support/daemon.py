@@ -106,6 +106,11 @@ class DaemonProcess:
         with self._changed:
             return "\n".join(self.lines)
 
+    def lines_since(self, mark: int) -> list[str]:
+        """The lines printed after the first ``mark`` (``len(self.lines)`` taken earlier)."""
+        with self._changed:
+            return self.lines[mark:]
+
     def tail(self, count: int = 60) -> str:
         """The last ``count`` lines other than ``[completed]`` records: what went wrong, for an
         error message after a flood of thousands of files."""

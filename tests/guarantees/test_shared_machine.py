@@ -272,9 +272,7 @@ def test_an_idle_connection_flood_on_metrics_listen_stops_nothing(tmp_path: Path
 def stats_field(daemon: DaemonProcess, field: str, after: int) -> int:
     """``field`` of the first stats record printed after line ``after``."""
     def found() -> str | None:
-        with daemon._lock:
-            lines = daemon.lines[after:]
-        stats = [line for line in lines if "[stats]" in line]
+        stats = [line for line in daemon.lines_since(after) if "[stats]" in line]
         return stats[0] if stats else None
 
     return int(line_fields(wait_until(found, 20, "a stats record"))[field])
