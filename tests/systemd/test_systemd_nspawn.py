@@ -236,7 +236,8 @@ def test_make_install_installs_the_shipped_unit_and_never_overwrites_the_config(
     assert install["unit_as_shipped"] is True  # PREFIX is /opt/inboxd: not one byte changed
     assert "/opt/inboxd/.venv/bin/inboxd" in install["exec_start"]
     assert install["inboxd_user"].startswith("inboxd:")
-    # Only the test machine's pyenv Python needs a drop-in, and only for ProtectHome.
+    # Only this machine's pyenv Python (ProtectHome) and a checkout under /tmp (PrivateTmp)
+    # need a drop-in, and it only binds them back in.
     keys = {line.split("=", 1)[0] for line in install["dropin"][1:]}
     assert keys <= {"ProtectHome", "BindReadOnlyPaths"}
     assert install["enable_now"]["rc"] == 0, install["enable_now"]["stderr"]

@@ -435,11 +435,16 @@ def stop(data: dict[str, Any]) -> None:
 
 def hidden_python_dropin() -> list[str]:
     """The one concession to this test machine: the venv's base Python may live in a pyenv under
-    /root, which ProtectHome=yes hides (README: build the venv from /usr/bin/python3)."""
+    /root, which ProtectHome=yes hides (README: build the venv from /usr/bin/python3); and a
+    checkout cloned under /tmp (its venv's scripts name their interpreter there) is hidden by
+    PrivateTmp=yes: both bound back in, read-only, as the scenario's own drop-in does."""
     hidden = [str(path) for path in (Path(sys.base_prefix), REPO)
               if any(path.is_relative_to(p) for p in ("/root", "/home", "/run/user"))]
-    return ["[Service]", "ProtectHome=tmpfs", f"BindReadOnlyPaths={' '.join(hidden)}"] if (
-        hidden) else []
+    in_tmp = [str(path) for path in (Path(sys.base_prefix), REPO)
+              if any(path.is_relative_to(p) for p in ("/tmp", "/var/tmp"))]
+    dropin = ["ProtectHome=tmpfs", f"BindReadOnlyPaths={' '.join(hidden)}"] if hidden else []
+    dropin += [f"BindReadOnlyPaths={' '.join(in_tmp)}"] if in_tmp else []
+    return ["[Service]", *dropin] if dropin else []
 
 
 def as_uid(uid: int, groups: str, *argv: str) -> subprocess.CompletedProcess[str]:
