@@ -44,8 +44,12 @@ def labels_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def detector_config(onnx: Path, labels: Path, **detect: object) -> ModelConfig:
-    return ModelConfig(onnx=onnx, output="detect", labels=labels,
+def detector_config(model_file: Path, labels: Path, **detect: object) -> ModelConfig:
+    """An ``.onnx`` detector's block, or a ``.pt2`` one's (``export:``, kept on the CPU: the
+    tests compare its boxes with the ONNX detector's)."""
+    source: dict[str, object] = ({"export": model_file, "device": "cpu"}
+                                 if model_file.suffix == ".pt2" else {"onnx": model_file})
+    return ModelConfig(**source, output="detect", labels=labels,
                        detect={"score_threshold": detectors.SCORE_THRESHOLD, **detect})
 
 
@@ -154,14 +158,9 @@ def pt2_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return detectors.yolo_pt2(tmp_path_factory.mktemp("pt2") / "yolo.pt2")
 
 
-def pt2_config(program: Path, labels: Path, **detect: object) -> ModelConfig:
-    return ModelConfig(export=program, output="detect", labels=labels, device="cpu",
-                       detect={"score_threshold": detectors.SCORE_THRESHOLD, **detect})
-
-
 @pytest.fixture(scope="module")
 def pt2(pt2_path: Path, labels_path: Path) -> Detector:
-    model = load_model(pt2_config(pt2_path, labels_path))
+    model = load_model(detector_config(pt2_path, labels_path))
     assert isinstance(model, Detector)
     return model
 
@@ -186,8 +185,8 @@ def test_a_pt2_detector_returning_boxes_scores_and_labels_gives_the_same_boxes(
         tmp_path: Path, labels_path: Path, pt2: Detector) -> None:
     """A program with NMS inside returning a dict: its keys tell scores from labels; a batch
     of mixed shapes gives each photo its own boxes."""
-    boxes = load_model(pt2_config(detectors.yolo_pt2(tmp_path / "nms.pt2", layout="boxes"),
-                                  labels_path))
+    program = detectors.yolo_pt2(tmp_path / "nms.pt2", layout="boxes")
+    boxes = load_model(detector_config(program, labels_path))
     assert isinstance(boxes, Detector)
     assert boxes.layout is not None and boxes.layout.layout == "boxes"
     datas = [photo_bytes((1600, 900)), photo_bytes((700, 1000), 6), photo_bytes((23, 11))]
@@ -204,8 +203,8 @@ def test_a_pt2_detector_runs_at_the_precision_it_was_exported_with(
         tmp_path: Path, labels_path: Path) -> None:
     """Exported in fp16, it is fed fp16 (its convolution takes nothing else): the same boxes,
     scores to fp16's precision."""
-    half = load_model(pt2_config(detectors.yolo_pt2(tmp_path / "half.pt2", dtype=torch.float16),
-                                 labels_path))
+    program = detectors.yolo_pt2(tmp_path / "half.pt2", dtype=torch.float16)
+    half = load_model(detector_config(program, labels_path))
     assert isinstance(half, Detector) and half.input_dtype == torch.float16
     found, width, height = detect_one(half, photo_bytes((1200, 800), 6))
     expected = detectors.expected_boxes(width, height)
@@ -219,7 +218,7 @@ def test_a_pt2_detector_of_any_input_size_is_fed_input_size(tmp_path: Path,
     """A program exported with a dynamic height and width: the letterbox's side is
     ``input.size`` (640 unset, Ultralytics' default)."""
     program = detectors.yolo_pt2(tmp_path / "any.pt2", any_size=True)
-    unset = load_model(pt2_config(program, labels_path))
+    unset = load_model(detector_config(program, labels_path))
     assert isinstance(unset, Detector) and unset.side == 640
     sized = load_model(ModelConfig(export=program, output="detect", labels=labels_path,
                                    device="cpu", input={"size": detectors.SIDE},
@@ -234,7 +233,7 @@ def test_a_pt2_detector_is_checked_at_start_up_naming_the_key(
     neither = detectors.yolo_pt2(tmp_path / "neither.pt2", layout="neither")
     with pytest.raises(ConfigError, match=re.escape(
             f"export: {neither}: its outputs [[2, 7]] fit no detector layout")):
-        load_model(pt2_config(neither, labels_path))
+        load_model(detector_config(neither, labels_path))
     with pytest.raises(ConfigError, match=re.escape(
             f"input.size is 320 but export: {pt2_path} takes 64×64 images")):
         load_model(ModelConfig(export=pt2_path, output="detect", labels=labels_path,
@@ -252,7 +251,7 @@ def test_a_pt2_detector_on_the_gpu_gives_the_cpu_boxes(pt2_path: Path, labels_pa
                                                        pt2: Detector) -> None:
     """The program is moved to the GPU (move_to_device_pass: its own constants too) and the
     letterbox is cut there."""
-    model = load_model(pt2_config(pt2_path, labels_path).model_copy(update={"device": "cuda"}))
+    model = load_model(detector_config(pt2_path, labels_path).model_copy(update={"device": "cuda"}))
     assert isinstance(model, Detector) and model.device.type == "cuda"
     for size, orientation in (((1200, 800), 6), ((1600, 900), 1)):
         data = photo_bytes(size, orientation)
