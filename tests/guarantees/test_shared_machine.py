@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import importlib
 import json
 import os
@@ -382,13 +383,24 @@ def test_control_characters_in_names_never_reach_stderr_or_check_config_raw(
 
 @contextmanager
 def no_spare_descriptors() -> Iterator[None]:
-    """This process at its descriptor limit (the soft one: it is raised again after)."""
+    """This process at its descriptor limit (the soft one: it is raised again after). The limit
+    is on descriptor *numbers*: the gaps other code left below the highest one open are filled
+    first, or a new descriptor would still get one of them."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    # listdir counts its own descriptor too, closed again before the limit applies.
-    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) - 1, hard))
+    highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))  # listdir's own, closed now
+    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1, hard))
+    fillers: list[int] = []
     try:
+        while True:
+            try:
+                fillers.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+            except OSError as exc:
+                assert exc.errno == errno.EMFILE, exc
+                break
         yield
     finally:
+        for fd in fillers:
+            os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
