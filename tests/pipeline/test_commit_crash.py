@@ -113,6 +113,7 @@ def test_a_stop_past_the_grace_period_still_counts_what_the_commit_process_commi
     assert counters.completed + counters.released == pipeline.intake.claimed, counters
 
 
+@pytest.mark.slow  # ten seconds of kills: `make test`, not the fast tier
 @pytest.mark.timeout(120)
 def test_the_index_equals_the_result_files_after_kills_inside_commits(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
