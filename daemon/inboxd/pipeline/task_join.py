@@ -43,8 +43,12 @@ class TaskFeed:
         self._arrived.set()
 
     def discard(self, twin: WorkItem) -> None:
-        with contextlib.suppress(ValueError):  # already taken into a batch
-            self._twins.remove(twin)
+        """``twin`` off the feed if its batcher has not taken it yet. By identity: ``==`` on
+        items compares their fields, images included (and two photos can share a name)."""
+        for index, queued in enumerate(self._twins):
+            if queued is twin:
+                del self._twins[index]
+                return
 
     def take_nowait(self) -> WorkItem | None:
         return self._twins.popleft() if self._twins else None
