@@ -36,6 +36,7 @@ from inboxd.decode.spec import PreprocessSpec
 from inboxd.files.reading import classify, hash_stream, open_input
 from inboxd.files.settling import held_open_for_writing, identity, survive_lease_breaks
 from inboxd.item import PermanentError, TooLargeError, TransientError
+from inboxd.proc_status import status_bytes
 
 # Test-only fault injection (``testing.DECODE_FAULTS``), read only here:
 # "abort=crash,hang=slow,raise:RuntimeError=rt" makes a file whose name contains "crash" abort
@@ -192,22 +193,14 @@ def _error(exc: PermanentError | TransientError, state: dict[str, Any]) -> dict[
             **state}
 
 
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def vm_size_bytes() -> int:
-    return _status_bytes("VmSize")
+    return status_bytes("VmSize")
 
 
 def peak_rss_bytes() -> int:
     """VmHWM, not ``ru_maxrss``: the latter survives exec and so starts at the peak of
     whatever process started this one."""
-    return _status_bytes("VmHWM")
+    return status_bytes("VmHWM")
 
 
 # After each file VmHWM is restarted only when it stands this far above the current RSS (the

@@ -34,6 +34,7 @@ from typing import Any
 from inboxd.children import HelperProcess, die_with_parent, ignore_stop_signals
 from inboxd.config import Config, ConfigError, ModelConfig
 from inboxd.decode.spec import TORCHVISION_INPUT, UNIT_SCALE
+from inboxd.proc_status import status_bytes
 
 # The share of the free memory a model may take: the daemon itself, its decode workers and the
 # page cache need the rest.
@@ -189,7 +190,7 @@ def main() -> int:
 
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     _map_what_is_used()
-    limit = _vm_size_bytes() + asked["limit_bytes"]
+    limit = status_bytes("VmSize") + asked["limit_bytes"]
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     try:
         options = ort.SessionOptions()
@@ -214,7 +215,7 @@ def main() -> int:
     except Exception as exc:  # onnxruntime's own errors, allocation failures among them
         print(f"{type(exc).__name__}: {str(exc)[-200:]}", file=sys.stderr)  # the size is last
         return EXIT_NO_MEMORY if _is_allocation(exc) else EXIT_FAILED
-    blank_peak = _vm_peak_bytes()
+    blank_peak = status_bytes("VmPeak")
     value_limit = min(limit, blank_peak + VALUE_SLACK_BYTES)
     resource.setrlimit(resource.RLIMIT_AS, (value_limit, limit))
     mean = np.asarray(asked["mean"], dtype=np.float32).reshape(1, 3, 1, 1)
@@ -236,10 +237,10 @@ def main() -> int:
                 del batch
             except Exception as exc:
                 if isinstance(exc, MemoryError) or _is_allocation(exc):
-                    print(f"a {kind} batch of {size} needed more than the "
-                          f"{(value_limit - _vm_size_bytes()) >> 20} MiB beyond what the blank "
-                          f"batch left mapped: {type(exc).__name__}: {str(exc)[-160:]}",
-                          file=sys.stderr)
+                    room_mib = (value_limit - status_bytes("VmSize")) >> 20
+                    print(f"a {kind} batch of {size} needed more than the {room_mib} MiB "
+                          f"beyond what the blank batch left mapped: "
+                          f"{type(exc).__name__}: {str(exc)[-160:]}", file=sys.stderr)
                     return EXIT_VALUE_MEMORY
                 # The model's own error on these pixels: at run time it fails that batch
                 # (split, the photo that still fails fails alone), which is not a reason to
@@ -286,20 +287,6 @@ def _is_allocation(exc: Exception) -> bool:
     return "alloc" in text or "memory" in text
 
 
-def _vm_size_bytes() -> int:
-    return _status_bytes("VmSize")
-
-
-def _vm_peak_bytes() -> int:
-    return _status_bytes("VmPeak")
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"no {field} in /proc/self/status")
 
 
 if __name__ == "__main__":
