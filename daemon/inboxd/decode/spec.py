@@ -116,3 +116,9 @@ TORCHVISION_INPUT = PreprocessSpec(
 # 0-1 input, no per-channel normalisation: what Ultralytics models and torchvision's detectors
 # (whose own transform normalises) take.
 UNIT_SCALE = ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
+# The letterbox side of a detector whose graph and ``input.size`` leave it open: Ultralytics'
+# export default.
+DEFAULT_DETECT_SIDE = 640
+# Every model is loaded and then run once on a batch of this many before it serves (loading,
+# detect_model), and the ONNX probe runs that size too: said here, where no torch is imported.
+PROBE_BATCH = 2

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from inboxd.config import ModelConfig
-from inboxd.decode.spec import UNIT_SCALE, PreprocessSpec
+from inboxd.decode.spec import DEFAULT_DETECT_SIDE, PROBE_BATCH, UNIT_SCALE, PreprocessSpec
 from inboxd.models.detect.geometry import (
     Detections,
     Layout,
@@ -54,8 +54,6 @@ TORCHVISION_DETECTORS = (
     "ssd300_vgg16",
 )
 COCO_DETECTION_CLASSES = 91  # torchvision's COCO detectors: background + 90 ids (some "N/A")
-DEFAULT_ONNX_SIZE = 640  # Ultralytics' export default
-PROBE_BATCH = 2
 # onnx and export: a letterboxed batch through a network in one of the two layouts.
 Family = Literal["onnx", "export", "torchvision"]
 
@@ -322,7 +320,7 @@ def _letterbox_size(config: ModelConfig, where: str, height: Any, width: Any) ->
             raise problem(f"input.size is {wanted} but {where} takes {height}×{width} images: "
                           f"set model.input.size to {height} (or remove it)")
         return height
-    return wanted or DEFAULT_ONNX_SIZE
+    return wanted or DEFAULT_DETECT_SIDE
 
 
 def _metadata_names(session: Any) -> list[str] | None:

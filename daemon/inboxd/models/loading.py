@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from inboxd.config import ConfigError, ModelConfig, ModelInputConfig
-from inboxd.decode.spec import PreprocessSpec
+from inboxd.decode.spec import PROBE_BATCH, PreprocessSpec
 from inboxd.models.device import pick_device
 from inboxd.models.model import Model, ModelInfo, TaskModel, imagenet_labels
 from inboxd.models.preflight import label_count_problem, problem, read_labels
@@ -36,7 +36,6 @@ from inboxd.models.sources import (
     torchvision_model,
 )
 
-PROBE_BATCH = 2
 # A program whose outputs for one image change with its batch-mates beyond this is not in eval
 # mode (BatchNorm using batch statistics, active dropout).
 BATCH_INDEPENDENCE_TOLERANCE = 1e-3

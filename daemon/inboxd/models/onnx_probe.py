@@ -33,7 +33,7 @@ from typing import Any
 
 from inboxd.children import HelperProcess, die_with_parent, ignore_stop_signals
 from inboxd.config import Config, ConfigError, ModelConfig
-from inboxd.decode.spec import TORCHVISION_INPUT, UNIT_SCALE
+from inboxd.decode.spec import DEFAULT_DETECT_SIDE, PROBE_BATCH, TORCHVISION_INPUT, UNIT_SCALE
 from inboxd.proc_status import status_bytes
 
 # The share of the free memory a model may take: the daemon itself, its decode workers and the
@@ -53,7 +53,6 @@ VALUE_SEED = 0
 M_MMAP_THRESHOLD = -3
 M_ARENA_MAX = -8
 MMAP_THRESHOLD_BYTES = 128 << 10
-DETECT_SIDE = 640  # the letterbox where input.size is unset: as detect_model.DEFAULT_ONNX_SIZE
 _TAIL_CHARS = 400
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -109,11 +108,6 @@ def daemon_sizes(config: Config) -> list[int]:
     return sorted({1, PROBE_BATCH, completed.batch.max_size})
 
 
-# The in-process load's probe batch (models/loading.py, models/detect_model.py), said here
-# without importing torch for check-config.
-PROBE_BATCH = 2
-
-
 def probe_onnx_blocks(config: Config) -> None:
     """Each bring-your-own ``.onnx`` of ``config`` probed in a child (``probe_in_child``) at the
     sizes the daemon runs: before anything loads one in this process."""
@@ -138,7 +132,7 @@ def probe_in_child(config: ModelConfig, sizes: list[int], timeout_s: float = PRO
     limit_bytes = int(memory_headroom_bytes() * HEADROOM_SHARE)
     detect = config.output == "detect"
     mean, std = UNIT_SCALE if detect else (TORCHVISION_INPUT.mean, TORCHVISION_INPUT.std)
-    side = (config.input.size or DETECT_SIDE) if detect else (
+    side = (config.input.size or DEFAULT_DETECT_SIDE) if detect else (
         config.input.crop or TORCHVISION_INPUT.crop)
     asked = {"path": str(config.onnx), "side": side, "sizes": sorted(set(sizes)),
              "mean": list(config.input.mean or mean), "std": list(config.input.std or std),
