@@ -46,9 +46,10 @@ def ocr(dry_run: bool, out: Path) -> dict[str, Any]:
     per_image_ms = (time.perf_counter() - started) * 1000 / len(texts)
     exact = read[0] == EXPECTED and read[1] == EXPECTED
     provider = model.providers[0]
+    note = model.fields.get("MODEL_NOTE")
     return {"status": "passed" if exact else "failed", "providers": model.providers,
-            "note": model.note, "load_s": round(load_s, 2), "images": len(texts),
+            "note": note, "load_s": round(load_s, 2), "images": len(texts),
             "ms_per_image": round(per_image_ms, 1), "read": read[:2],
             "summary": f"{'read' if exact else 'MISREAD'} '{EXPECTED}' upright and turned on "
                        f"{provider}, {per_image_ms:.0f} ms/image"
-                       + (f" ({model.note})" if model.note else "")}
+                       + (f" ({note})" if note else "")}

@@ -141,3 +141,6 @@ def test_loads_from_the_config_and_says_where_it_runs(tmp_path) -> None:
     assert model.reader.settings.max_regions == 7
     assert model.spec.kind == "fit_within" and model.spec.crop == 2000
     assert model.providers == ("CPUExecutionProvider",)
+    # The started record's runtime fields, as every model gives them (runtime_record).
+    assert "CPUExecutionProvider" in model.fields["RUNTIME_REASON"], model.fields
+    assert "MODEL_NOTE" not in model.fields  # asked for the CPU: nothing to explain

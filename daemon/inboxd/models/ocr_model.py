@@ -54,7 +54,11 @@ class OcrModel:
         self.crops: CropLayer = reader.crops
         self.device = device
         self.providers = providers
-        self.note = note  # why the networks run where they do, when it is not where asked
+        # For the started record: where the networks run, and why when not where asked.
+        self.fields: dict[str, Any] = {
+            "RUNTIME_REASON": f"the OCR networks run on ONNX Runtime's {providers[0]}"}
+        if note is not None:
+            self.fields["MODEL_NOTE"] = note
         self.spec = PreprocessSpec(reader.settings.max_side_px, reader.settings.max_side_px,
                                    "bilinear", (0.5, 0.5, 0.5), (0.5, 0.5, 0.5),
                                    kind="fit_within")

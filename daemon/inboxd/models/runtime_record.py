@@ -16,12 +16,6 @@ def runtime_fields(model: TaskModel, fast: FastPath | None) -> dict[str, Any]:
     """What serves now, what was chosen and why, and on the CPU the capability the choice
     rests on."""
     fields: dict[str, Any] = {"RUNTIME": model.runtime, "PRECISION": model.precision}
-    ocr = sys.modules.get("inboxd.models.ocr_model")  # loaded wherever an OcrModel exists
-    if ocr is not None and isinstance(model, ocr.OcrModel):
-        fields["RUNTIME_REASON"] = (f"the OCR networks run on ONNX Runtime's "
-                                    f"{model.providers[0]}")
-        if model.note is not None:
-            fields["MODEL_NOTE"] = model.note
     choice = model.choice
     if choice is not None:
         fields.update({"RUNTIME_CHOSEN": choice.runtime, "PRECISION_CHOSEN": choice.precision,
