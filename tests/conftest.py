@@ -69,8 +69,8 @@ from inboxd.config import ModelConfig
 from inboxd.models.onnx_model import load_cached
 
 config = ModelConfig(cache_dir=Path(sys.argv[1]))
-cached, why = load_cached(config)
-if cached is None and "not built yet" in why:
+cached, _why = load_cached(config)
+if cached is None:  # not built yet, or stale (FastPath exports it again)
     from inboxd.models.fast_path import FastPath
     from inboxd.models.loading import load_model
 

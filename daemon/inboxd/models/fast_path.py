@@ -23,12 +23,27 @@ from inboxd.config import ModelConfig
 from inboxd.models.model import Model
 from inboxd.models.onnx_export import export_in_child
 from inboxd.models.runtimes import onnx as onnx_runtime
+from inboxd.models.runtimes import onnx_artifact
 from inboxd.models.runtimes.agreement import measure
+from inboxd.models.runtimes.serving_key import serving_key
 
 Exporter = Callable[[ModelConfig, Path, str], None]
 # The CLI's exit check looks for threads with the model thread's prefix: an export still
 # running when the daemon is done must not hold the interpreter.
 BUILD_THREAD_NAME = "inboxd-model-build"
+
+
+def refuse_stale_serving_key(metadata: dict[str, str], config: ModelConfig) -> None:
+    """Refuses an artifact whose torch-free key is another inboxd's. The torch key covers the
+    weights and versions, not inboxd's own code, so after an upgrade the artifact still passes
+    it while the torch-free start (``models/onnx_model.py``) refuses it: without this, every
+    later start would load torch for good. An artifact with no torch-free key at all (its probe
+    disagreed at export) is kept: exporting it again would only disagree again."""
+    expected = serving_key(config)
+    found = metadata.get(onnx_artifact.SERVING_KEY_METADATA)
+    if expected is not None and found is not None and found != expected:
+        raise onnx_artifact.ArtifactRefused(
+            "its torch-free key is another inboxd's or another set of packages' (an upgrade)")
 
 
 class FastPath:
@@ -103,7 +118,10 @@ class FastPath:
                                                  self.model.max_batch)
             limit_bytes = onnx_runtime.artifact_limit_bytes(self.model.network)
             try:
-                self._ready = (onnx_runtime.verified(self.path, self.key, limit_bytes), "cached")
+                data = onnx_artifact.read_artifact(self.path, limit_bytes)
+                refuse_stale_serving_key(
+                    onnx_artifact.check_self_contained(data, self.key), self.config)
+                self._ready = (data, "cached")
             except onnx_runtime.ArtifactRefused as refused:
                 self.fields["RUNTIME_REBUILD_REASON"] = str(refused)
                 self.exporter(self.config, self.path, self.key)
