@@ -4,12 +4,38 @@ folder only when it is missing."""
 from __future__ import annotations
 
 import errno
+import json
+import math
 import os
 from pathlib import Path
 
 import pytest
 from inboxd.files import durable
 from inboxd.files.renames import rename_into
+
+# What results, reports and ledgers hold, and what json.dumps makes of the odd values among them.
+ODD_DOCUMENT = {
+    "source": "photo.jpg", "size_bytes": 1585, "big": 123456789012345678901234567890,
+    "score": 0.1 + 0.2, "tiny": 5e-324, "negative_zero": -0.0, "nan": math.nan,
+    "infinite": -math.inf, "name": "ünïcode \u2028 and a lone surrogate \udcff",
+    "top_k": [{"label": "class1", "index": 1, "score": 0.164416}],
+    "nested": {"empty": {}, "list": [], "flags": [True, False, None]},
+    "ünï-key": 1, 7: "an int key",
+}
+
+
+def test_json_bytes_is_json_dumps_per_value_one_key_per_line() -> None:
+    """The result file's bytes: each top-level value exactly as json.dumps writes it, on a
+    line of its own (the encoder is called without json.dumps's layers around it)."""
+    lines = durable.json_bytes(ODD_DOCUMENT).decode().splitlines()
+    assert lines[0] == "{" and lines[-1] == "}"
+    assert lines[1:-1] == [f"  {json.dumps(str(key))}: {json.dumps(value)}"
+                           + ("," if index < len(ODD_DOCUMENT) - 1 else "")
+                           for index, (key, value) in enumerate(ODD_DOCUMENT.items())]
+    assert durable.json_bytes({}) == b"{}\n"
+    assert json.loads(durable.json_bytes({"a": [1, {"b": "c"}]})) == {"a": [1, {"b": "c"}]}
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        durable.json_bytes({"path": Path("/x")})
 
 
 def test_write_tmps_writes_every_blob_and_syncs_each(tmp_path: Path,
