@@ -5,6 +5,7 @@ outcome (tests/pipeline/test_commit_crash.py: what the daemon then does)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -20,10 +21,12 @@ import numpy as np
 import pytest
 from inboxd.config import load_config
 from inboxd.files import commit_process as commit_process_module
+from inboxd.files import lifecycle as lifecycle_module
 from inboxd.files.commit_process import CommitProcess, CommitProcessFailed, CommitRaised
 from inboxd.files.commits import (
     CommitEntry,
     Committed,
+    commit,
     committed_from,
     entries_from,
     filed_document,
@@ -122,6 +125,40 @@ def test_the_commit_process_files_and_moves_as_the_daemon_would(
     # The same bytes under the same name again: found filed, not filed twice.
     again = process.send([claimed(lifecycle, "b.jpg", b"two")]).result()
     assert again.filed == [(f"b.{token}.jpg", True)] and again.moves == [None]
+
+
+def test_a_group_commit_walks_to_its_claimed_folder_once_and_keeps_what_it_checked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commit process holds no area: it walks to the claimed folder by name, once per batch
+    (not for each file's mode and again for its move), and keeps the folder that walk checked
+    when a member of the group swaps ``.processing`` for a folder of their own meanwhile."""
+    daemon = lifecycle_for(tmp_path)
+    entries = [claimed(daemon, f"{n}.jpg", f"photo {n}".encode()) for n in range(4)]
+    config = daemon.config
+    walker = Lifecycle(config)  # as the commit process makes it: no area held
+    inbox = config.inbox.paths[0]
+    area = Path(processing_dir(config, inbox))
+    walks: list[str] = []
+    real_open_inside = lifecycle_module.open_inside
+
+    @contextlib.contextmanager
+    def counting(root: str | Path | int, parts: list[str], **kwargs: bool) -> Iterator[int]:
+        with real_open_inside(root, parts, **kwargs) as folder:
+            yield folder
+        if root == inbox and parts == [area.parent.name, area.name]:
+            walks.append(area.name)
+            if len(walks) == 1:  # walked and checked: now the name leads to another folder
+                os.rename(area.parent, inbox / "moved-away")
+                area.mkdir(parents=True)
+
+    monkeypatch.setattr(lifecycle_module, "open_inside", counting)
+    committed = commit(walker, entries)
+    assert committed.error is None and committed.moves == [None] * 4
+    assert walks == [area.name]
+    assert sorted(p.name for p in (tmp_path / "done").iterdir()) == [
+        f"{n}.jpg" for n in range(4)]
+    assert not list((inbox / "moved-away" / area.name).iterdir())
+    daemon.unlock_instance()
 
 
 def test_batches_sent_before_the_first_is_answered_are_each_answered(

@@ -119,6 +119,12 @@ def commit(lifecycle: Lifecycle, entries: Sequence[CommitEntry],
     (``files.index``, its two steps around the result files) and the XMP sidecars
     (``files.xmp``), in the same commit and its error handling: an index that cannot be
     written is a results disk that cannot be (the batch's files wait, none is failed)."""
+    with lifecycle.walked_once():  # each step of each file reaches its claimed folder
+        return _commit(lifecycle, entries, index, sidecars)
+
+
+def _commit(lifecycle: Lifecycle, entries: Sequence[CommitEntry], index: ResultIndex | None,
+            sidecars: Sidecars | None) -> Committed:
     results = lifecycle.results
     keys = [(entry.key, entry.sha256, entry.inbox_path) for entry in entries]
     try:

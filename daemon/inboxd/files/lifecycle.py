@@ -102,6 +102,8 @@ class Lifecycle:
         # Putting an area back (the claim thread, the io thread) is done by one at a time.
         self._areas_lock = threading.Lock()
         self._put_backs = 0  # areas put back since start: a file met missing may have moved
+        # Per thread, inside ``walked_once``: claimed folders walked to by name, by (inbox, parts).
+        self._walked = threading.local()
         self.max_file_bytes = config.preprocess.max_file_mb * 2**20
         self._done = os.fspath(config.done_dir)
         self._done_tmp = tmp_dir_in(config.done_dir, config.instance)
@@ -349,17 +351,40 @@ class Lifecycle:
         with self.claimed_file(claimed) as (folder, name):
             return os.open(name, READ_CLAIMED_FLAGS, dir_fd=folder)
 
+    @contextlib.contextmanager
+    def walked_once(self) -> Iterator[None]:
+        """Inside, in this thread: a claimed file's folder walked to by name (no area held:
+        the commit process, a command) is walked once and held, not walked again for each
+        file and step of a group commit (about ten syscalls a walk, two walks a file). What
+        the walk checked holds for the folder held: a folder swapped in at the name later is
+        not the one used. At most one descriptor per folder of the batch, closed on leaving."""
+        held: dict[tuple[str, tuple[str, ...]], int] = {}
+        self._walked.folders = held
+        try:
+            yield
+        finally:
+            self._walked.folders = None
+            for fd in held.values():
+                os.close(fd)
+
     def _open_claimed_folder(self, inbox: Path, folders: list[str]) -> int:
         """The folder of a claimed file, checked to be ours: under the area held, reached by
         its descriptor (a member of the group can move the area's name every few ms, and a
         walk by name in between meets their link or folder); walked from ``inbox`` when no
-        area is held (a command)."""
+        area is held (a command; once per folder inside ``walked_once``)."""
         with self._claim_area(inbox) as area:
             if area is not None and folders[:2] == [PROCESSING_DIRNAME, self.config.instance]:
                 with open_inside(area.folder, folders[2:], own=True) as folder:
                     return os.dup(folder)
+        held: dict[tuple[str, tuple[str, ...]], int] | None = getattr(self._walked, "folders",
+                                                                       None)
+        key = (os.fspath(inbox), tuple(folders))
+        if held is not None and key in held:
+            return os.dup(held[key])
         try:
             with open_inside(inbox, folders, own=True) as folder:
+                if held is not None:
+                    held[key] = os.dup(folder)
                 return os.dup(folder)
         except ForeignFolder:
             raise
