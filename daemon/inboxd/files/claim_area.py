@@ -66,12 +66,14 @@ class LockHeld(Exception):
 @dataclass
 class HeldArea:
     """The descriptors of ``.processing``, ``.processing/<instance>`` and ``<instance>.lock``
-    (flocked), and which folder ``.processing`` was (device, inode) when opened."""
+    (flocked), which folder ``.processing`` was (device, inode) when opened, and which folder
+    ``folder`` is (a descriptor's folder never changes: no ``fstat`` per claim)."""
 
     processing: int
     folder: int
     lock: int
     identity: tuple[int, int]
+    folder_identity: tuple[int, int]
 
     def close(self) -> None:
         for fd in (self.folder, self.processing, self.lock):
@@ -191,7 +193,8 @@ def _hold(processing: int, instance: str, lock_wait_s: float) -> HeldArea:
         raise LockHeld(holder)
     os.ftruncate(lock, 0)
     os.write(lock, str(os.getpid()).encode())
-    return HeldArea(processing, folder, lock, identity(os.fstat(processing)))
+    return HeldArea(processing, folder, lock, identity(os.fstat(processing)),
+                    identity(os.fstat(folder)))
 
 
 def name_moved(inbox: Path, held: HeldArea) -> bool:

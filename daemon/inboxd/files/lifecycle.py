@@ -266,8 +266,7 @@ class Lifecycle:
                                           f"{PROCESSING_DIRNAME}/{self.config.instance}/{rel}",
                                           time_token(), own=True)
                     return os.path.join(inbox, placed)
-                if claim_area.identity(os.fstat(source_dir)) == claim_area.identity(
-                        os.fstat(area.folder)):
+                if claim_area.identity(os.fstat(source_dir)) == area.folder_identity:
                     return None  # our own area, renamed into sight since the check above
                 # Into the folder we hold, whatever its name is now: the group can rename
                 # .processing away and put a folder of links in its place.
@@ -343,9 +342,14 @@ class Lifecycle:
             if rel is None or not rel.startswith(PROCESSING_DIRNAME + "/"):
                 continue
             folders, name = split_rel(rel)
-            with self._claim_area(inbox) as area:
+            # The area as held: putting it back when its name moved is the claims' part (and
+            # AREA_CHECK_S's); the lock keeps it from being put back while this opens.
+            with self._areas_lock:
+                area = self._areas.get(inbox)
                 if area is not None and folders[:2] == [PROCESSING_DIRNAME,
                                                         self.config.instance]:
+                    if len(folders) == 2:  # at the area's top: no folder to walk or check
+                        return os.open(name, READ_CLAIMED_FLAGS, dir_fd=area.folder)
                     with open_inside(area.folder, folders[2:], own=True) as folder:
                         return os.open(name, READ_CLAIMED_FLAGS, dir_fd=folder)
         with self.claimed_file(claimed) as (folder, name):
