@@ -135,21 +135,24 @@ class ResultWriter:
                 good.append((item, outcome))
         if not good:
             return
-        for part, committed in await self._commit(good):
-            await self._settle(part, committed)
+        # Each answer made once: the documents (made again if a full disk holds the batch)
+        # and the ``completed`` records are made from it.
+        answers = {id(item): self._answer(item, result) for item, result in good}
+        for part, committed in await self._commit(good, answers):
+            await self._settle(part, committed, answers)
 
-    async def _settle(self, good: list[tuple[WorkItem, Prediction]],
-                      committed: Committed) -> None:
+    async def _settle(self, good: list[tuple[WorkItem, Prediction]], committed: Committed,
+                      answers: dict[int, dict[str, Any]]) -> None:
         if committed.error is not None:
             why = committed.error.strerror or str(committed.error)
             for item, _ in good:
                 await self.outcomes.error(item, TransientError(f"cannot write the result: {why}"))
             return
         self.outcomes.outputs.wrote()
-        said = {id(item): top_outcome(self._answer(item, result)) for item, result in good}
         for item, existed, problem in _filed(good, committed):
             if problem is None:
-                self.outcomes.completed(item, duplicate=existed, outcome=said[id(item)])
+                self.outcomes.completed(item, duplicate=existed,
+                                        outcome=top_outcome(answers[id(item)]))
             elif not item.name:  # no result: this file's own permanent problem
                 item.finishing = item.name = None
                 await self.outcomes.error(item, PermanentError(problem.strerror or str(problem)))
@@ -157,7 +160,8 @@ class ResultWriter:
                 # The result is durable: only the move is retried, never the work.
                 await self.outcomes.finish_later(item, problem)
 
-    async def _commit(self, good: list[tuple[WorkItem, Prediction]]
+    async def _commit(self, good: list[tuple[WorkItem, Prediction]],
+                      answers: dict[int, dict[str, Any]]
                       ) -> list[tuple[list[tuple[WorkItem, Prediction]], Committed]]:
         """``good``'s results filed and their sources moved, by the commit process: each part
         sent with what it came to. A results folder that cannot take more holds the batch
@@ -168,19 +172,22 @@ class ResultWriter:
         rather than the whole batch waiting while ``df`` shows free space."""
         held = False
         while True:
-            committed = await self._send(good)
+            committed = await self._send(good, answers)
             if committed.error is None or not output_full(committed.error):
                 return [(good, committed)]
             if held and len(good) > 1:
                 half = len(good) // 2
-                return [*await self._commit(good[:half]), *await self._commit(good[half:])]
+                return [*await self._commit(good[:half], answers),
+                        *await self._commit(good[half:], answers)]
             await self.outcomes.outputs.hold(self._full_folder(committed.error),
                                              committed.error)
             held = True
 
-    async def _send(self, good: list[tuple[WorkItem, Prediction]]) -> Committed:
+    async def _send(self, good: list[tuple[WorkItem, Prediction]],
+                    answers: dict[int, dict[str, Any]]) -> Committed:
         """One try at filing ``good`` (the commit process's answer, errors included)."""
-        entries = [CommitEntry(item.key, item.sha256 or "", self.document(item, result),
+        entries = [CommitEntry(item.key, item.sha256 or "",
+                               self.document(item, result, answers[id(item)]),
                                item.claimed_path, item.inbox_path,
                                _vector(result))
                    for item, result in good]
@@ -218,19 +225,18 @@ class ResultWriter:
                         self.outcomes.completed(item, duplicate=existed)
         self.abandoned.clear()
 
-    def document(self, item: WorkItem, result: Prediction) -> dict[str, Any]:
+    def document(self, item: WorkItem, result: Prediction,
+                 answer: dict[str, Any]) -> dict[str, Any]:
         """The result JSON as filed under the file's own key (``files.commits.filed_document``
-        adjusts it when another name is taken)."""
-        if isinstance(result, TaskResults):
-            answer = self._answer(item, result)  # what ran where is each section's own
-        else:
+        adjusts it when another name is taken); ``answer`` is ``_answer(item, result)``."""
+        if not isinstance(result, TaskResults):  # with several, each section says what ran
             answer = {
                 "model": self.model.name,
                 "model_sha256": self.model_sha256,
                 "device": str(self.model.device),
                 "runtime": item.runtime or self.model.runtime,
                 "precision": item.precision or self.model.precision,
-                **self._output(result, item),
+                **answer,
             }
         return {
             "source": item.key,
