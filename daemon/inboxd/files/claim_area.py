@@ -200,7 +200,7 @@ def _hold(processing: int, instance: str, lock_wait_s: float) -> HeldArea:
 def name_moved(inbox: Path, held: HeldArea) -> bool:
     """Whether ``inbox/.processing`` no longer names the folder ``held``."""
     try:
-        info = os.lstat(inbox / PROCESSING_DIRNAME)
+        info = os.lstat(os.path.join(inbox, PROCESSING_DIRNAME))  # a str: no Path per claim
     except FileNotFoundError:
         return True
     return identity(info) != held.identity

@@ -102,6 +102,9 @@ class Lifecycle:
         # Putting an area back (the claim thread, the io thread) is done by one at a time.
         self._areas_lock = threading.Lock()
         self._put_backs = 0  # areas put back since start: a file met missing may have moved
+        # Each inbox's processing folder as a str, made once: a claim's path is made from it.
+        self._processing = {inbox: os.fspath(processing_dir(config, inbox))
+                            for inbox in config.inbox.paths}
         # Per thread, inside ``walked_once``: claimed folders walked to by name, by (inbox, parts).
         self._walked = threading.local()
         self.max_file_bytes = config.preprocess.max_file_mb * 2**20
@@ -274,7 +277,8 @@ class Lifecycle:
                                       own=True)
             except FileNotFoundError:
                 return None
-        return os.path.join(processing_dir(self.config, inbox), placed)
+        where = self._processing.get(inbox) or os.fspath(processing_dir(self.config, inbox))
+        return os.path.join(where, placed)
 
     def release(self, claimed: str | Path, inbox_path: str | Path) -> str | None:
         """Hand a claimed file back to the inbox, where a later scan finds it again (under a
