@@ -57,6 +57,10 @@ def test_litter_and_hidden_folders_are_not_entered() -> None:
     ('a*b"c<d>e|f\\g.jpg', "a%2Ab%22c%3Cd%3Ee%7Cf%5Cg.jpg"),
     ("tab\tname.jpg", "tab%09name.jpg"),
     ("trailing. ", "trailing%2E%20"),
+    ("end.", "end%2E"),
+    ("del\x7f.jpg", "del%7F.jpg"),
+    ("\udc80\udcff", "%80%FF"),
+    ("~!@#$&()[]{};',= +^é€.jpg", "~!@#$&()[]{};',= +^é€.jpg"),
 ])
 def test_a_portable_name_encodes_only_what_some_filesystem_refuses(name: str,
                                                                    portable: str) -> None:
