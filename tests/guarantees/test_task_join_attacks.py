@@ -7,16 +7,25 @@ its capacity in the stats record."""
 
 from __future__ import annotations
 
+import collections
+import io
 import os
 import signal
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from inboxd.config import load_config
+from inboxd.service.runner import config_changes
+from PIL import Image
 
+from support.harness import sha256_hex as sha
+from support.waiting import wait_until
 from tests import detectors
 from tests.byo_models import labels_file, onnx_memory_bomb
-from tests.conftest import DaemonProcess, make_image, write_config
+from tests.conftest import DaemonProcess, make_image, read_json, write_config
 from tests.guarantees.test_hostile_models import CGROUP_LIMIT_BYTES, memory_cgroup
 
 
@@ -60,3 +69,142 @@ def test_a_reload_to_a_batch_size_a_task_s_onnx_cannot_afford_is_refused_not_fat
             code = daemon.stop()
     assert code == 0, daemon.output()
     assert (tmp_path / "done" / "a.png").is_file()
+
+
+def photo(n: int) -> bytes:
+    """A small PNG of its own bytes (``n`` sets its size and colour)."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (40 + n % 7, 30), (n * 37 % 256, n * 11 % 256, 90)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def drop_bytes(inbox: Path, name: str, data: bytes) -> None:
+    """As a well-behaved writer: a hidden temp name, then a rename into place."""
+    tmp = inbox / f".{name}.part"
+    tmp.write_bytes(data)
+    os.rename(tmp, inbox / name)
+
+
+def join_stats(daemon: DaemonProcess, timeout_s: float, what: str,
+               holds: Callable[[dict[str, float | str]], bool]) -> dict[str, float | str]:
+    """The first stats record from now on for which ``holds``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        record = daemon.next_stats(timeout_s)
+        if holds(record):
+            return record
+    raise AssertionError(f"no stats record with {what}:\n{daemon.tail()}")
+
+
+def layers_over(daemon: DaemonProcess) -> dict[str, tuple[float, float]]:
+    """Every layer whose high-water passed its capacity in any stats record so far."""
+    over = {}
+    for _, record in daemon.stats:
+        for key, value in record.items():
+            if key.endswith("_CAPACITY") and not key.startswith("PREPROCESS_CACHE_CAP"):
+                layer = key.removesuffix("_CAPACITY")
+                high = record.get(f"{layer}_HIGH_WATER")
+                if isinstance(high, float) and isinstance(value, float) and high > value:
+                    over[layer] = (high, value)
+    return over
+
+
+def test_a_task_taken_out_of_models_by_a_reload_is_said_to_need_a_restart(
+        tmp_path: Path) -> None:
+    """The reload record listed only the keys the new file has: a task taken out of
+    ``models:`` was not named, and the record said nothing waited for a restart while the task
+    went on running and writing its section."""
+    block = detector_block(tmp_path)
+    old = load_config(write_config(tmp_path, model=None, models={"a": block, "b": block}))
+    new = load_config(write_config(tmp_path, model=None, models={"b": block},
+                                   capacity={"task_join": 9}))
+    assert config_changes(old, new) == (["capacity.task_join"], ["models.a"])
+    assert config_changes(new, old) == (["capacity.task_join"], ["models.a"])
+
+
+@pytest.mark.daemon
+@pytest.mark.slow  # three daemons in turn: `make test`, not the fast tier
+def test_a_hung_task_holds_the_join_at_its_bound_and_signals_lose_nothing(
+        tmp_path: Path) -> None:
+    """One task's model hangs on its first batch (the fault hook on the first task) while the
+    other answers: the other runs ahead by the join's capacity and no further, the cache and
+    the queue fill and intake waits, every stats record has each layer within its capacity.
+    Meanwhile a photo in the join is replaced under its name in the inbox, and a reload
+    changes the tasks (a restart's business: the running tasks go on) and raises the join.
+    SIGTERM then hands every photo back; a second daemon, hung again, is killed with -9 with
+    the join full; a third without the fault finishes: every input's bytes end once in done/,
+    each with a result of those bytes holding both tasks' sections."""
+    block = detector_block(tmp_path)
+    models = {"stuck": {**block, "batch": {"max_size": 2, "max_delay_ms": 50}},
+              "fast": {**block, "batch": {"max_size": 2, "max_delay_ms": 50}}}
+    sections: dict[str, Any] = dict(
+        model=None, models=models, shutdown={"grace_s": 2},
+        capacity={"queue": 1, "preprocess_cache": 2, "task_join": 4})
+    config = write_config(tmp_path, **sections)
+    inbox = tmp_path / "inbox"
+    inputs = {f"p{n:02}.png": photo(n) for n in range(12)}
+    hang = {"INBOXD_TEST_MODEL_FAULTS": "hang_on_batch=1"}
+
+    first = DaemonProcess(config, env=hang)
+    try:
+        first.wait_for("ready", 180)
+        for name, data in inputs.items():
+            drop_bytes(inbox, name, data)
+        full = join_stats(first, 120, "the join, the cache and the queue full", lambda r: (
+            r["TASK_JOIN_SIZE"] == 4 and r["PREPROCESS_CACHE_SIZE"] == 2
+            and r["QUEUE_SIZE"] == 1))
+        assert full["COMPLETED"] == 0 and full["TASK_JOIN_HIGH_WATER"] == 4
+        # A photo of the join replaced under its name: its copies sit in both tasks' feeds.
+        claimed = sorted(p.name for p in (inbox / ".processing" / "default").glob("p*.png"))
+        assert claimed, "nothing claimed while the join is full"
+        replaced = claimed[0]
+        inputs[f"again-{replaced}"] = photo(100)
+        drop_bytes(inbox, replaced, inputs[f"again-{replaced}"])
+        # The tasks change in the file (a restart's business), the join's bound live.
+        write_config(tmp_path, **{**sections, "models": {"fast": models["fast"]},
+                                  "capacity": {**sections["capacity"], "task_join": 6}})
+        first.proc.send_signal(signal.SIGHUP)
+        reloaded = first.wait_for("reloaded", 60)[-1]
+        assert "reloaded: capacity.task_join; needs restart to change: models.stuck" \
+            in reloaded, reloaded
+        join_stats(first, 60, "the join at its new bound", lambda r: (
+            r["TASK_JOIN_SIZE"] == 6 and r["TASK_JOIN_CAPACITY"] == 6))
+        assert layers_over(first) == {}
+        assert first.stop(timeout_s=60) == 0, first.tail()
+    finally:
+        first.kill()
+    assert not list((tmp_path / "done").glob("*.png")), "a photo done with one task hung"
+    assert not (tmp_path / "failed").exists() or not list((tmp_path / "failed").iterdir())
+    assert not list((inbox / ".processing" / "default").rglob("*.png")), "left claimed"
+
+    write_config(tmp_path, **sections)  # both tasks again
+    second = DaemonProcess(config, env=hang)
+    try:
+        second.wait_for("ready", 180)
+        join_stats(second, 120, "the join full again", lambda r: r["TASK_JOIN_SIZE"] == 4)
+        assert layers_over(second) == {}
+        second.proc.send_signal(signal.SIGKILL)
+        second.proc.wait(30)
+    finally:
+        second.kill()
+
+    third = DaemonProcess(config)
+    try:
+        third.wait_for("ready", 180)
+        wait_until(lambda: len(list((tmp_path / "done").glob("*.png"))) >= len(inputs), 180,
+                   "every input done")
+        assert third.stop(timeout_s=60) == 0, third.tail()
+    finally:
+        third.kill()
+    done = {p.name: p.read_bytes() for p in (tmp_path / "done").glob("*.png")}
+    by_bytes = collections.Counter(sha(data) for data in done.values())
+    assert by_bytes == collections.Counter(sha(data) for data in inputs.values()), (
+        "lost or doubled", sorted(done))
+    for name, data in done.items():
+        result = read_json(tmp_path / "results" / f"{name}.json")
+        assert result["sha256"] == sha(data), f"done/{name}: a result of other bytes"
+        image = Image.open(io.BytesIO(data))
+        for task in models:
+            assert result[task]["detections"] == detectors.expected_boxes(*image.size), task
+    assert not (tmp_path / "failed").exists() or not list((tmp_path / "failed").iterdir())
+    assert not list(inbox.glob("*.png")) and not list((inbox / ".processing").rglob("*.png"))

@@ -310,7 +310,9 @@ def config_changes(old: Config, new: Config) -> tuple[list[str], list[str]]:
         old_value = old_data.get(section)
         if new_value == old_value:
             continue
-        keys = ([f"{section}.{k}" for k in new_value if new_value[k] != old_value.get(k)]
+        # Keys of both: a key only the old file had (a models: task taken out) is a change too.
+        keys = ([f"{section}.{k}" for k in {**old_value, **new_value}
+                 if new_value.get(k) != old_value.get(k)]
                 if isinstance(new_value, dict) and isinstance(old_value, dict) else [section])
         (live if section in LIVE_SECTIONS else restart).extend(keys)
     return live, restart
