@@ -208,3 +208,120 @@ def test_a_hung_task_holds_the_join_at_its_bound_and_signals_lose_nothing(
             assert result[task]["detections"] == detectors.expected_boxes(*image.size), task
     assert not (tmp_path / "failed").exists() or not list((tmp_path / "failed").iterdir())
     assert not list(inbox.glob("*.png")) and not list((inbox / ".processing").rglob("*.png"))
+
+
+def colour(n: int) -> tuple[int, int, int]:
+    """Flat, dark with one bright channel; for ``n % 4 == 3`` bright all over (the failing
+    detector's error)."""
+    rgb = [10, 10, 10] if n % 4 != 3 else [200, 210, 220]
+    rgb[n % 3] = 250
+    return rgb[0], rgb[1], rgb[2]
+
+
+def coloured(n: int) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (48 + n, 36), colour(n)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def strongest_logit(rgb: tuple[int, int, int]) -> int:
+    """The wrong-rows classifier's answer for a flat photo: the channel of the largest
+    normalised mean (its logits are the channels' means)."""
+    from inboxd.decode.spec import TORCHVISION_INPUT
+
+    logits = [(value / 255 - mean) / std for value, mean, std in
+              zip(rgb, TORCHVISION_INPUT.mean, TORCHVISION_INPUT.std, strict=True)]
+    return logits.index(max(logits))
+
+
+@pytest.mark.daemon
+@pytest.mark.slow  # a daemon over a flood: `make test`, not the fast tier
+def test_one_task_s_wrong_row_counts_and_input_errors_fail_only_themselves(
+        tmp_path: Path) -> None:
+    """One task's .onnx answers batches of 3 to 7 with a row too few, the other task's
+    detector raises on bright photos: each batch is split in its own task until every photo
+    has its own answer there, a bright photo keeps its detector error in that section and its
+    classifier answer in the other, and its batch-mates are not blamed. Every photo is done
+    once, none failed."""
+    from tests.byo_models import onnx_wrong_rows
+
+    rows_folder = tmp_path / "rows"
+    rows_folder.mkdir()
+    wrong = onnx_wrong_rows(rows_folder / "wrong-rows.onnx", set(range(3, 8)))
+    things = detector_block(tmp_path)
+    things["onnx"] = str(detectors.yolo_onnx(tmp_path / "models" / "bright.onnx",
+                                             fails_above_mean=0.6))
+    config = write_config(tmp_path, model=None, inbox={"settle_ms": 0}, models={
+        "rows": {"onnx": str(wrong), "labels": str(labels_file(rows_folder, 3)),
+                 "batch": {"max_size": 8, "max_delay_ms": 300}},
+        "things": {**things, "batch": {"max_size": 4, "max_delay_ms": 300}}})
+    inputs = {f"c{n:02}.png": coloured(n) for n in range(20)}
+    daemon = DaemonProcess(config)
+    try:
+        daemon.wait_for("ready", 180)
+        for name, data in inputs.items():
+            drop_bytes(tmp_path / "inbox", name, data)
+        daemon.wait_for("completed", 180, count=len(inputs))
+        assert daemon.stop(timeout_s=60) == 0, daemon.tail()
+    finally:
+        daemon.kill()
+    splits = daemon.records("batch_split")
+    assert any("model error" in split for split in splits), "no batch came back wrong"
+    assert not (tmp_path / "failed").exists() or not list((tmp_path / "failed").iterdir())
+    for n, (name, data) in enumerate(inputs.items()):
+        assert (tmp_path / "done" / name).read_bytes() == data
+        result = read_json(tmp_path / "results" / f"{name}.json")
+        assert result["sha256"] == sha(data)
+        expected = strongest_logit(colour(n))
+        assert result["rows"]["top_k"][0]["index"] == expected, (name, result["rows"])
+        if n % 4 == 3:
+            assert result["things"]["reason_class"] == "model", (name, result["things"])
+            assert "detections" not in result["things"]
+        else:
+            assert result["things"]["detections"] == detectors.expected_boxes(48 + n, 36), name
+
+
+@pytest.mark.daemon
+@pytest.mark.slow  # two daemons: `make test`, not the fast tier
+def test_one_task_s_device_failing_gives_every_photo_back_once_and_the_restart_ends_each(
+        tmp_path: Path) -> None:
+    """The first task's device fails from its second call on (the fault hook), the other
+    task's is sound: the daemon exits 76 for a restart with every photo either done (both
+    tasks answered before the fault) or back in the inbox, none failed, none done with one
+    section; the restart without the fault ends each once."""
+    block = detector_block(tmp_path)
+    config = write_config(tmp_path, model=None, inbox={"settle_ms": 0}, models={
+        "broken": {**block, "batch": {"max_size": 2, "max_delay_ms": 100}},
+        "sound": {**block, "batch": {"max_size": 3, "max_delay_ms": 100}}})
+    inbox = tmp_path / "inbox"
+    inputs = {f"d{n:02}.png": photo(n) for n in range(14)}
+    first = DaemonProcess(config, env={"INBOXD_TEST_MODEL_FAULTS": "device_error_from_batch=2"})
+    try:
+        first.wait_for("ready", 180)
+        for name, data in inputs.items():
+            drop_bytes(inbox, name, data)
+        assert first.proc.wait(120) == 76, first.tail()
+    finally:
+        first.kill()
+    assert "device_fault" in first.output()
+    assert not (tmp_path / "failed").exists() or not list((tmp_path / "failed").iterdir())
+    done = {p.name for p in (tmp_path / "done").glob("*.png")}
+    back = {p.name for p in inbox.glob("*.png")}
+    assert done | back == set(inputs) and not done & back, (sorted(done), sorted(back))
+    assert not list((inbox / ".processing").rglob("*.png")), "left claimed"
+    for name in done:
+        assert set(read_json(tmp_path / "results" / f"{name}.json")) >= {"broken", "sound"}
+
+    second = DaemonProcess(config)
+    try:
+        second.wait_for("ready", 180)
+        wait_until(lambda: {p.name for p in (tmp_path / "done").glob("*.png")} == set(inputs),
+                   180, "every photo done")
+        assert second.stop(timeout_s=60) == 0, second.tail()
+    finally:
+        second.kill()
+    for name, data in inputs.items():
+        result = read_json(tmp_path / "results" / f"{name}.json")
+        assert result["sha256"] == sha(data) == sha((tmp_path / "done" / name).read_bytes())
+        assert "detections" in result["broken"] and "detections" in result["sound"]
+    assert len(list((tmp_path / "results").glob("*.json"))) == len(inputs)
