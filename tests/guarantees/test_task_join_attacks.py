@@ -7,6 +7,7 @@ its capacity in the stats record."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import io
 import os
@@ -325,3 +326,60 @@ def test_one_task_s_device_failing_gives_every_photo_back_once_and_the_restart_e
         assert result["sha256"] == sha(data) == sha((tmp_path / "done" / name).read_bytes())
         assert "detections" in result["broken"] and "detections" in result["sound"]
     assert len(list((tmp_path / "results").glob("*.json"))) == len(inputs)
+
+
+def test_a_photo_replaced_under_its_name_while_its_copies_wait_in_the_join_is_another_input(
+        tmp_path: Path) -> None:
+    """``a.png`` is claimed and answered by the fast task; the slow task holds it. A new
+    ``a.png`` (other bytes) is dropped, claimed and answered by the fast task too: two photos
+    of one name in the join, their copies side by side in the slow task's feed. Let go, each
+    gets its own result, of its own bytes, with both tasks' answers of its own pixels (the
+    fake models answer a photo's red value), and neither overwrites the other in done/."""
+    from inboxd.pipeline.task_stages import TaskStages
+    from inboxd.pipeline.wiring import Pipeline
+
+    from tests.fakes import FakeModel, ScriptedWatch
+    from tests.pipeline.test_task_stages import GatedModel, with_models
+
+    config = load_config(write_config(
+        tmp_path, inbox={"settle_ms": 0, "rescan_interval_s": 3600}, model=None,
+        models={"fast": {"batch": {"max_size": 2, "max_delay_ms": 20}},
+                "slow": {"batch": {"max_size": 2, "max_delay_ms": 20}}}))
+    watch = ScriptedWatch()
+    fast, slow = GatedModel(), GatedModel()
+    slow.gate.clear()
+    tasks: dict[str, Any] = {"fast": FakeModel(), "slow": FakeModel()}
+    pipeline = with_models(Pipeline(config, FakeModel(), watch=watch,  # type: ignore[arg-type]
+                                    tasks=tasks), fast=fast, slow=slow)
+    stages = pipeline.model_stage
+    assert isinstance(stages, TaskStages)
+    inbox = tmp_path / "inbox"
+
+    async def until(done: Callable[[], bool]) -> None:
+        while not done():
+            await asyncio.sleep(0.01)
+
+    async def scenario() -> None:
+        stop, force = asyncio.Event(), asyncio.Event()
+        serving = asyncio.create_task(pipeline.serve(stop, force))
+        await watch.started.wait()
+        for answered, red in ((1, 40), (2, 60)):
+            watch.push(make_image(inbox / "a.png", size=(8, 8), color=(red, 0, 0)))
+            await until(lambda answered=answered: fast.answered == answered)  # type: ignore[misc]
+        assert stages.join.size == 2  # both copies of a.png wait for the slow task
+        slow.gate.set()
+        await until(lambda: pipeline.stats.counters.completed == 2)
+        stop.set()
+        await serving
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+    done = sorted((tmp_path / "done").glob("a*.png"))
+    assert len(done) == 2, done
+    reds = set()
+    for path in done:
+        result = read_json(tmp_path / "results" / f"{path.name}.json")
+        assert result["sha256"] == sha(path.read_bytes()), path.name
+        red = Image.open(path).getpixel((0, 0))[0]  # type: ignore[index]
+        assert result["fast"]["top_k"][0]["index"] == result["slow"]["top_k"][0]["index"] == red
+        reds.add(red)
+    assert reds == {40, 60}
