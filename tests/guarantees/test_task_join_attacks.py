@@ -383,3 +383,48 @@ def test_a_photo_replaced_under_its_name_while_its_copies_wait_in_the_join_is_an
         assert result["fast"]["top_k"][0]["index"] == result["slow"]["top_k"][0]["index"] == red
         reds.add(red)
     assert reds == {40, 60}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another uid needs root")
+def test_the_daemon_s_first_area_swapped_back_in_is_put_back_despite_its_helpers_lock(
+        root: Path) -> None:
+    """Found by the several-task model-based run: a member renames ``.processing`` away (the
+    daemon puts a fresh area back), then swaps the daemon's first area back in. That area's
+    lock is still held by the helpers that inherited it at start-up, so the put-back failed
+    with LockHeld (the daemon's own pid) for as long as the member left it there: claims went
+    on into the area held under the member's name, and every claimed path, read by name (the
+    commit process's moves), led into the first area, where nothing is (moves retried without
+    end; a user with write access could touch the claimed files where they were)."""
+    from inboxd.files.lifecycle import Lifecycle
+
+    from tests.guarantees.test_planted_links import as_neighbour, shared_inbox
+
+    config_path = write_config(root, inbox={"settle_ms": 0})
+    inbox = root / "inbox"
+    shared_inbox(inbox)
+    lifecycle = Lifecycle(load_config(config_path))
+    lifecycle.lock_instance()
+    helper = os.dup(lifecycle.lock_fds()[0])  # what a helper process inherits at start-up
+    try:
+        (inbox / "first.png").write_bytes(b"first")
+        first = lifecycle.claim(inbox, "first.png")
+        assert first is not None
+        as_neighbour(lambda: os.rename(inbox / ".processing", inbox / ".processing-was"))
+        assert lifecycle.ensure_claim_areas() == 1  # a fresh area at the name
+        assert Path(first).read_bytes() == b"first"
+
+        def swap_back() -> None:
+            os.rename(inbox / ".processing", inbox / ".processing-fresh")
+            os.rename(inbox / ".processing-was", inbox / ".processing")
+
+        as_neighbour(swap_back)
+        assert lifecycle.ensure_claim_areas() == 1, "the area was not put back"
+        assert Path(first).read_bytes() == b"first"  # the claimed path leads to its file
+        (inbox / "second.png").write_bytes(b"second")
+        second = lifecycle.claim(inbox, "second.png")
+        assert second is not None and Path(second).read_bytes() == b"second"
+        assert lifecycle.release(first, inbox / "first.png") is not None
+        assert (inbox / "first.png").read_bytes() == b"first"
+    finally:
+        os.close(helper)
+        lifecycle.unlock_instance()
