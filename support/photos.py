@@ -104,3 +104,13 @@ def photo_jpeg(name: str, size: tuple[int, int], seed: int) -> bytes:
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, format="JPEG", quality=90)
     return out.getvalue()
+
+
+def png_bytes(size: tuple[int, int], value: int | None = None) -> bytes:
+    """A PNG of ``size``: every pixel ``value`` (a flat grey), or noise seeded by the width."""
+    rng = np.random.default_rng(size[0])
+    pixels = (np.full((size[1], size[0], 3), value, np.uint8) if value is not None
+              else rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()

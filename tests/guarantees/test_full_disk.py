@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -229,3 +230,35 @@ def test_a_read_only_results_folder_holds_the_photos_until_it_is_writable(
         assert names_in(tmp_path / "failed") == set()
     finally:
         subprocess.run(["umount", "-l", str(results)], check=False)
+
+
+def test_once_waits_for_room_and_a_stop_while_it_waits_hands_every_photo_back(
+        tmp_path: Path, daemon_factory) -> None:
+    """``inboxd once`` (a cron job, a script) on a full results disk waits as the service does:
+    it does not exit with the photos failed. Stopped while it waits (Ctrl-C, a job's time
+    limit), it exits promptly with 128 + the signal and leaves every photo in the inbox, none
+    in failed/; the next run, with room, finishes them all, each once."""
+    with small_ext4(tmp_path / "results") as results:
+        config = write_config(tmp_path, retry=QUICK_PROBES)
+        filler = fill(results)
+        names = flood(tmp_path / "inbox", 12)
+        once = daemon_factory(config, command="once")
+        once.wait_for("output_full", 120)
+        with pytest.raises(subprocess.TimeoutExpired):  # it waits: a while, then on
+            once.proc.wait(timeout=5)
+        assert names_in(tmp_path / "failed") == set()
+        assert once.stop(signal.SIGINT, timeout_s=60) == 128 + signal.SIGINT, once.tail()
+        assert "wait in the inbox for the next run" in once.output()
+        assert names_in(tmp_path / "inbox") == names, "a photo was not handed back"
+        assert names_in(tmp_path / "failed") == set()
+
+        waiting = daemon_factory(config, command="once")
+        waiting.wait_for("output_full", 120)
+        filler.unlink()
+        wait_until(lambda: not waiting.alive(), 180, "once to finish when there is room")
+        assert waiting.stop() == 0, waiting.tail()
+        assert "12 completed, 0 failed" in waiting.output()
+        assert names_in(results, ".json") == names
+        assert names_in(tmp_path / "done") == names
+        assert names_in(tmp_path / "inbox") == set()
+        assert int(last_stats(waiting.records("stats"))["DUPLICATES"]) == 0

@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -119,14 +120,21 @@ def test_max_detections_bounds_each_photo_best_first(yolo_path: Path, labels_pat
     assert [d["score"] for d in found] == [0.9, 0.7]
 
 
+def assert_expected_boxes(models: Sequence[Detector], datas: Sequence[bytes]) -> None:
+    """Each model finds, in each photo, the boxes ``tests/detectors.py`` drew, in the photo's
+    own pixels."""
+    for model in models:
+        images = [decode_image(d, model.spec, MAX_PIXELS) for d in datas]
+        for image, found in zip(images, model.predict([i.pixels for i in images]),
+                                strict=True):
+            assert isinstance(found, Detections)
+            assert found.in_photo(image.width, image.height) == detectors.expected_boxes(
+                image.width, image.height)
+
+
 def test_a_batch_of_mixed_shapes_gives_each_photo_its_own_boxes(yolo: Detector) -> None:
-    datas = [photo_bytes((1600, 900)), photo_bytes((900, 1600)), photo_bytes((1200, 800), 6)]
-    images = [decode_image(d, yolo.spec, MAX_PIXELS) for d in datas]
-    found = yolo.predict([image.pixels for image in images])
-    for image, detections in zip(images, found, strict=True):
-        assert isinstance(detections, Detections)
-        expected = detectors.expected_boxes(image.width, image.height)
-        assert detections.in_photo(image.width, image.height) == expected
+    assert_expected_boxes((yolo,), [photo_bytes((1600, 900)), photo_bytes((900, 1600)),
+                                    photo_bytes((1200, 800), 6)])
 
 
 def test_a_fixed_batch_export_and_the_packed_boxes_layout_give_the_same_boxes(
@@ -140,14 +148,7 @@ def test_a_fixed_batch_export_and_the_packed_boxes_layout_give_the_same_boxes(
     assert isinstance(fixed, Detector) and isinstance(packed, Detector)
     assert fixed.layout is not None and fixed.layout.layout == "yolo"
     assert packed.layout is not None and packed.layout.layout == "boxes"
-    datas = [photo_bytes((1600, 900)), photo_bytes((700, 1000))]
-    for model in (fixed, packed):
-        images = [decode_image(d, model.spec, MAX_PIXELS) for d in datas]
-        for image, found in zip(images, model.predict([i.pixels for i in images]),
-                                strict=True):
-            assert isinstance(found, Detections)
-            assert found.in_photo(image.width, image.height) == detectors.expected_boxes(
-                image.width, image.height)
+    assert_expected_boxes((fixed, packed), [photo_bytes((1600, 900)), photo_bytes((700, 1000))])
 
 
 # -- a torch.export program (.pt2) ------------------------------------------------------------
@@ -189,14 +190,8 @@ def test_a_pt2_detector_returning_boxes_scores_and_labels_gives_the_same_boxes(
     boxes = load_model(detector_config(program, labels_path))
     assert isinstance(boxes, Detector)
     assert boxes.layout is not None and boxes.layout.layout == "boxes"
-    datas = [photo_bytes((1600, 900)), photo_bytes((700, 1000), 6), photo_bytes((23, 11))]
-    for model in (boxes, pt2):
-        images = [decode_image(d, model.spec, MAX_PIXELS) for d in datas]
-        for image, found in zip(images, model.predict([i.pixels for i in images]),
-                                strict=True):
-            assert isinstance(found, Detections)
-            assert found.in_photo(image.width, image.height) == detectors.expected_boxes(
-                image.width, image.height)
+    assert_expected_boxes((boxes, pt2), [photo_bytes((1600, 900)), photo_bytes((700, 1000), 6),
+                                         photo_bytes((23, 11))])
 
 
 def test_a_pt2_detector_runs_at_the_precision_it_was_exported_with(

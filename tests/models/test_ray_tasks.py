@@ -9,7 +9,6 @@ the detector fails on.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
@@ -19,11 +18,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from support.harness import free_port
+from support.photos import png_bytes
 from support.text_images import TextImage, receipt_total
 from tests import detectors
 from tests.conftest import write_config
@@ -56,15 +54,6 @@ def cluster() -> Iterator[str]:
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = old
 
 
-def png(size: tuple[int, int], value: int | None = None) -> bytes:
-    rng = np.random.default_rng(size[0])
-    pixels = (np.full((size[1], size[0], 3), value, np.uint8) if value is not None
-              else rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    return out.getvalue()
-
-
 def photos(folder: Path) -> dict[str, bytes]:
     """Text stored upright and turned (EXIF 6 and 8), a landscape and a portrait photo, and a
     bright one the detector fails on (a model error of that photo's, in its task section)."""
@@ -73,8 +62,8 @@ def photos(folder: Path) -> dict[str, bytes]:
              for o in (1, 6, 8)}
     out = {path.name: path.read_bytes()
            for path in (text.save(folder) for text in texts.values())}
-    return {**out, "landscape.png": png((700, 300)), "portrait.png": png((300, 700)),
-            "bright.png": png((640, 480), 250)}
+    return {**out, "landscape.png": png_bytes((700, 300)), "portrait.png": png_bytes((300, 700)),
+            "bright.png": png_bytes((640, 480), 250)}
 
 
 def task_blocks(root: Path, address: str, *on_ray: str) -> dict[str, Any]:

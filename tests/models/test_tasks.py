@@ -4,7 +4,6 @@ leaving the other tasks' answers and the photo's one outcome intact."""
 
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from inboxd.item import DecodedImage, ModelError, TransientError, WorkItem
 from inboxd.models.tasks import joined, task_copy
 from PIL import Image
 
+from support.photos import png_bytes
 from tests import detectors
 from tests.conftest import write_config
 from tests.decode.test_pool import settings
@@ -31,19 +31,10 @@ CROP = PreprocessSpec(256, 224, "bicubic", (0.5,) * 3, (0.5,) * 3)
 FIT = PreprocessSpec.fit(320, "bilinear", (0.0,) * 3, (1.0,) * 3)
 
 
-def png(size: tuple[int, int], value: int | None = None) -> bytes:
-    rng = np.random.default_rng(size[0])
-    pixels = (np.full((size[1], size[0], 3), value, np.uint8) if value is not None
-              else rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    return out.getvalue()
-
-
 def test_one_decode_gives_each_task_its_own_input(monkeypatch: pytest.MonkeyPatch) -> None:
     """Opened and decoded once; the crop is the one-task crop, the fitted image the one-task
     fitted image, to the bit."""
-    data = png((900, 600))
+    data = png_bytes((900, 600))
     opened = []
     real_open = pillow.Image.open
 
@@ -68,7 +59,7 @@ def test_a_decode_worker_replies_with_every_task_s_input_for_one_read(tmp_path: 
         paths = []
         for n, size in enumerate([(900, 600), (500, 1000)]):
             paths.append(tmp_path / f"{n}.png")
-            paths[-1].write_bytes(png(size))
+            paths[-1].write_bytes(png_bytes(size))
         results = pool.decode_many([(p, None) for p in paths])
         assert pool.answered == 2  # one answer per file, holding both tasks' images
         for result, size in zip(results, [(900, 600), (500, 1000)], strict=True):
@@ -148,8 +139,8 @@ def test_one_result_holds_every_task_s_section_and_a_task_s_failure_leaves_the_r
     from support.text_images import receipt_total
 
     (root / "models").mkdir(exist_ok=True)
-    photos = {"dark.png": png((640, 480), 20), "noisy.png": png((500, 800)),
-              "bright.png": png((640, 480), 250),
+    photos = {"dark.png": png_bytes((640, 480), 20), "noisy.png": png_bytes((500, 800)),
+              "bright.png": png_bytes((640, 480), 250),
               "receipt.png": receipt_total().save(root / "models").read_bytes()}
     for name, data in photos.items():
         (root / "inbox" / name).write_bytes(data)
@@ -197,7 +188,7 @@ def test_each_real_task_batches_at_its_own_size_within_the_join(tmp_path: Path) 
         "things": {"onnx": str(onnx), "output": "detect", "labels": str(labels),
                    "batch": {"max_size": 2, "max_delay_ms": 200}}})
     for n in range(24):
-        (tmp_path / "inbox" / f"p{n:02}.png").write_bytes(png((320 + n, 240)))
+        (tmp_path / "inbox" / f"p{n:02}.png").write_bytes(png_bytes((320 + n, 240)))
     done = subprocess.run([sys.executable, "-m", "inboxd", "once", "-c", str(config)],
                           capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,10 @@ RELEASE_PAUSE_S = 0.05
 
 class InstanceBusy(Exception):
     """Another live process holds this instance name on this inbox."""
+
+
+def _open_claimed(name: str, folder: int | None) -> int:
+    return os.open(name, READ_CLAIMED_FLAGS, dir_fd=folder)
 
 
 def _say_moved_aside(inbox: Path, moved: list[claim_area.MovedAside]) -> None:
@@ -346,24 +351,33 @@ class Lifecycle:
             rel = relative_inside(path, inbox)
             if rel is None or not rel.startswith(PROCESSING_DIRNAME + "/"):
                 continue
-            folders, name = split_rel(rel)
-            with self._claim_area(inbox) as area:
-                if area is not None and folders[:2] == [PROCESSING_DIRNAME,
-                                                        self.config.instance]:
-                    with open_inside(area.folder, folders[2:], own=True) as folder:
-                        return os.open(name, READ_CLAIMED_FLAGS, dir_fd=folder)
+            folders, file_name = split_rel(rel)
+            opened = self._in_held_area(inbox, folders,
+                                        functools.partial(_open_claimed, file_name))
+            if opened is not None:
+                return opened
         with self.claimed_file(claimed) as (folder, name):
-            return os.open(name, READ_CLAIMED_FLAGS, dir_fd=folder)
+            return _open_claimed(name, folder)
+
+    def _in_held_area(self, inbox: Path, folders: list[str], use: Callable[[int], int]
+                      ) -> int | None:
+        """``use`` of a claimed file's folder in the area held, reached by the area's
+        descriptor and under its lock (so it is not put back meanwhile); None where no area is
+        held (a command) or the folder is not in it."""
+        with self._claim_area(inbox) as area:
+            if area is None or folders[:2] != [PROCESSING_DIRNAME, self.config.instance]:
+                return None
+            with open_inside(area.folder, folders[2:], own=True) as folder:
+                return use(folder)
 
     def _open_claimed_folder(self, inbox: Path, folders: list[str]) -> int:
         """The folder of a claimed file, checked to be ours: under the area held, reached by
         its descriptor (a member of the group can move the area's name every few ms, and a
         walk by name in between meets their link or folder); walked from ``inbox`` when no
         area is held (a command)."""
-        with self._claim_area(inbox) as area:
-            if area is not None and folders[:2] == [PROCESSING_DIRNAME, self.config.instance]:
-                with open_inside(area.folder, folders[2:], own=True) as folder:
-                    return os.dup(folder)
+        held = self._in_held_area(inbox, folders, os.dup)
+        if held is not None:
+            return held
         try:
             with open_inside(inbox, folders, own=True) as folder:
                 return os.dup(folder)
