@@ -23,6 +23,7 @@ from inboxd.service.runner import config_changes
 from PIL import Image
 
 from support.harness import sha256_hex as sha
+from support.photos import png_bytes
 from support.waiting import wait_until
 from tests import detectors
 from tests.byo_models import labels_file, onnx_memory_bomb
@@ -73,10 +74,8 @@ def test_a_reload_to_a_batch_size_a_task_s_onnx_cannot_afford_is_refused_not_fat
 
 
 def photo(n: int) -> bytes:
-    """A small PNG of its own bytes (``n`` sets its size and colour)."""
-    buffer = io.BytesIO()
-    Image.new("RGB", (40 + n % 7, 30), (n * 37 % 256, n * 11 % 256, 90)).save(buffer, "PNG")
-    return buffer.getvalue()
+    """A small PNG of its own bytes (its width, and the noise seeded by it)."""
+    return png_bytes((40 + n, 30))
 
 
 def drop_bytes(inbox: Path, name: str, data: bytes) -> None:
