@@ -109,12 +109,13 @@ ONNX_OPSET = 13  # ReduceMean's axes an attribute, Slice's bounds inputs
 ONNX_IR_VERSION = 8
 
 
-def _save_onnx(nodes: list[Any], initializers: list[Any], path: Path, classes: int) -> Path:
+def _save_onnx(nodes: list[Any], initializers: list[Any], path: Path, classes: int,
+               batch: int | str = "N") -> Path:
     from onnx import TensorProto, checker, helper, save
 
     graph = helper.make_graph(
         nodes, "hostile",
-        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, 224, 224])],
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [batch, 3, 224, 224])],
         [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["M", classes])],
         initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", ONNX_OPSET)])
@@ -151,6 +152,16 @@ def onnx_wrong_rows(path: Path, wrong_sizes: set[int]) -> Path:
               helper.make_node("Sub", ["n", "short"], ["rows"]),
               helper.make_node("Slice", ["means", "zero", "rows", "zero"], ["output"])]
     return _save_onnx(nodes, initializers, path, 3)
+
+
+def onnx_fixed_batch(path: Path, batch: int) -> Path:
+    """A 3-class classifier (each channel's mean a logit) whose input takes only batches of
+    ``batch``: what ``torch.onnx.export`` writes without a dynamic batch axis, made without
+    torch's exporter (seconds of tracing for one input shape)."""
+    from onnx import helper
+
+    nodes = [helper.make_node("ReduceMean", ["input"], ["output"], axes=[2, 3], keepdims=0)]
+    return _save_onnx(nodes, [], path, 3, batch=batch)
 
 
 def onnx_memory_bomb(path: Path, side: int = 30_000) -> Path:

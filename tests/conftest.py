@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -42,26 +43,34 @@ SHARED_MODEL_CACHE = Path(tempfile.gettempdir()) / (
 
 def shared_model_artifact() -> None:
     """The built-in model's ONNX artifact in ``SHARED_MODEL_CACHE``, exported once per checkout
-    and machine, under a lock (two xdist workers never both export), checked once per process.
+    and machine, under a lock (two xdist workers never both export), checked once per run.
     Without it, each daemon a test starts on a fresh checkout serves torch and starts an export
     of its own in the background, which the test's end kills unfinished: the same minutes of
     CPU, over and over. Checked and built in a child: the test process keeps no session,
-    thread or descriptor of it (tests count this process's descriptors)."""
+    thread or descriptor of it (tests count this process's descriptors).
+
+    The run's main process starts that child as it configures (``pytest_configure``), so the
+    export runs beside the workers' collection and their first tests, and a worker waits for
+    it only when a test of its own needs the artifact; the child leaves a stamp for this run
+    when the artifact is ready. Without the stamp (a run started otherwise, or the child
+    failed) the check runs here, and its failure is this test's."""
     global _shared_artifact_ready
     if _shared_artifact_ready:
         return
     SHARED_MODEL_CACHE.mkdir(parents=True, exist_ok=True)
     with open(SHARED_MODEL_CACHE / ".export.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        built = subprocess.run([sys.executable, "-c", _BUILD_SHARED_ARTIFACT,
-                                str(SHARED_MODEL_CACHE)], capture_output=True, text=True,
-                               timeout=900, check=False)
-        assert built.returncode == 0, built.stdout + built.stderr
+        fcntl.flock(lock, fcntl.LOCK_EX)  # held by the background child until it is done
+        if _run_ready_stamp is None or not _run_ready_stamp.exists():
+            built = subprocess.run([sys.executable, "-c", _BUILD_SHARED_ARTIFACT,
+                                    str(SHARED_MODEL_CACHE)], capture_output=True, text=True,
+                                   timeout=900, check=False)
+            assert built.returncode == 0, built.stdout + built.stderr
     _shared_artifact_ready = True
 
 
 # What write_config's daemons load (its cache_dir, every other model key the default's): served
 # from the cache when it is there; else exported as a daemon would, in the background thread.
+# A second argument is the run's stamp, made once the artifact is ready.
 _BUILD_SHARED_ARTIFACT = """
 import sys
 from pathlib import Path
@@ -79,8 +88,52 @@ if cached is None:  # not built yet, or stale (FastPath exports it again)
     fast.join(900)
     fast.swap_if_built()
     assert fast.state == "serving", fast.fields
+if len(sys.argv) > 2:
+    Path(sys.argv[2]).touch()
 """
 _shared_artifact_ready = False
+# This run's stamp: named by the main process, handed to xdist's workers (pytest_configure_node).
+_run_ready_stamp: Path | None = None
+_background_build: subprocess.Popen[bytes] | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The main process (xdist's controller, or the only process) starts the shared artifact's
+    check or export in a child that holds the export lock from before it starts (no worker can
+    take the lock first and check again); a worker learns the run's stamp from the main
+    process."""
+    global _run_ready_stamp, _background_build
+    worker_input = getattr(config, "workerinput", None)
+    if worker_input is not None:
+        stamp = worker_input.get("shared_artifact_stamp")
+        _run_ready_stamp = Path(stamp) if stamp else None
+        return
+    SHARED_MODEL_CACHE.mkdir(parents=True, exist_ok=True)
+    _run_ready_stamp = SHARED_MODEL_CACHE / f".ready-{os.getpid()}-{time.monotonic_ns()}"
+    log = SHARED_MODEL_CACHE / f"{_run_ready_stamp.name}.log"
+    with open(SHARED_MODEL_CACHE / ".export.lock", "w") as lock, open(log, "wb") as output:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        # The child's copy of the descriptor keeps the lock once this process closes its own.
+        _background_build = subprocess.Popen(
+            [sys.executable, "-c", _BUILD_SHARED_ARTIFACT, str(SHARED_MODEL_CACHE),
+             str(_run_ready_stamp)], pass_fds=(lock.fileno(),), stdin=subprocess.DEVNULL,
+            stdout=output, stderr=subprocess.STDOUT)
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: absent without pytest-xdist
+def pytest_configure_node(node: Any) -> None:
+    node.workerinput["shared_artifact_stamp"] = str(_run_ready_stamp)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A run that ended before its export did has no use for it: the next run starts again."""
+    if _background_build is None or _run_ready_stamp is None:
+        return
+    if _background_build.poll() is None:
+        _background_build.terminate()
+    _background_build.wait()
+    _run_ready_stamp.unlink(missing_ok=True)
+    SHARED_MODEL_CACHE.joinpath(f"{_run_ready_stamp.name}.log").unlink(missing_ok=True)
 
 
 def run_interleaved(targets: list[Callable[[], None]]) -> None:

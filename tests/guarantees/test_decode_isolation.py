@@ -36,7 +36,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     # below shares its request with others, which must not pay for it.
     config = write_config(root, inbox={"include": ["*"], "settle_ms": 0},
                           capacity={"queue": 16},
-                          preprocess={"decode_timeout_s": 8, "decode_memory_mb": 512,
+                          preprocess={"decode_timeout_s": 3, "decode_memory_mb": 512,
                                       "files_per_request": 8})
     inbox = root / "inbox"
     photos = sorted(photo_paths().values())[:2]
@@ -109,7 +109,7 @@ def test_a_runaway_allocation_fails_only_its_file(run: dict[str, Any]) -> None:
 def test_a_decode_that_never_ends_is_cut_at_decode_timeout_s(run: dict[str, Any]) -> None:
     """~330 KB of progressive JPEG whose last scan repeats 10,000 times: a minute or more of
     decoding (1,000 repeats once took 31 s here, and later only 5.7 s: under the timeout)."""
-    assert "longer than preprocess.decode_timeout_s = 8 s" in failure(run, "scans.jpg")
+    assert "longer than preprocess.decode_timeout_s = 3 s" in failure(run, "scans.jpg")
 
 
 @pytest.mark.daemon

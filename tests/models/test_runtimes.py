@@ -397,9 +397,9 @@ def test_probe_images_are_the_same_every_time() -> None:
 # -- an .onnx model -----------------------------------------------------------------------
 
 
-def onnx_file(network: torch.nn.Module, path: Path, dynamic: bool = True) -> Path:
+def onnx_file(network: torch.nn.Module, path: Path) -> Path:
     example = torch.randn(2, 3, 224, 224)
-    shapes = ({0: torch.export.Dim("batch", min=1, max=64)},) if dynamic else None
+    shapes = ({0: torch.export.Dim("batch", min=1, max=64)},)
     program = torch.onnx.export(network, (example,), dynamo=True, dynamic_shapes=shapes,
                                 verbose=False)
     assert program is not None
@@ -430,9 +430,9 @@ def test_an_onnx_model_is_checked_and_runs_like_its_torch_network(tmp_path: Path
 
 
 def test_an_onnx_model_that_cannot_work_is_a_config_error(tmp_path: Path) -> None:
-    from tests.byo_models import resnet18
+    from tests.byo_models import onnx_fixed_batch
 
-    fixed = onnx_file(resnet18(), tmp_path / "fixed.onnx", dynamic=False)
+    fixed = onnx_fixed_batch(tmp_path / "fixed.onnx", 2)
     with pytest.raises(ConfigError, match="exported for a fixed batch of 2"):
         load_model(ModelConfig(onnx=fixed, cache_dir=tmp_path))
     junk = tmp_path / "junk.onnx"
