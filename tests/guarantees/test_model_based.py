@@ -84,6 +84,17 @@ def exchange(a: Path, b: Path) -> None:
         raise OSError(err, os.strerror(err), str(a))
 
 
+def claim_area_at(folder: Path) -> bool:
+    """Whether ``folder`` is one of the daemon's claim areas (held or former): a ``*.lock`` in
+    it. Links are never areas."""
+    if folder.is_symlink():
+        return False
+    try:
+        return any(entry.endswith(".lock") for entry in os.listdir(folder))
+    except OSError:
+        return False
+
+
 @dataclass
 class Reference:
     """Where the bytes of every input must end up."""
@@ -153,12 +164,19 @@ class World:
         image.save(path)
         return path.read_bytes()
 
-    def waiting(self) -> list[Path]:
-        """Files in the inbox not yet claimed (what a user could still touch), links and
-        what lies behind linked folders left out."""
+    def waiting(self, touchable: bool = False) -> list[Path]:
+        """Files in the inbox not yet claimed, links and what lies behind linked folders left
+        out. ``touchable``: only what a user could still touch, so not what is in one of the
+        daemon's claim areas renamed away (a folder of its own at the top of the inbox holding
+        a ``*.lock``, as ``claim_area.moved_areas`` finds them): the group may rename the area
+        but not the daemon's entries in it (0755), and the daemon may still hold claims there
+        (its own original area back at ``.processing`` is still locked by its helpers, so the
+        put-back waits). This test runs as root: without this, its "user" replaced a claimed
+        file after its decode, which no member can, and saw a result of other bytes."""
         found = []
         for folder, dirs, files in os.walk(self.inbox):  # never follows links
-            dirs[:] = [d for d in dirs if d != ".processing"]
+            dirs[:] = [d for d in dirs if d != ".processing" and not (
+                touchable and folder == str(self.inbox) and claim_area_at(Path(folder) / d))]
             found += [Path(folder) / f for f in files
                       if f.endswith(".png") and not os.path.islink(os.path.join(folder, f))]
         return found
@@ -199,7 +217,7 @@ class World:
             self.drop(self.rng.choice(done).read_bytes())
 
     def replace_or_delete(self) -> None:
-        waiting = self.waiting()
+        waiting = self.waiting(touchable=True)
         if not waiting:
             return
         victim = self.rng.choice(waiting)
@@ -221,7 +239,7 @@ class World:
         self.ref.vanished_maybe(sha(old))
 
     def rename_inside(self) -> None:
-        waiting = self.waiting()
+        waiting = self.waiting(touchable=True)
         if waiting:
             source = self.rng.choice(waiting)
             target = self.inbox / "moved" / f"r{self.counter}-{source.name}"

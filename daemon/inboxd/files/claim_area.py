@@ -53,6 +53,8 @@ from inboxd.files.safe_paths import (
 AREA_CHECK_S = 1.0
 # Whatever is found at ``.processing`` that is not the daemon's own goes aside under this.
 FOREIGN_PREFIX = f"{PROCESSING_DIRNAME}.foreign-"
+# An area of this daemon's own found back at ``.processing`` while its helpers still lock it.
+FORMER_PREFIX = f"{PROCESSING_DIRNAME}.former-"
 # A member who makes a new ``.processing`` each time one is moved aside can keep this up for a
 # while; the area held keeps working meanwhile, and the next check tries again.
 OPEN_TRIES = 8
@@ -124,6 +126,15 @@ def open_area(inbox: Path, instance: str, held: HeldArea | None = None,
                 return held, moved
             try:
                 return _hold(processing, instance, lock_wait_s), moved
+            except LockHeld as busy:
+                os.close(processing)
+                if held is None or busy.args[0] != str(os.getpid()):
+                    raise
+                # An area this daemon held before, moved back to the name: its lock is still
+                # held by the helpers that inherited it at start-up, for as long as they live.
+                # It cannot be held again, and waiting would leave every claimed path leading
+                # into it: aside, as a former area (the takeover removes it once it is free).
+                _move_aside(inbox_fd, moved, FORMER_PREFIX)
             except BaseException:
                 os.close(processing)
                 raise
@@ -160,16 +171,17 @@ def _open_own(inbox_fd: int, owners: frozenset[int], moved: list[MovedAside]) ->
     return None
 
 
-def _move_aside(inbox_fd: int, moved: list[MovedAside]) -> None:
+def _move_aside(inbox_fd: int, moved: list[MovedAside], prefix: str = FOREIGN_PREFIX) -> None:
     try:
         info = os.stat(PROCESSING_DIRNAME, dir_fd=inbox_fd, follow_symlinks=False)
     except FileNotFoundError:
         return
-    what = ("a folder" if stat.S_ISDIR(info.st_mode) else "a symbolic link"
-            if stat.S_ISLNK(info.st_mode) else "a file" if stat.S_ISREG(info.st_mode)
-            else "a special file")
+    what = ("inboxd's own former area (its helpers still lock it)"
+            if prefix == FORMER_PREFIX else "a folder" if stat.S_ISDIR(info.st_mode)
+            else "a symbolic link" if stat.S_ISLNK(info.st_mode)
+            else "a file" if stat.S_ISREG(info.st_mode) else "a special file")
     try:
-        aside = first_free(f"{FOREIGN_PREFIX}uid{info.st_uid}", time_token(),
+        aside = first_free(f"{prefix}uid{info.st_uid}", time_token(),
                            lambda name: rename_noreplace(PROCESSING_DIRNAME, name,
                                                          inbox_fd, inbox_fd))
     except FileNotFoundError:

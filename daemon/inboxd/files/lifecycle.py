@@ -76,11 +76,17 @@ def _say_moved_aside(inbox: Path, moved: list[claim_area.MovedAside]) -> None:
                   moved_aside=str(inbox / found.aside))
 
 
+def _whose(found: claim_area.MovedAside) -> str:
+    if found.aside.startswith(claim_area.FORMER_PREFIX):
+        return found.what  # the daemon's own
+    return f"{found.what} of uid {found.owner_uid}'s"
+
+
 def _say_put_back(report: claim_area.PutBack) -> None:
     inbox = report.inbox
     where = report.moved_to or "a folder inboxd can no longer name"
-    replaced = "; ".join(f"{found.what} of uid {found.owner_uid}'s was in its place, renamed "
-                         f"aside to {inbox / found.aside}" for found in report.moved_aside)
+    replaced = "; ".join(f"{_whose(found)} was in its place, renamed aside to "
+                         f"{inbox / found.aside}" for found in report.moved_aside)
     logs.emit(logging.WARNING, "claim_area_moved",
               f"inboxd's claim area {inbox / PROCESSING_DIRNAME} was renamed away (to {where})"
               + (f"; {replaced}" if replaced else "")

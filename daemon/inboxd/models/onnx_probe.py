@@ -28,6 +28,7 @@ import json
 import os
 import resource
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -116,12 +117,30 @@ def probe_onnx_blocks(config: Config) -> None:
         if block.kind != "onnx":
             continue
         own = [block.batch.max_size] if block.batch is not None else []  # a task's own batch
-        try:
-            probe_in_child(block, sorted({*sizes, *own}))
-        except ConfigError as exc:
-            if config.models is None:
-                raise
-            raise ConfigError(f"models.{task}", exc.problems) from exc
+        _probe_task(config, task, block, sorted({*sizes, *own}))
+
+
+def probe_reloaded_size(running: Config, models: Mapping[str, object], size: int) -> None:
+    """A reload to the top-level ``batch.max_size`` ``size``: each running ``.onnx`` that takes
+    the top-level batch (a task with a ``batch:`` of its own keeps it; a change to ``models:``
+    waits for a restart) and has never run batches of ``size`` is probed at it in a child
+    first, before the warm-up runs it in the daemon. ``models``: the running models by task
+    (``Config.tasks``'s keys), whose ``batch_seconds`` say which sizes they have run."""
+    for task, block in running.tasks.items():
+        if block.kind != "onnx" or block.batch is not None:
+            continue
+        if size not in getattr(models[task], "batch_seconds", {}):
+            _probe_task(running, task, block, [size])
+
+
+def _probe_task(config: Config, task: str, block: ModelConfig, sizes: list[int]) -> None:
+    """``probe_in_child``, its refusal naming the task's key with ``models:``."""
+    try:
+        probe_in_child(block, sizes)
+    except ConfigError as exc:
+        if config.models is None:
+            raise
+        raise ConfigError(f"models.{task}", exc.problems) from exc
 
 
 def probe_in_child(config: ModelConfig, sizes: list[int], timeout_s: float = PROBE_TIMEOUT_S

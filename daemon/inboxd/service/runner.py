@@ -28,7 +28,7 @@ from inboxd.models.device import with_device_defaults
 from inboxd.models.engines.choice import load_here, make_engine
 from inboxd.models.engines.interface import ModelEngine
 from inboxd.models.onnx_model import OnnxModel
-from inboxd.models.onnx_probe import probe_in_child, probe_onnx_blocks
+from inboxd.models.onnx_probe import probe_onnx_blocks, probe_reloaded_size
 from inboxd.models.predictions import TaskModel, loaded_class
 from inboxd.models.tasks import TasksEngine
 from inboxd.pipeline.stalls import DEFAULT_PATIENCE_S
@@ -277,10 +277,10 @@ class Service:
             # In a thread: a config on a hung network filesystem must not stop the event loop.
             new = await asyncio.to_thread(load_checked_config, self.config_path, self.overrides)
             new, _ = with_device_defaults(new, pipeline.model.device, pipeline.model.max_batch)
-            if (self.config.model.kind == "onnx" and _is_torch_model(pipeline.model)
-                    and new.batch.max_size not in pipeline.model.batch_seconds):
-                # A size never run yet: tried aside first, as at start-up.
-                await asyncio.to_thread(probe_in_child, self.config.model, [new.batch.max_size])
+            # A size an .onnx never ran yet: tried aside first, as at start-up (every task's).
+            await asyncio.to_thread(probe_reloaded_size, self.config,
+                                    pipeline.tasks or {"model": pipeline.model},
+                                    new.batch.max_size)
             # A larger batch is checked against the model (a .pt2 program's bound) and warmed
             # on the model's thread *before* the batcher may produce it.
             warmed, warm_s = await pipeline.engine.warm_up(new.batch.max_size)
@@ -310,7 +310,9 @@ def config_changes(old: Config, new: Config) -> tuple[list[str], list[str]]:
         old_value = old_data.get(section)
         if new_value == old_value:
             continue
-        keys = ([f"{section}.{k}" for k in new_value if new_value[k] != old_value.get(k)]
+        # Keys of both: a key only the old file had (a models: task taken out) is a change too.
+        keys = ([f"{section}.{k}" for k in {**old_value, **new_value}
+                 if new_value.get(k) != old_value.get(k)]
                 if isinstance(new_value, dict) and isinstance(old_value, dict) else [section])
         (live if section in LIVE_SECTIONS else restart).extend(keys)
     return live, restart
