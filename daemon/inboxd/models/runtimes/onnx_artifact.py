@@ -1,7 +1,7 @@
 """The ONNX artifact on disk, without torch: where it lives, how it is written and read, and the
 refusals that make a cached file rebuilt rather than loaded.
 
-Reading and loading an artifact needs only onnx and onnxruntime, so a daemon that serves a cached
+Reading and loading an artifact needs only onnxruntime, so a daemon that serves a cached
 artifact (``models/onnx_model.py``) never imports torch; exporting one (``runtimes/onnx.py``, in
 the exporter process) does.
 """
@@ -17,6 +17,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from inboxd.models.runtimes import onnx_wire
 
 ARTIFACT_FORMAT = 2  # bump when what is exported changes for the same inputs
 KEY_METADATA = "inboxd.cache_key"
@@ -104,20 +106,18 @@ def check_self_contained(data: bytes, key: str, key_field: str = KEY_METADATA
                          ) -> dict[str, str]:
     """``data`` parses as ONNX, carries ``key`` (under ``key_field``) and keeps every tensor
     inside the file (external data would make ONNX Runtime open another path). Returns the
-    artifact's metadata."""
-    import onnx
-
+    artifact's metadata. Read from the wire format (``onnx_wire``), not with the onnx package:
+    its import would double the start of a daemon serving the artifact."""
     try:
-        proto = onnx.load_from_string(data)
-    except Exception as exc:  # any parse failure: a corrupt or foreign file
-        raise ArtifactRefused(f"not a readable ONNX model ({type(exc).__name__})") from exc
-    metadata = {entry.key: entry.value for entry in proto.metadata_props}
-    found = metadata.get(key_field)
-    if found != key:
-        raise ArtifactRefused("built for other weights, versions, input size or CPU"
-                              if found else "it carries no inboxd cache key")
-    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer):
-        raise ArtifactRefused("it refers to external data files")
+        metadata = onnx_wire.metadata(data)
+        found = metadata.get(key_field)
+        if found != key:
+            raise ArtifactRefused("built for other weights, versions, input size or CPU"
+                                  if found else "it carries no inboxd cache key")
+        if onnx_wire.has_external_data(data):
+            raise ArtifactRefused("it refers to external data files")
+    except onnx_wire.MalformedOnnx as exc:  # a corrupt or foreign file
+        raise ArtifactRefused(f"not a readable ONNX model ({exc})") from exc
     return metadata
 
 
