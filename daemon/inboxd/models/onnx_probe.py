@@ -28,7 +28,7 @@ import json
 import os
 import resource
 import sys
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -120,16 +120,15 @@ def probe_onnx_blocks(config: Config) -> None:
         _probe_task(config, task, block, sorted({*sizes, *own}))
 
 
-def probe_reloaded_size(running: Config, models: Mapping[str, object], size: int) -> None:
+def probe_reloaded_size(running: Config, ran: Mapping[str, Collection[int]], size: int
+                        ) -> None:
     """A reload to the top-level ``batch.max_size`` ``size``: each running ``.onnx`` that takes
     the top-level batch (a task with a ``batch:`` of its own keeps it; a change to ``models:``
-    waits for a restart) and has never run batches of ``size`` is probed at it in a child
-    first, before the warm-up runs it in the daemon. ``models``: the running models by task
-    (``Config.tasks``'s keys), whose ``batch_seconds`` say which sizes they have run."""
+    waits for a restart) and has not run batches of ``size`` (``ran``: the sizes each task,
+    by ``Config.tasks``'s keys, has run) is probed at it in a child first, before the warm-up
+    runs it in the daemon."""
     for task, block in running.tasks.items():
-        if block.kind != "onnx" or block.batch is not None:
-            continue
-        if size not in getattr(models[task], "batch_seconds", {}):
+        if block.kind == "onnx" and block.batch is None and size not in ran.get(task, ()):
             _probe_task(running, task, block, [size])
 
 
@@ -298,8 +297,6 @@ def _moved_axes(blank: list[list[int]], other: list[list[int]], detect: bool) ->
 def _is_allocation(exc: Exception) -> bool:
     text = str(exc).lower()
     return "alloc" in text or "memory" in text
-
-
 
 
 if __name__ == "__main__":

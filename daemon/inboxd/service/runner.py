@@ -13,6 +13,7 @@ import faulthandler
 import logging
 import signal
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
 
@@ -127,9 +128,7 @@ class Service:
                                  tasks=tasks or None)
         log_started(self.config, model, tasks, engine, self.pipeline.watcher.plans, profile,
                     warmed, warm_s, started)
-        self._warn_if_slower_than_watchdog(
-            [m.batch_seconds for m in (tasks or {"": model}).values()
-             if _is_torch_model(m) or isinstance(m, OnnxModel)])
+        self._warn_if_slower_than_watchdog(list(warm_timings(tasks or {"model": model}).values()))
         if self.metrics is not None:
             self.metrics.attach(self.pipeline)
         return self.pipeline
@@ -279,7 +278,7 @@ class Service:
             new, _ = with_device_defaults(new, pipeline.model.device, pipeline.model.max_batch)
             # A size an .onnx never ran yet: tried aside first, as at start-up (every task's).
             await asyncio.to_thread(probe_reloaded_size, self.config,
-                                    pipeline.tasks or {"model": pipeline.model},
+                                    warm_timings(pipeline.tasks or {"model": pipeline.model}),
                                     new.batch.max_size)
             # A larger batch is checked against the model (a .pt2 program's bound) and warmed
             # on the model's thread *before* the batcher may produce it.
@@ -330,6 +329,13 @@ def exit_status(pipeline: Pipeline) -> int:
                   exit_status=EX_DEVICE)
         return EX_DEVICE
     return EX_SOFTWARE if pipeline.crashed else OK
+
+
+def warm_timings(models: Mapping[str, TaskModel]) -> dict[str, dict[int, float]]:
+    """Each task's seconds per warmed batch size, for the models that run here and time their
+    warm-up (torch's, and ONNX Runtime's without torch): remote and OCR models have none."""
+    return {task: m.batch_seconds for task, m in models.items()
+            if _is_torch_model(m) or isinstance(m, OnnxModel)}
 
 
 def _is_torch_model(model: object) -> TypeGuard[Model]:
