@@ -169,3 +169,14 @@ def yolo_pt2(path: Path, side: int = SIDE, layout: Pt2Layout = "yolo",
                                   dynamic_shapes={"images": axes})
     torch.export.save(program, path)
     return path
+
+
+def yolo_block(root: Path) -> dict[str, object]:
+    """The constant YOLO-layout detector as a config block (its files under ``root/models``):
+    a cheap real detector whose boxes are known, for daemons with several tasks."""
+    folder = root / "models"
+    folder.mkdir(exist_ok=True)
+    labels = folder / "coco.txt"
+    labels.write_text("\n".join(LABELS) + "\n")
+    return {"onnx": str(yolo_onnx(folder / "yolo.onnx")), "output": "detect",
+            "labels": str(labels)}

@@ -150,30 +150,39 @@ def test_a_batch_slower_than_the_watchdog_allows_is_said_at_start_up(tmp_path: P
 
 @pytest.mark.daemon
 @pytest.mark.slow  # a costly run: `make test`, not the fast tier
+@pytest.mark.parametrize("as_task", [False, True], ids=["model", "models-task"])
 def test_a_reload_to_a_batch_size_the_onnx_cannot_afford_is_refused_not_fatal(
-        tmp_path: Path) -> None:
-    """Before: the reload warmed the new size in the daemon, which the OOM killer ended."""
+        tmp_path: Path, as_task: bool) -> None:
+    """Before: the reload warmed the new size in the daemon, which the OOM killer ended (with
+    ``models:``, beside a detector, with the task join's photos in flight). As a task on the
+    top-level batch, the refusal names the task's key."""
     import signal
 
+    from tests import detectors
     from tests.conftest import DaemonProcess
 
     bomb = onnx_memory_bomb(tmp_path / "bomb.onnx", side=4000)  # 64 MB an image
     model = {"onnx": str(bomb), "labels": str(labels_file(tmp_path, 3))}
-    config = write_config(tmp_path, model=model, batch={"max_size": 8})
+    blocks = ({"model": None, "models": {"things": detectors.yolo_block(tmp_path), "bomb": model}}
+              if as_task else {"model": model})
+    config = write_config(tmp_path, batch={"max_size": 8}, **blocks)
     with memory_cgroup(f"inboxd-test-{os.getpid()}", CGROUP_LIMIT_BYTES) as procs:
         daemon = DaemonProcess(config)
         try:
             procs.write_text(str(daemon.proc.pid))  # long before its model loads
             daemon.wait_for("ready", 180)
-            write_config(tmp_path, model=model, batch={"max_size": 64})  # 4 GB at once
+            write_config(tmp_path, batch={"max_size": 64}, **blocks)  # 4 GB at once
             daemon.proc.send_signal(signal.SIGHUP)
             refused = daemon.wait_for("reloaded", 120)[-1]
             assert "reload refused" in refused and "needs more memory" in refused, refused
+            if as_task:
+                assert "models.bomb" in refused, refused  # the task's key, to fix
             make_image(tmp_path / "inbox" / "a.png")
             daemon.wait_for("completed", 60)
         finally:
             code = daemon.stop()
     assert code == 0, daemon.output()
+    assert (tmp_path / "done" / "a.png").is_file()
 
 
 @pytest.mark.parametrize("command", ["check-config", "models", "once"])

@@ -26,51 +26,8 @@ from support.harness import sha256_hex as sha
 from support.photos import png_bytes
 from support.waiting import wait_until
 from tests import detectors
-from tests.byo_models import labels_file, onnx_memory_bomb
+from tests.byo_models import labels_file
 from tests.conftest import DaemonProcess, make_image, read_json, write_config
-from tests.guarantees.test_hostile_models import CGROUP_LIMIT_BYTES, memory_cgroup
-
-
-def detector_block(root: Path) -> dict[str, Any]:
-    """The constant YOLO-layout detector (``tests/detectors.py``): cheap, and its boxes known."""
-    folder = root / "models"
-    folder.mkdir(exist_ok=True)
-    labels = folder / "coco.txt"
-    labels.write_text("\n".join(detectors.LABELS) + "\n")
-    return {"onnx": str(detectors.yolo_onnx(folder / "yolo.onnx")), "output": "detect",
-            "labels": str(labels)}
-
-
-@pytest.mark.daemon
-@pytest.mark.slow  # a costly run: `make test`, not the fast tier
-def test_a_reload_to_a_batch_size_a_task_s_onnx_cannot_afford_is_refused_not_fatal(
-        tmp_path: Path) -> None:
-    """A ``models:`` task's bring-your-own .onnx that takes the top-level batch: a reload to a
-    size it has never run is tried in the memory-limited child first, as the one-model .onnx
-    is (before: the reload warmed the new size in the daemon, which the OOM killer ended, with
-    the photos of the join in flight)."""
-    bomb_folder = tmp_path / "bomb"
-    bomb_folder.mkdir()
-    bomb = onnx_memory_bomb(bomb_folder / "bomb.onnx", side=4000)  # 64 MB an image
-    models = {"things": detector_block(tmp_path),
-              "bomb": {"onnx": str(bomb), "labels": str(labels_file(bomb_folder, 3))}}
-    config = write_config(tmp_path, model=None, models=models, batch={"max_size": 8})
-    with memory_cgroup(f"inboxd-test-{os.getpid()}", CGROUP_LIMIT_BYTES) as procs:
-        daemon = DaemonProcess(config)
-        try:
-            procs.write_text(str(daemon.proc.pid))  # long before its models load
-            daemon.wait_for("ready", 180)
-            write_config(tmp_path, model=None, models=models, batch={"max_size": 64})  # 4 GB
-            daemon.proc.send_signal(signal.SIGHUP)
-            refused = daemon.wait_for("reloaded", 120)[-1]
-            assert "reload refused" in refused and "needs more memory" in refused, refused
-            assert "models.bomb" in refused, refused  # the task's key, to fix
-            make_image(tmp_path / "inbox" / "a.png")
-            daemon.wait_for("completed", 60)
-        finally:
-            code = daemon.stop()
-    assert code == 0, daemon.output()
-    assert (tmp_path / "done" / "a.png").is_file()
 
 
 def photo(n: int) -> bytes:
@@ -114,7 +71,7 @@ def test_a_task_taken_out_of_models_by_a_reload_is_said_to_need_a_restart(
     """The reload record listed only the keys the new file has: a task taken out of
     ``models:`` was not named, and the record said nothing waited for a restart while the task
     went on running and writing its section."""
-    block = detector_block(tmp_path)
+    block = detectors.yolo_block(tmp_path)
     old = load_config(write_config(tmp_path, model=None, models={"a": block, "b": block}))
     new = load_config(write_config(tmp_path, model=None, models={"b": block},
                                    capacity={"task_join": 9}))
@@ -134,7 +91,7 @@ def test_a_hung_task_holds_the_join_at_its_bound_and_signals_lose_nothing(
     SIGTERM then hands every photo back; a second daemon, hung again, is killed with -9 with
     the join full; a third without the fault finishes: every input's bytes end once in done/,
     each with a result of those bytes holding both tasks' sections."""
-    block = detector_block(tmp_path)
+    block = detectors.yolo_block(tmp_path)
     models = {"stuck": {**block, "batch": {"max_size": 2, "max_delay_ms": 50}},
               "fast": {**block, "batch": {"max_size": 2, "max_delay_ms": 50}}}
     sections: dict[str, Any] = dict(
@@ -248,7 +205,7 @@ def test_one_task_s_wrong_row_counts_and_input_errors_fail_only_themselves(
     rows_folder = tmp_path / "rows"
     rows_folder.mkdir()
     wrong = onnx_wrong_rows(rows_folder / "wrong-rows.onnx", set(range(3, 8)))
-    things = detector_block(tmp_path)
+    things = detectors.yolo_block(tmp_path)
     things["onnx"] = str(detectors.yolo_onnx(tmp_path / "models" / "bright.onnx",
                                              fails_above_mean=0.6))
     config = write_config(tmp_path, model=None, inbox={"settle_ms": 0}, models={
@@ -289,7 +246,7 @@ def test_one_task_s_device_failing_gives_every_photo_back_once_and_the_restart_e
     task's is sound: the daemon exits 76 for a restart with every photo either done (both
     tasks answered before the fault) or back in the inbox, none failed, none done with one
     section; the restart without the fault ends each once."""
-    block = detector_block(tmp_path)
+    block = detectors.yolo_block(tmp_path)
     config = write_config(tmp_path, model=None, inbox={"settle_ms": 0}, models={
         "broken": {**block, "batch": {"max_size": 2, "max_delay_ms": 100}},
         "sound": {**block, "batch": {"max_size": 3, "max_delay_ms": 100}}})
