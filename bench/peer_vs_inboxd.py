@@ -192,7 +192,8 @@ def busy_cores(pid: int, window_s: float = 1.0) -> float:
 
 
 def start_inboxd(root: Path, photos: list[Photo], warm: int, settle_s: float,
-                 changes: dict[str, Any] | None = None) -> tuple[Running, dict[str, Any]]:
+                 changes: dict[str, Any] | None = None, env: dict[str, str] | None = None
+                 ) -> tuple[Running, dict[str, Any]]:
     """A daemon started with ``warm`` files in its inbox; returns once they are done and it has
     gone idle. Start-up figures in the dict."""
     shutil.rmtree(root, ignore_errors=True)
@@ -201,7 +202,7 @@ def start_inboxd(root: Path, photos: list[Photo], warm: int, settle_s: float,
     names = drop_many(photos, root / "inbox", warm, "warm")
     results = ResultWatcher(root / "results")
     started = time.monotonic()
-    daemon = DaemonProcess(config, env={"CACHE_DIRECTORY": str(CACHE_DIR)})
+    daemon = DaemonProcess(config, env={"CACHE_DIRECTORY": str(CACHE_DIR), **(env or {})})
     rss = RssSampler(daemon.pid)
     try:
         ready_s = daemon.wait_ready()
