@@ -38,6 +38,7 @@ class FakeModel:
     precision = "fp32"
     runtime = "torch"
     on_gpu = False
+    concurrent_calls = 1
     spec = PreprocessSpec(resize=8, crop=8, interpolation="nearest", mean=(0.5,) * 3,
                           std=(0.5,) * 3)
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 from inboxd.config import ModelConfig
+from inboxd.models.device import usable_cores
 from inboxd.models.onnx_model import OnnxModel, load_cached
 
 from tests.conftest import REPO, drop, line_fields, read_json, wait_until, write_config
@@ -97,6 +99,15 @@ def test_the_cached_model_gives_the_torch_model_s_answers(tmp_path: Path) -> Non
 
     crops = [np.asarray(Image.open(path).convert("RGB").resize((224, 224)))
              for path in list(photo_paths().values())[:4]]
+    # A batch per core side by side, each call single-threaded: the engine's threads are the
+    # session's parallelism (the started record says how many).
+    assert cached.concurrent_calls == usable_cores() == cached.fields["RUNTIME_CALLS"]
+    assert cached.session.get_session_options().intra_op_num_threads == 1
+    alone = [p.top_k for p in cached.predict(crops)]
+    with ThreadPoolExecutor(2) as side_by_side:
+        together = list(side_by_side.map(cached.predict, [crops] * 6))
+    assert all([p.top_k for p in answers] == alone for answers in together), (
+        "calls side by side answer as one alone")
     for color in ("rgb", "bgr", "gray"):
         cached.color = color  # type: ignore[assignment]
         reference.color = color  # type: ignore[assignment]

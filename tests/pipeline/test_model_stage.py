@@ -7,6 +7,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,52 @@ def test_the_local_engine_gets_one_call_at_a_time_whatever_the_capacity(
     pipeline = run(tmp_path, engine, 20, capacity={"in_flight_batches": 8})
     assert pipeline.stats.counters.completed == 20
     assert pipeline.model_stage.capacity == 1 and pipeline.model_stage.high_water == 1
+
+
+class SideBySide(FakeModel):
+    """A model that runs ``concurrent_calls`` batches at once (ONNX Runtime's cached artifact,
+    one single-threaded call per core), slowly enough that the stage could send more."""
+
+    concurrent_calls = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+        self.running = 0
+        self.max_running = 0
+        self.threads: set[str] = set()
+
+    def classify(self, images: Any) -> Any:
+        with self.lock:
+            self.running += 1
+            self.max_running = max(self.max_running, self.running)
+            self.threads.add(threading.current_thread().name)
+        try:
+            time.sleep(0.02)
+            return super().classify(images)
+        finally:
+            with self.lock:
+                self.running -= 1
+
+    predict = classify
+
+
+def test_a_model_that_runs_calls_side_by_side_gets_one_per_thread_and_never_more(
+        tmp_path: Path) -> None:
+    """On the CPU the cached ONNX Runtime artifact runs whole batches side by side, one per
+    model thread: the stage keeps that many out (not capacity.in_flight_batches, whose surplus
+    would only wait in the engine with its batch held out of the cache), and each runs on a
+    model thread of its own."""
+    model = SideBySide()
+    engine = LocalEngine(model)  # type: ignore[arg-type]
+    pipeline = run(tmp_path, engine, 40, capacity={"in_flight_batches": 8},
+                   batch={"max_size": 2, "max_delay_ms": 0})
+    assert pipeline.stats.counters.completed == 40
+    assert model.max_running == 2, "two batches ran at once, and never more"
+    assert len(model.threads) == 2 and all(t.startswith("inboxd-model") for t in model.threads)
+    assert pipeline.model_stage.capacity == 2 and pipeline.model_stage.high_water == 2
+    fields = pipeline.report.log_stats()
+    assert fields["IN_FLIGHT_CAPACITY"] == 2 and fields["IN_FLIGHT_HIGH_WATER"] == 2
 
 
 def test_an_unreachable_engine_holds_the_batch_without_spending_an_attempt(

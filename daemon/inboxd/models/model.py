@@ -77,6 +77,8 @@ class Model:
     # Whether the CUDA launch/collect split (engines/cuda_overlap.py) may run its batches: it
     # stages equal-sized crops, which a detector's fitted photos are not.
     batches_overlap = True
+    # torch parallelises inside a call (its intra-op threads): two calls would oversubscribe.
+    concurrent_calls = 1
 
     def __init__(
         self,

@@ -46,6 +46,7 @@ class OcrModel:
     runtime = "onnxruntime"
     precision = "fp32"
     batches_overlap = False  # ONNX Runtime's own sessions: nothing of torch's split applies
+    concurrent_calls = 1  # its sessions parallelise inside a call
 
     def __init__(self, reader: OcrReader, device: torch.device, providers: tuple[str, ...],
                  note: str | None, assets: OcrAssets) -> None:

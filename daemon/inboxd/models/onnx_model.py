@@ -50,7 +50,8 @@ class OnnxModel:
 
     def __init__(self, name: str, session: Any, spec: PreprocessSpec, labels: list[str] | None,
                  top_k: int, *, output: Output, color: Color, info: ModelInfo,
-                 choice: Choice | None = None, fields: dict[str, Any] | None = None) -> None:
+                 choice: Choice | None = None, fields: dict[str, Any] | None = None,
+                 concurrent_calls: int = 1) -> None:
         if output == "classify" and not labels:
             raise ValueError("a classifying model needs its labels")
         self.name = name
@@ -63,6 +64,9 @@ class OnnxModel:
         self.info: ModelInfo | None = info
         self.max_batch: int | None = info.max_batch
         self.choice: Any = choice
+        # Batches ``session`` may run at once, one per model thread (``LocalEngine``): a
+        # session of one intra-op thread each call, so that many calls fill that many cores.
+        self.concurrent_calls = concurrent_calls
         # The runtime facts for the started record (which artifact, the probe's verdict).
         self.fields: dict[str, Any] = fields or {}
         self.before_forward: Callable[[int], None] | None = None
@@ -184,8 +188,12 @@ def load_cached(config: ModelConfig, root: Path = Path("/")) -> tuple[OnnxModel 
         metadata = onnx_artifact.check_self_contained(
             data, key, onnx_artifact.SERVING_KEY_METADATA)
         serving = json.loads(metadata[onnx_artifact.SERVING_METADATA])
-        threads = usable_cores()
-        session = onnx_artifact.session(data, threads)
+        # One thread per call, a call per core (``OnnxModel.concurrent_calls``): a small
+        # network's batch split across cores leaves one core idle through every serial step
+        # and every straggler of a parallel one, while the decode workers wait for room in
+        # the preprocess cache; whole batches side by side keep both busy.
+        calls = usable_cores()
+        session = onnx_artifact.session(data, threads=1)
     except onnx_artifact.ArtifactRefused as refused:
         return None, f"the artifact {path} cannot serve without torch: {refused}"
     except Exception as exc:  # a foreign or damaged file: torch rebuilds it
@@ -200,8 +208,10 @@ def load_cached(config: ModelConfig, root: Path = Path("/")) -> tuple[OnnxModel 
                           interpolation=given["interpolation"], mean=tuple(given["mean"]),
                           std=tuple(given["std"]))
     fields = {"RUNTIME_STATE": "serving", "RUNTIME_ARTIFACT": "cached, served without torch",
-              "RUNTIME_CACHE_FILE": str(path), **serving["probe_fields"]}
+              "RUNTIME_CACHE_FILE": str(path), "RUNTIME_CALLS": calls,
+              **serving["probe_fields"]}
     model = OnnxModel(serving["name"], session, spec, serving["labels"], config.top_k,
                       output=config.output, color=config.input.color,
-                      info=ModelInfo(**serving["info"]), choice=choice, fields=fields)
+                      info=ModelInfo(**serving["info"]), choice=choice, fields=fields,
+                      concurrent_calls=calls)
     return model, "served from the cached artifact"

@@ -176,6 +176,12 @@ class TaskModel(Protocol):
     def batches_overlap(self) -> bool: ...
 
     @property
+    def concurrent_calls(self) -> int:
+        """Batches it runs at once, each single-threaded on a model thread of its own; 1: one
+        at a time, parallel inside (torch's or ONNX Runtime's intra-op threads)."""
+        ...
+
+    @property
     def runtime(self) -> str: ...
 
     @property

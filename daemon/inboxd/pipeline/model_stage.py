@@ -1,12 +1,13 @@
 """The model stage. Batches from the batcher → the model engine → the result writer.
 
 Where the model runs is the engine's business (``inboxd.models.engines.interface``); this stage
-keeps at most ``in_flight`` batches sent and unanswered (one for the local engine on the CPU; up to
-``capacity.in_flight_batches`` for an engine with ``parallel_calls``: the local engine on CUDA,
-where a second call's copy overlaps the first's compute, and Ray's). While every slot is taken, the
-batcher is not asked for another batch: the wait reaches the preprocess cache, the decoders and
-``await queue.put()``, exactly as a busy local GPU does. The bound is this stage's, never a remote
-queue's.
+keeps at most ``in_flight`` batches sent and unanswered (one for the local engine running torch
+on the CPU; up to ``capacity.in_flight_batches`` for an engine with ``parallel_calls``: the local
+engine on CUDA, where a second call's copy overlaps the first's compute, and Ray's; on the CPU
+with ONNX Runtime serving, one per core, each call single-threaded on its own model thread).
+While every slot is taken, the batcher is not asked for another batch: the wait reaches the
+preprocess cache, the decoders and ``await queue.put()``, exactly as a busy local GPU does. The
+bound is this stage's, never a remote queue's.
 
 It remembers since when the oldest call has been out (the watchdog reads that), and hands every
 outcome on. When the engine reports a ``DeviceFault`` (the device, not an input, failed) the stage
@@ -26,7 +27,13 @@ from typing import Any
 
 from inboxd import logs
 from inboxd.item import WorkItem
-from inboxd.models.engines.interface import DeviceFault, EngineUnavailable, ModelEngine, Outcome
+from inboxd.models.engines.interface import (
+    DeviceFault,
+    EngineUnavailable,
+    ModelEngine,
+    Outcome,
+    calls_out,
+)
 from inboxd.pipeline.batcher import Batcher
 
 # However soon an unavailable engine says to try again: no hot loop.
@@ -58,7 +65,7 @@ class ModelStage:
         self.deliver = deliver
         self.clock = clock
         self.batches_done = 0
-        self.max_in_flight = in_flight if engine.parallel_calls else 1
+        self.max_in_flight = calls_out(engine, in_flight)
         self.high_water = 0
         self._calls: set[asyncio.Task[None]] = set()
         # When each call now on the engine started. The watchdog reads the oldest: a model call
@@ -102,7 +109,7 @@ class ModelStage:
     def resize(self, in_flight: int) -> None:
         """SIGHUP: a new bound; calls already out finish, the next wait for a free slot."""
         if self.engine.parallel_calls:
-            self.max_in_flight = in_flight
+            self.max_in_flight = calls_out(self.engine, in_flight)
 
     async def run(self) -> None:
         getter: asyncio.Future[Any] | None = None

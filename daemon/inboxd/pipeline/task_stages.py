@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 
 from inboxd.config import Config
 from inboxd.item import WorkItem
-from inboxd.models.engines.interface import DeviceFault, ModelEngine, Outcome
+from inboxd.models.engines.interface import DeviceFault, ModelEngine, Outcome, calls_out
 from inboxd.pipeline.batcher import Batcher, BatchSource
 from inboxd.pipeline.model_stage import ModelStage
 from inboxd.pipeline.task_join import TaskJoin
@@ -39,7 +39,7 @@ class TaskStages:
         """``upstream_busy``: more photos are on their way to the cache (queued or decoding)."""
         self.cache = cache
         # Each task's bound on batches out: one on an engine that takes one call at a time.
-        self.calls_out = {task: config.task_in_flight(task) if engine.parallel_calls else 1
+        self.calls_out = {task: calls_out(engine, config.task_in_flight(task))
                           for task, engine in engines.items()}
         self.join = TaskJoin(list(engines), config.task_join(self.calls_out), deliver, release)
         self.batchers: dict[str, Batcher] = {}

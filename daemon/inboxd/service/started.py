@@ -14,6 +14,7 @@ from inboxd.files.filesystems import WatchPlan
 from inboxd.files.filesystems import describe as describe_watch
 from inboxd.models.device import device_fields
 from inboxd.models.engines.interface import ModelEngine
+from inboxd.models.engines.interface import calls_out as engine_calls_out
 from inboxd.models.predictions import TaskModel
 from inboxd.models.runtime_record import runtime_fields
 from inboxd.models.tasks import TasksEngine
@@ -39,7 +40,7 @@ def log_started(config: Config, model: TaskModel, tasks: dict[str, TaskModel],
            )
     if tasks and isinstance(engine, TasksEngine):  # every task: what it runs, where, how
         def calls_out(task: str) -> int:  # the stage's bound: one call on a serial engine
-            return config.task_in_flight(task) if engine.engines[task].parallel_calls else 1
+            return engine_calls_out(engine.engines[task], config.task_in_flight(task))
 
         source = " (tasks " + "; ".join(
             f"{task}: {m.name} {m.output} on {where(config.tasks[task], m)}, {m.runtime} "

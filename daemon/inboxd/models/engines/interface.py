@@ -66,6 +66,9 @@ class ModelEngine(Protocol):
 
     # Takes several calls at once (up to ``capacity.in_flight_batches``); else one at a time.
     parallel_calls: bool = False
+    # The most calls it runs at once, where it has a bound of its own (one thread each); None:
+    # as many as the stage sends.
+    max_calls: int | None = None
     # The longest one ``infer`` may legitimately take, for an engine that times its calls out
     # itself (the watchdog then waits that long); 0: no limit of its own.
     call_limit_s: float = 0.0
@@ -91,3 +94,13 @@ class ModelEngine(Protocol):
     def close(self) -> None:
         """Stop without waiting for a call in progress (it may be hung)."""
         ...
+
+
+def calls_out(engine: ModelEngine, in_flight: int) -> int:
+    """The calls a model stage keeps out on ``engine`` given ``capacity.in_flight_batches``:
+    one where it takes one at a time, else ``in_flight`` up to the engine's own bound (a call
+    sent beyond it would only wait in the engine, holding its batch out of the bounded
+    layers)."""
+    if not engine.parallel_calls:
+        return 1
+    return min(in_flight, engine.max_calls) if engine.max_calls is not None else in_flight

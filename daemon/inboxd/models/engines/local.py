@@ -57,10 +57,6 @@ class LocalEngine(ModelEngine):
         model thread between two batches."""
         self.model = model
         self.fast = fast
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix=THREAD_NAME_PREFIX,
-                                           initializer=name_this_thread)
-        if fast is not None:
-            fast.on_exported = self._swap_soon
         self.warmed_sizes: set[int] = set()
         self.overlap: Overlap | None = None
         if model.on_gpu and model.batches_overlap if overlap is None else overlap:
@@ -71,12 +67,21 @@ class LocalEngine(ModelEngine):
             from inboxd.models.model import Model
 
             self.overlap = Overlap(cast(Model, model))
+        # A thread per batch the model runs at once (CUDA's overlap splits its calls its own
+        # way, on the one model thread).
+        calls = 1 if self.overlap is not None else model.concurrent_calls
+        self.executor = ThreadPoolExecutor(calls, thread_name_prefix=THREAD_NAME_PREFIX,
+                                           initializer=name_this_thread)
+        if fast is not None:
+            fast.on_exported = self._swap_soon
         # Results wait here, so the model thread can launch the next batch meanwhile; a model
-        # stage may send a second call while one is out only when that helps (CUDA).
+        # stage may send a second call while one is out only when that helps (CUDA, or a model
+        # that runs whole batches side by side on the CPU).
         self.collector = (ThreadPoolExecutor(1, thread_name_prefix=f"{THREAD_NAME_PREFIX}-results",
                                               initializer=name_this_thread)
                           if self.overlap is not None else None)
-        self.parallel_calls = self.overlap is not None
+        self.parallel_calls = self.overlap is not None or calls > 1
+        self.max_calls = None if self.overlap is not None else calls
 
     async def warm_up(self, max_size: int) -> tuple[list[int], float]:
         """Warm the batch sizes up to ``max_size`` not warmed yet, on the inference thread.
