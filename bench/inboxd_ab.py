@@ -12,6 +12,7 @@ what the cores did, from /proc:
   this bench's own result watcher and other sessions included);
 * ``runq_ms``: per file, the time the daemon's threads and its workers were runnable but
   waiting for a core (``/proc/<tid>/schedstat``): the cost of the processes crowding each other;
+* ``batch_p50``: the median of the stats records' ``BATCH_SIZE_P50`` (a record a second);
 * ``stages_ms``: the medians of the results' own ``timings_ms`` (queue wait, preprocess, batch
   wait, inference).
 
@@ -112,6 +113,8 @@ def flood(run: Running, photos: list[Any], count: int, prefix: str) -> dict[str,
         raise RuntimeError(f"inboxd: results missing after a flood of {count}")
     stamps = [run.results.seen[name] for name in names]
     wall_s = max(stamps) - started
+    batch_sizes = [float(r["BATCH_SIZE_P50"]) for r in
+                   run.daemon.stats_between(started, max(stamps)) if "BATCH_SIZE_P50" in r]
     idle_after, all_after = machine_idle_s()
     cpu_after, runq_after = cpu_s(pid), runq_wait_s(pid)
     cpu = {k: cpu_after[k] - cpu_before.get(k, 0.0) for k in cpu_after}
@@ -125,6 +128,7 @@ def flood(run: Running, photos: list[Any], count: int, prefix: str) -> dict[str,
         "idle": round((idle_after - idle_before) / max(all_after - all_before, 1e-9)
                       * cores_total, 2),
         "runq_ms": {k: round(v * 1000 / count, 2) for k, v in runq.items()},
+        "batch_p50": statistics.median(batch_sizes) if batch_sizes else None,
         "stages_ms": {stage: v["p50"] for stage, v in
                       run.results.stage_summary(timings_from).items()},
     }
@@ -156,7 +160,9 @@ def main() -> int:
     try:
         for side, changes in (("A", args.a), ("B", args.b)):
             runs[side], startup = start_inboxd(WORK_DIR / f"ab-{side}", photos, sizes["warm"],
-                                               sizes["settle_s"], parse_changes(changes),
+                                               sizes["settle_s"],
+                                               {"stats": {"interval_s": 1},
+                                                **parse_changes(changes)},
                                                dict(e.split("=", 1) for e in
                                                     getattr(args, f"{side.lower()}_env")))
             started[side] = startup.get("started", {})
