@@ -76,9 +76,10 @@ class CapacityConfig(Section):
     preprocess_cache_mb: Positive = 256
     retry_list: Positive = 256
     # Batches sent to the model and not answered yet. The local engine on the CPU runs torch
-    # one batch at a time whatever this says, and ONNX Runtime's cached artifact one batch per
-    # core at most; on CUDA it takes this many (the copy of one overlaps the compute of
-    # another); engine: ray keeps up to this many in flight across the replicas.
+    # one batch at a time whatever this says, and ONNX Runtime's cached artifact, on up to 4
+    # cores, one single-threaded batch per core at most (below the cores, cores go to the
+    # decode workers instead); on CUDA it takes this many (the copy of one overlaps the
+    # compute of another); engine: ray keeps up to this many in flight across the replicas.
     # The next batch waits here, never in Serve's own queue.
     in_flight_batches: Positive = 4
     # model: ocr only: crops cut out of a photo and waiting for the recogniser. A photo's

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from inboxd.config import ModelConfig
 from inboxd.models.device import usable_cores
-from inboxd.models.onnx_model import OnnxModel, load_cached
+from inboxd.models.onnx_model import OnnxModel, calls_and_threads, load_cached
 
 from tests.conftest import REPO, drop, line_fields, read_json, wait_until, write_config
 
@@ -79,6 +79,13 @@ def test_a_daemon_serving_a_cached_artifact_has_no_torch(tmp_path: Path, daemon_
     assert daemon.stop() == 0
 
 
+def test_a_small_host_runs_a_single_threaded_batch_per_core() -> None:
+    """Up to the default capacity.in_flight_batches cores, a batch per core side by side; on
+    more (not measured side by side), one batch across them all; one core, one call."""
+    assert calls_and_threads(2) == (2, 1) and calls_and_threads(4) == (4, 1)
+    assert calls_and_threads(1) == (1, 1) and calls_and_threads(16) == (1, 16)
+
+
 @pytest.mark.slow  # a costly run: `make test`, not the fast tier
 def test_the_cached_model_gives_the_torch_model_s_answers(tmp_path: Path) -> None:
     """The numpy batch path (normalise, softmax, top-k) against the torch model on one
@@ -99,10 +106,11 @@ def test_the_cached_model_gives_the_torch_model_s_answers(tmp_path: Path) -> Non
 
     crops = [np.asarray(Image.open(path).convert("RGB").resize((224, 224)))
              for path in list(photo_paths().values())[:4]]
-    # A batch per core side by side, each call single-threaded: the engine's threads are the
-    # session's parallelism (the started record says how many).
-    assert cached.concurrent_calls == usable_cores() == cached.fields["RUNTIME_CALLS"]
-    assert cached.session.get_session_options().intra_op_num_threads == 1
+    # A batch per core side by side, each call single-threaded, on a small host: the engine's
+    # threads are the session's parallelism (the started record says how many).
+    calls, threads = calls_and_threads(usable_cores())
+    assert cached.concurrent_calls == calls == cached.fields["RUNTIME_CALLS"]
+    assert cached.session.get_session_options().intra_op_num_threads == threads
     alone = [p.top_k for p in cached.predict(crops)]
     with ThreadPoolExecutor(2) as side_by_side:
         together = list(side_by_side.map(cached.predict, [crops] * 6))

@@ -163,6 +163,23 @@ class OnnxModel:
         return {}
 
 
+# The most cores that run one single-threaded batch each (``calls_and_threads``): the default
+# capacity.in_flight_batches, so the stage's bound never leaves one of them without a call.
+SIDE_BY_SIDE_MAX_CORES = 4
+
+
+def calls_and_threads(cores: int) -> tuple[int, int]:
+    """(batches run at once, intra-op threads of the session) on ``cores``. Up to
+    ``SIDE_BY_SIDE_MAX_CORES``, a single-threaded call per core: a small network's batch split
+    across the cores leaves one idle through every serial step and every straggler of a
+    parallel one, while the decode workers wait for room in the preprocess cache; whole batches
+    side by side keep every core busy. On more cores, one call across all of them, as before
+    (side by side there is not measured)."""
+    if 1 < cores <= SIDE_BY_SIDE_MAX_CORES:
+        return cores, 1
+    return 1, cores
+
+
 def load_cached(config: ModelConfig, root: Path = Path("/")) -> tuple[OnnxModel | None, str]:
     """The built-in model from its cached artifact, or None and why it cannot be served so
     (torch then loads the model, and builds the artifact if it is missing)."""
@@ -188,12 +205,8 @@ def load_cached(config: ModelConfig, root: Path = Path("/")) -> tuple[OnnxModel 
         metadata = onnx_artifact.check_self_contained(
             data, key, onnx_artifact.SERVING_KEY_METADATA)
         serving = json.loads(metadata[onnx_artifact.SERVING_METADATA])
-        # One thread per call, a call per core (``OnnxModel.concurrent_calls``): a small
-        # network's batch split across cores leaves one core idle through every serial step
-        # and every straggler of a parallel one, while the decode workers wait for room in
-        # the preprocess cache; whole batches side by side keep both busy.
-        calls = usable_cores()
-        session = onnx_artifact.session(data, threads=1)
+        calls, threads = calls_and_threads(usable_cores())
+        session = onnx_artifact.session(data, threads)
     except onnx_artifact.ArtifactRefused as refused:
         return None, f"the artifact {path} cannot serve without torch: {refused}"
     except Exception as exc:  # a foreign or damaged file: torch rebuilds it
