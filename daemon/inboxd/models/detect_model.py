@@ -106,7 +106,6 @@ class Detector(Model):
 
     # The CUDA launch/collect split stages equal-sized crops; fitted photos differ in size.
     batches_overlap = False
-    concurrent_calls = 1  # its runtime parallelises inside a call
 
     def __init__(self, name: str, network: nn.Module, spec: PreprocessSpec, labels: list[str],
                  device: torch.device, precision: str, *, family: Family, post: PostProcess,
