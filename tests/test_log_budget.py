@@ -128,6 +128,48 @@ def test_emit_holds_a_record_back_before_it_is_made(monkeypatch: pytest.MonkeyPa
     assert stats.inboxd_event == "stats"  # type: ignore[attr-defined]
 
 
+def test_a_completed_record_is_made_only_when_the_budget_passes_it(
+        monkeypatch: pytest.MonkeyPatch, made: Made, tmp_path: Path) -> None:
+    """Per file, the ``completed`` record's words (the answer's top outcome), message and
+    fields are made only for the records the budget lets through, and carry the outcome."""
+    from inboxd.config import load_config
+    from inboxd.files.lifecycle import Lifecycle
+    from inboxd.item import WorkItem
+    from inboxd.pipeline import outcomes as outcomes_module
+    from inboxd.pipeline.outcomes import Outcomes
+    from inboxd.pipeline.retry_list import RetryList
+    from inboxd.stats import Stats
+
+    monkeypatch.setattr(logs, "budget", log_budget.RecordBudget(
+        burst=2, rate_per_s=0.0, summary_interval_s=5.0, clock=FakeClock()))
+    made_words: list[str] = []
+
+    def top_outcome(answer: dict[str, object]) -> str:
+        made_words.append(str(answer["label"]))
+        return f"saw {answer['label']}"
+
+    monkeypatch.setattr(outcomes_module, "top_outcome", top_outcome)
+    config = load_config(write_config(tmp_path))
+
+    async def no_io(work: object) -> None:
+        raise AssertionError("completed() does no io")
+
+    async def requeue(item: WorkItem) -> None:
+        raise AssertionError("completed() requeues nothing")
+
+    outcomes = Outcomes(config, Lifecycle(config), Stats(), RetryList(4, requeue), no_io)
+    for n in range(5):
+        item = WorkItem(tmp_path, f"f{n}.jpg", f"f{n}.jpg", str(tmp_path / f"f{n}.jpg"))
+        item.name, item.sha256 = item.key, f"{n:064x}"
+        outcomes.admitted()
+        outcomes.completed(item, answer={"label": f"cat{n}"})
+    assert outcomes.stats.counters.completed == 5
+    assert made_words == ["cat0", "cat1"]  # the three held back were never made
+    assert [(r.getMessage(), r.inboxd_fields["OUTCOME"], r.funcName)  # type: ignore[attr-defined]
+            for r in made.records] == [(f"completed f{n}.jpg: saw cat{n}", f"saw cat{n}",
+                                        "completed") for n in range(2)]
+
+
 def test_what_is_held_back_at_the_end_is_summarised_when_flushed(
         monkeypatch: pytest.MonkeyPatch, made: Made) -> None:
     monkeypatch.setattr(logs, "budget", log_budget.RecordBudget(

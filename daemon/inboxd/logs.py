@@ -16,6 +16,7 @@ import logging
 import re
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from inboxd.log_budget import RecordBudget, Summary
@@ -39,8 +40,20 @@ def field_name(key: str) -> str:
 def emit(level: int, event: str, message: str, **fields: Any) -> None:
     """Log one record carrying ``INBOXD_EVENT=event`` and ``fields`` (names upper-cased),
     unless the budget holds it back."""
-    if not log.isEnabledFor(level) or not budget.admit(level, event):
-        return
+    if log.isEnabledFor(level) and budget.admit(level, event):
+        _record(level, event, message, fields)
+
+
+def emit_made(level: int, event: str, make: Callable[[], tuple[str, dict[str, Any]]]) -> None:
+    """``emit`` of the (message, fields) that ``make`` returns, called only when the record
+    is logged: for the per-file records, whose message and fields cost more to make than
+    the level and the budget cost to ask, and which either holds back for most files."""
+    if log.isEnabledFor(level) and budget.admit(level, event):
+        message, fields = make()
+        _record(level, event, message, fields)
+
+
+def _record(level: int, event: str, message: str, fields: dict[str, Any]) -> None:
     summary = budget.summary()
     if summary is not None:
         _log_summary(summary)
@@ -49,9 +62,9 @@ def emit(level: int, event: str, message: str, **fields: Any) -> None:
         for k, v in fields.items()
         if v is not None
     }
-    # stacklevel 2: the record's file, line and function (the journal's CODE_FILE, CODE_LINE,
-    # CODE_FUNC) are those of the code that called emit, not this line.
-    log.log(level, printable(message), stacklevel=2,
+    # stacklevel 3: the record's file, line and function (the journal's CODE_FILE, CODE_LINE,
+    # CODE_FUNC) are those of the code that called emit, not these lines.
+    log.log(level, printable(message), stacklevel=3,
             extra={"inboxd_event": event, "inboxd_fields": record_fields})
 
 

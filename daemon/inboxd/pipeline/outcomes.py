@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from inboxd import __version__, logs
 from inboxd.config import Config
 from inboxd.files.durable import output_full
+from inboxd.files.index_rows import top_outcome
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.renames import path_problem
 from inboxd.files.settling import still_being_written
@@ -80,21 +81,27 @@ class Outcomes:
     # -- outcomes ----------------------------------------------------------------------------
 
     def completed(self, item: WorkItem, duplicate: bool = False,
-                  outcome: str | None = None) -> None:
-        """``outcome``: a few words of what the model saw (``index_rows.top_outcome``), so
-        that ``journalctl -u inboxd -f`` shows it."""
+                  answer: dict[str, Any] | None = None) -> None:
+        """``answer``: the result's answer, whose few words of what the model saw
+        (``index_rows.top_outcome``) the record carries, so that ``journalctl -u inboxd -f``
+        shows it."""
         counters = self.stats.counters
         counters.completed += 1
         if duplicate:
             counters.duplicates += 1
         latency_ms = (self.clock() - item.noticed_s) * 1000
         self.stats.latency_ms.add(latency_ms)
-        said = f": {outcome}" if outcome else ""
-        logs.emit(logging.INFO, "completed", f"completed {item.key}{said}", path=item.key,
-                  outcome=outcome or None,
-                  result=item.name if item.name != item.key else None,
-                  sha256=item.sha256, latency_ms=round(latency_ms, 3), attempts=item.attempts + 1,
-                  duplicate=int(duplicate) if duplicate else None)
+
+        def record() -> tuple[str, dict[str, Any]]:
+            outcome = None if answer is None else top_outcome(answer)
+            said = f": {outcome}" if outcome else ""
+            return f"completed {item.key}{said}", {
+                "path": item.key, "outcome": outcome or None,
+                "result": item.name if item.name != item.key else None,
+                "sha256": item.sha256, "latency_ms": round(latency_ms, 3),
+                "attempts": item.attempts + 1, "duplicate": int(duplicate) if duplicate else None}
+
+        logs.emit_made(logging.INFO, "completed", record)
         self._resolved()
 
     async def duplicate(self, item: WorkItem, name: str) -> None:

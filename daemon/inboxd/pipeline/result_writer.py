@@ -26,7 +26,6 @@ from inboxd import __version__
 from inboxd.config import Config
 from inboxd.files.commits import CommitEntry, Commits, Committed
 from inboxd.files.durable import output_full
-from inboxd.files.index_rows import top_outcome
 from inboxd.files.lifecycle import Lifecycle
 from inboxd.files.names import relative_inside
 from inboxd.item import ModelError, PermanentError, TransientError, WorkItem
@@ -151,8 +150,7 @@ class ResultWriter:
         self.outcomes.outputs.wrote()
         for item, existed, problem in _filed(good, committed):
             if problem is None:
-                self.outcomes.completed(item, duplicate=existed,
-                                        outcome=top_outcome(answers[id(item)]))
+                self.outcomes.completed(item, duplicate=existed, answer=answers[id(item)])
             elif not item.name:  # no result: this file's own permanent problem
                 item.finishing = item.name = None
                 await self.outcomes.error(item, PermanentError(problem.strerror or str(problem)))
@@ -186,8 +184,9 @@ class ResultWriter:
     async def _send(self, good: list[tuple[WorkItem, Prediction]],
                     answers: dict[int, dict[str, Any]]) -> Committed:
         """One try at filing ``good`` (the commit process's answer, errors included)."""
+        completed_at = utc_now()  # a batch's documents are made, and filed, together
         entries = [CommitEntry(item.key, item.sha256 or "",
-                               self.document(item, result, answers[id(item)]),
+                               self.document(item, result, answers[id(item)], completed_at),
                                item.claimed_path, item.inbox_path,
                                _vector(result))
                    for item, result in good]
@@ -225,8 +224,8 @@ class ResultWriter:
                         self.outcomes.completed(item, duplicate=existed)
         self.abandoned.clear()
 
-    def document(self, item: WorkItem, result: Prediction,
-                 answer: dict[str, Any]) -> dict[str, Any]:
+    def document(self, item: WorkItem, result: Prediction, answer: dict[str, Any],
+                 completed_at: str) -> dict[str, Any]:
         """The result JSON as filed under the file's own key (``files.commits.filed_document``
         adjusts it when another name is taken); ``answer`` is ``_answer(item, result)``."""
         if not isinstance(result, TaskResults):  # with several, each section says what ran
@@ -248,7 +247,7 @@ class ResultWriter:
             "timings_ms": item.timings_ms(self.clock()),
             "attempts": item.attempts + 1,
             "instance": self.config.instance,
-            "completed_at": utc_now(),
+            "completed_at": completed_at,
             "inboxd_version": __version__,
         }
 
