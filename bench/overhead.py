@@ -142,11 +142,14 @@ def reference(root: Path, config_path: Path, photos: list[Photo], count: int) ->
 RUNTIME_BUILD_S = 600
 
 
-def start(root: Path, config: Path, program: list[str] | None = None) -> Running:
+def start(root: Path, config: Path, program: list[str] | None = None,
+          code: Path | None = None) -> Running:
     """A daemon in ``root``, once its fast runtime is settled (``settled``) and it has been
-    idle for one stats tick after that."""
+    idle for one stats tick after that; ``code``: a ``daemon/`` folder whose ``inboxd`` it
+    runs (another checkout's, for an A/B), else the one this Python imports."""
     # The daemon runs in its folder: the profiled runner must still find this package.
-    path = os.pathsep.join(filter(None, [str(BENCH_DIR.parent), os.environ.get("PYTHONPATH")]))
+    path = os.pathsep.join(filter(None, [str(code) if code else None, str(BENCH_DIR.parent),
+                                         os.environ.get("PYTHONPATH")]))
     # Results are looked for, never read or deleted (bench/measure.py says why).
     run = watch(root, DaemonProcess(config, env={"PYTHONPATH": path},
                                     program=program or ("-m", "inboxd")), consume=False)

@@ -23,29 +23,13 @@ from bench.overhead import (
     Scratch,
     make_inputs,
     measured_flood,
-    settled,
+    start,
     wait_for_quiet_disk,
     write_config,
 )
-from bench.scenarios import Running, watch
-from support.daemon import DaemonProcess
 from support.harness import logger
 
 log = logger("overhead-ab")
-
-
-def start_tree(root: Path, config: Path, tree: Path) -> Running:
-    """A settled daemon importing ``inboxd`` from ``tree``."""
-    env = {"PYTHONPATH": str(tree.resolve() / "daemon")}
-    run = watch(root, DaemonProcess(config, env=env), consume=False)
-    try:
-        settled(run.daemon)
-        run.daemon.next_stats()
-    except BaseException:
-        run.stop()
-        raise
-    run.idle_rss = run.rss.now()
-    return run
 
 
 def summary(floods: list[dict[str, Any]]) -> dict[str, Any]:
@@ -76,7 +60,8 @@ def main() -> None:
         runs = {}
         for name, tree in (("A", args.a), ("B", args.b)):
             root = scratch(name)
-            runs[name] = start_tree(root, write_config(root, program, labels), tree)
+            runs[name] = start(root, write_config(root, program, labels),
+                               code=tree.resolve() / "daemon")
         floods: dict[str, list[dict[str, Any]]] = {"A": [], "B": []}
         ratios: list[float] = []
         cpu_ratios: list[float] = []  # per round B ÷ A of the CPU per file, all processes
