@@ -63,6 +63,8 @@ def test_a_daemon_serving_a_cached_artifact_has_no_torch(tmp_path: Path, daemon_
     assert started["RUNTIME"] == "onnxruntime", started
     assert started["RUNTIME_ARTIFACT"] == "cached, served without torch", started
     assert started["TORCH_VERSION"] == "not loaded", started
+    # A batch per core side by side where the default in_flight_batches allows it.
+    assert started["RUNTIME_CALLS"] == str(calls_and_threads(usable_cores(), 4)[0]), started
     daemon.wait_for("ready")
     from support.photos import photo_paths
 
@@ -78,12 +80,24 @@ def test_a_daemon_serving_a_cached_artifact_has_no_torch(tmp_path: Path, daemon_
     assert "onnx_cpp2py_export" not in maps and "ml_dtypes" not in maps
     assert daemon.stop() == 0
 
+    # One batch out at a time: one call across every core, not a single-threaded one.
+    one_call = write_config(tmp_path, model={"cache_dir": str(cache), "device": "cpu"},
+                            capacity={"in_flight_batches": 1})
+    daemon = daemon_factory(one_call)
+    started = line_fields(daemon.wait_for("started", 180)[0])
+    assert started["RUNTIME_ARTIFACT"] == "cached, served without torch", started
+    assert started["RUNTIME_CALLS"] == "1", started
+    assert daemon.stop() == 0
+
 
 def test_a_small_host_runs_a_single_threaded_batch_per_core() -> None:
     """Up to the default capacity.in_flight_batches cores, a batch per core side by side; on
-    more (not measured side by side), one batch across them all; one core, one call."""
-    assert calls_and_threads(2) == (2, 1) and calls_and_threads(4) == (4, 1)
-    assert calls_and_threads(1) == (1, 1) and calls_and_threads(16) == (1, 16)
+    more (not measured side by side), one batch across them all; one core, one call; and one
+    call across every core for a caller that sends fewer calls than there are cores (a
+    capacity.in_flight_batches of 1, a search query), not a single-threaded one."""
+    assert calls_and_threads(2, 4) == (2, 1) and calls_and_threads(4, 4) == (4, 1)
+    assert calls_and_threads(1, 4) == (1, 1) and calls_and_threads(16, 4) == (1, 16)
+    assert calls_and_threads(2, 1) == (1, 2) and calls_and_threads(4, 3) == (1, 4)
 
 
 @pytest.mark.slow  # a costly run: `make test`, not the fast tier
@@ -100,7 +114,7 @@ def test_the_cached_model_gives_the_torch_model_s_answers(tmp_path: Path) -> Non
     fast = FastPath(load_model(config), config)
     fast.start()
     fast.join(900)
-    cached, why = load_cached(config)
+    cached, why = load_cached(config, calls_sent=4)
     assert isinstance(cached, OnnxModel), why
     from PIL import Image
 
@@ -108,7 +122,7 @@ def test_the_cached_model_gives_the_torch_model_s_answers(tmp_path: Path) -> Non
              for path in list(photo_paths().values())[:4]]
     # A batch per core side by side, each call single-threaded, on a small host: the engine's
     # threads are the session's parallelism (the started record says how many).
-    calls, threads = calls_and_threads(usable_cores())
+    calls, threads = calls_and_threads(usable_cores(), 4)
     assert cached.concurrent_calls == calls == cached.fields["RUNTIME_CALLS"]
     assert cached.session.get_session_options().intra_op_num_threads == threads
     alone = [p.top_k for p in cached.predict(crops)]

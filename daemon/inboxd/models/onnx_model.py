@@ -168,21 +168,25 @@ class OnnxModel:
 SIDE_BY_SIDE_MAX_CORES = 4
 
 
-def calls_and_threads(cores: int) -> tuple[int, int]:
-    """(batches run at once, intra-op threads of the session) on ``cores``. Up to
+def calls_and_threads(cores: int, calls_sent: int = 1) -> tuple[int, int]:
+    """(batches run at once, intra-op threads of the session) on ``cores``, for a caller that
+    sends up to ``calls_sent`` batches at once (``capacity.in_flight_batches``). Up to
     ``SIDE_BY_SIDE_MAX_CORES``, a single-threaded call per core: a small network's batch split
     across the cores leaves one idle through every serial step and every straggler of a
     parallel one, while the decode workers wait for room in the preprocess cache; whole batches
-    side by side keep every core busy. On more cores, one call across all of them, as before
-    (side by side there is not measured)."""
-    if 1 < cores <= SIDE_BY_SIDE_MAX_CORES:
+    side by side keep every core busy. On more cores (side by side there is not measured), or
+    for a caller that sends fewer calls than there are cores (a single-threaded call would
+    leave the rest idle), one call across all of them."""
+    if 1 < cores <= SIDE_BY_SIDE_MAX_CORES and calls_sent >= cores:
         return cores, 1
     return 1, cores
 
 
-def load_cached(config: ModelConfig, root: Path = Path("/")) -> tuple[OnnxModel | None, str]:
+def load_cached(config: ModelConfig, root: Path = Path("/"), calls_sent: int = 1
+                ) -> tuple[OnnxModel | None, str]:
     """The built-in model from its cached artifact, or None and why it cannot be served so
-    (torch then loads the model, and builds the artifact if it is missing)."""
+    (torch then loads the model, and builds the artifact if it is missing). ``calls_sent``:
+    the most batches the caller sends at once (``calls_and_threads``)."""
     if config.kind != "builtin" or config.engine != "local":
         return None, "only the built-in model is served from its artifact without torch"
     if not cpu_only_host(config.device, root):
@@ -205,7 +209,7 @@ def load_cached(config: ModelConfig, root: Path = Path("/")) -> tuple[OnnxModel 
         metadata = onnx_artifact.check_self_contained(
             data, key, onnx_artifact.SERVING_KEY_METADATA)
         serving = json.loads(metadata[onnx_artifact.SERVING_METADATA])
-        calls, threads = calls_and_threads(usable_cores())
+        calls, threads = calls_and_threads(usable_cores(), calls_sent)
         session = onnx_artifact.session(data, threads)
     except onnx_artifact.ArtifactRefused as refused:
         return None, f"the artifact {path} cannot serve without torch: {refused}"

@@ -56,7 +56,7 @@ def load_tasks(config: Config) -> dict[str, TaskModel]:
     tasks = {}
     for task, block in config.models.items():
         try:
-            tasks[task] = load_here(block)
+            tasks[task] = load_here(block, config.task_in_flight(task))
         except ConfigError as exc:
             raise ConfigError(f"models.{task}", exc.problems) from exc
     return tasks
@@ -101,7 +101,7 @@ class Service:
             await asyncio.to_thread(probe_onnx_blocks, self.config)
             tasks = await asyncio.to_thread(load_tasks, self.config)
             model = next(iter(tasks.values())) if tasks else await asyncio.to_thread(
-                load_here, self.config.model)
+                load_here, self.config.model, self.config.capacity.in_flight_batches)
             batch_bounds = [m.max_batch for m in (tasks or {"": model}).values()
                             if m.max_batch is not None]
             self.config, profile = with_device_defaults(  # unset keys follow the device

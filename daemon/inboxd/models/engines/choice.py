@@ -24,10 +24,11 @@ def here(config: ModelConfig) -> ModelConfig:
                                      "runtime": "torch"})
 
 
-def load_here(config: ModelConfig) -> TaskModel:
+def load_here(config: ModelConfig, calls_sent: int = 1) -> TaskModel:
     """The built-in model from its cached ONNX artifact where it can serve so (torch is then
-    never imported: ``models/onnx_model.py``), else the torch model."""
-    cached, _ = load_cached(here(config))
+    never imported: ``models/onnx_model.py``), else the torch model. ``calls_sent``: the most
+    batches the caller sends at once (the daemon: the task's ``in_flight_batches``)."""
+    cached, _ = load_cached(here(config), calls_sent=calls_sent)
     if cached is not None:
         return cached
     from inboxd.models.loading import load_model
