@@ -76,9 +76,9 @@ class CapacityConfig(Section):
     preprocess_cache_mb: Positive = 256
     retry_list: Positive = 256
     # Batches sent to the model and not answered yet. The local engine on the CPU runs torch
-    # one batch at a time whatever this says, and ONNX Runtime's cached artifact, on up to 4
-    # cores and where this is at least the cores at start, one single-threaded batch per core
-    # (else one batch across the cores); on CUDA it takes this many (the copy of one overlaps the
+    # one batch at a time whatever this says, and ONNX Runtime's cached artifact, where this
+    # is at least the cores at start, one single-threaded batch per core (else one batch
+    # across the cores); on CUDA it takes this many (the copy of one overlaps the
     # compute of another); engine: ray keeps up to this many in flight across the replicas.
     # The next batch waits here, never in Serve's own queue.
     in_flight_batches: Positive = 4

@@ -90,14 +90,15 @@ def test_a_daemon_serving_a_cached_artifact_has_no_torch(tmp_path: Path, daemon_
     assert daemon.stop() == 0
 
 
-def test_a_small_host_runs_a_single_threaded_batch_per_core() -> None:
-    """Up to the default capacity.in_flight_batches cores, a batch per core side by side; on
-    more (not measured side by side), one batch across them all; one core, one call; and one
-    call across every core for a caller that sends fewer calls than there are cores (a
+def test_a_host_runs_a_single_threaded_batch_per_core_where_the_bound_sends_one() -> None:
+    """With the default capacity.in_flight_batches (4), a batch per core side by side on hosts
+    of up to 4 cores, one batch across them all on more; one core, one call; and one call
+    across every core for a caller that sends fewer calls than there are cores (a
     capacity.in_flight_batches of 1, a search query), not a single-threaded one."""
     assert calls_and_threads(2, 4) == (2, 1) and calls_and_threads(4, 4) == (4, 1)
     assert calls_and_threads(1, 4) == (1, 1) and calls_and_threads(16, 4) == (1, 16)
     assert calls_and_threads(2, 1) == (1, 2) and calls_and_threads(4, 3) == (1, 4)
+    assert calls_and_threads(8, 8) == (8, 1)
 
 
 @pytest.mark.slow  # a costly run: `make test`, not the fast tier

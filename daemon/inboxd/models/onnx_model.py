@@ -163,21 +163,15 @@ class OnnxModel:
         return {}
 
 
-# The most cores that run one single-threaded batch each (``calls_and_threads``): the default
-# capacity.in_flight_batches, so the stage's bound never leaves one of them without a call.
-SIDE_BY_SIDE_MAX_CORES = 4
-
-
 def calls_and_threads(cores: int, calls_sent: int = 1) -> tuple[int, int]:
     """(batches run at once, intra-op threads of the session) on ``cores``, for a caller that
-    sends up to ``calls_sent`` batches at once (``capacity.in_flight_batches``). Up to
-    ``SIDE_BY_SIDE_MAX_CORES``, a single-threaded call per core: a small network's batch split
+    sends up to ``calls_sent`` batches at once (the task's ``in_flight_batches``). Where it
+    sends a batch per core, a single-threaded call per core: a small network's batch split
     across the cores leaves one idle through every serial step and every straggler of a
     parallel one, while the decode workers wait for room in the preprocess cache; whole batches
-    side by side keep every core busy. On more cores (side by side there is not measured), or
-    for a caller that sends fewer calls than there are cores (a single-threaded call would
-    leave the rest idle), one call across all of them."""
-    if 1 < cores <= SIDE_BY_SIDE_MAX_CORES and calls_sent >= cores:
+    side by side keep every core busy. Where it sends fewer (a search query, a bound below the
+    cores), a single-threaded call would leave cores idle: one call across all of them."""
+    if 1 < cores <= calls_sent:
         return cores, 1
     return 1, cores
 

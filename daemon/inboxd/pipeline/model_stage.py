@@ -4,8 +4,8 @@ Where the model runs is the engine's business (``inboxd.models.engines.interface
 keeps at most ``in_flight`` batches sent and unanswered (one for the local engine running torch
 on the CPU; up to ``capacity.in_flight_batches`` for an engine with ``parallel_calls``: the local
 engine on CUDA, where a second call's copy overlaps the first's compute, and Ray's; on a CPU
-of 2-4 cores serving the cached ONNX Runtime artifact, one per core, each call single-threaded
-on its own model thread).
+serving the cached ONNX Runtime artifact with a bound of at least the cores, one per core,
+each call single-threaded on its own model thread).
 While every slot is taken, the batcher is not asked for another batch: the wait reaches the
 preprocess cache, the decoders and ``await queue.put()``, exactly as a busy local GPU does. The
 bound is this stage's, never a remote queue's.
@@ -109,8 +109,7 @@ class ModelStage:
 
     def resize(self, in_flight: int) -> None:
         """SIGHUP: a new bound; calls already out finish, the next wait for a free slot."""
-        if self.engine.parallel_calls:
-            self.max_in_flight = calls_out(self.engine, in_flight)
+        self.max_in_flight = calls_out(self.engine, in_flight)
 
     async def run(self) -> None:
         getter: asyncio.Future[Any] | None = None

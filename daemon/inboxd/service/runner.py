@@ -101,7 +101,7 @@ class Service:
             await asyncio.to_thread(probe_onnx_blocks, self.config)
             tasks = await asyncio.to_thread(load_tasks, self.config)
             model = next(iter(tasks.values())) if tasks else await asyncio.to_thread(
-                load_here, self.config.model, self.config.capacity.in_flight_batches)
+                load_here, self.config.model, self.config.task_in_flight("model"))
             batch_bounds = [m.max_batch for m in (tasks or {"": model}).values()
                             if m.max_batch is not None]
             self.config, profile = with_device_defaults(  # unset keys follow the device
@@ -126,8 +126,8 @@ class Service:
         faults.install(model)
         self.pipeline = Pipeline(self.config, model, lifecycle=lifecycle, engine=engine,
                                  tasks=tasks or None)
-        log_started(self.config, model, tasks, engine, self.pipeline.watcher.plans, profile,
-                    warmed, warm_s, started)
+        log_started(self.config, model, tasks, engine, self.pipeline.model_stage,
+                    self.pipeline.watcher.plans, profile, warmed, warm_s, started)
         self._warn_if_slower_than_watchdog(list(warm_timings(tasks or {"model": model}).values()))
         if self.metrics is not None:
             self.metrics.attach(self.pipeline)
