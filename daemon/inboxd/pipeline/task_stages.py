@@ -38,10 +38,10 @@ class TaskStages:
     ) -> None:
         """``upstream_busy``: more photos are on their way to the cache (queued or decoding)."""
         self.cache = cache
-        # Each task's bound on batches out: one on an engine that takes one call at a time.
-        self.calls_out = {task: calls_out(engine, config.task_in_flight(task))
-                          for task, engine in engines.items()}
-        self.join = TaskJoin(list(engines), config.task_join(self.calls_out), deliver, release)
+        # Each task's bound on batches out, as its stage below will keep it.
+        bounds = {task: calls_out(engine, config.task_in_flight(task))
+                  for task, engine in engines.items()}
+        self.join = TaskJoin(list(engines), config.task_join(bounds), deliver, release)
         self.batchers: dict[str, Batcher] = {}
         self.stages: dict[str, ModelStage] = {}
         for task, engine in engines.items():
@@ -59,6 +59,11 @@ class TaskStages:
                 release=self.join.give_back, on_device_fault=on_device_fault,
                 on_inferred=lambda s: stats.inference_ms.add(s * 1000),
                 in_flight=config.task_in_flight(task), name=f"model_{task}")
+
+    @property
+    def calls_out(self) -> dict[str, int]:
+        """Each task's bound on batches out: one on an engine that takes one call at a time."""
+        return {task: stage.capacity for task, stage in self.stages.items()}
 
     def _answered_by(self, task: str) -> Callable[[list[Outcome]], Awaitable[None]]:
         async def answered(outcomes: list[Outcome]) -> None:
@@ -106,7 +111,6 @@ class TaskStages:
             batch = config.task_batch(task)
             batcher.configure(batch.max_size, batch.max_delay_ms)
             self.stages[task].resize(config.task_in_flight(task))
-            self.calls_out[task] = self.stages[task].capacity
         self.join.resize(config.task_join(self.calls_out))
 
     async def run(self) -> None:

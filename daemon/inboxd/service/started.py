@@ -14,15 +14,17 @@ from inboxd.files.filesystems import WatchPlan
 from inboxd.files.filesystems import describe as describe_watch
 from inboxd.models.device import device_fields
 from inboxd.models.engines.interface import ModelEngine
-from inboxd.models.engines.interface import calls_out as engine_calls_out
 from inboxd.models.predictions import TaskModel
 from inboxd.models.runtime_record import runtime_fields
 from inboxd.models.tasks import TasksEngine
+from inboxd.pipeline.model_stage import ModelStage
+from inboxd.pipeline.task_stages import TaskStages
 
 
 def log_started(config: Config, model: TaskModel, tasks: dict[str, TaskModel],
-                engine: ModelEngine | TasksEngine, plans: list[WatchPlan], profile: dict[str, str],
-                warmed: list[int], warm_s: float, loading_started: float) -> None:
+                engine: ModelEngine | TasksEngine, stages: ModelStage | TaskStages,
+                plans: list[WatchPlan], profile: dict[str, str], warmed: list[int],
+                warm_s: float, loading_started: float) -> None:
     """``loading_started``: ``time.perf_counter()`` when loading began; ``tasks``: {} for one
     ``model:``."""
     source = f" ({model.info.source})" if model.info is not None else ""
@@ -38,16 +40,13 @@ def log_started(config: Config, model: TaskModel, tasks: dict[str, TaskModel],
     ran = (f"{model.runtime} {model.precision}"
            + (" (onnxruntime being prepared in the background)" if state == "building" else "")
            )
-    if tasks and isinstance(engine, TasksEngine):  # every task: what it runs, where, how
-        def calls_out(task: str) -> int:  # the stage's bound: one call on a serial engine
-            return engine_calls_out(engine.engines[task], config.task_in_flight(task))
-
+    if tasks and isinstance(stages, TaskStages):  # every task: what it runs, where, how
+        calls_out = stages.calls_out  # the stages' bounds: one call on a serial engine
         source = " (tasks " + "; ".join(
             f"{task}: {m.name} {m.output} on {where(config.tasks[task], m)}, {m.runtime} "
             f"{m.precision}, batches of {config.task_batch(task).max_size}, "
-            f"{calls_out(task)} in flight" for task, m in tasks.items()) + (
-                f"; {config.task_join({task: calls_out(task) for task in tasks})} photos in "
-                "the task join)")
+            f"{calls_out[task]} in flight" for task, m in tasks.items()) + (
+                f"; {stages.join.capacity} photos in the task join)")
         runtime["TASKS"] = ",".join(tasks)
     logs.emit(logging.INFO, "started",
               f"inboxd {__version__}: model {model.name}{source} on {on}, runs {ran}, "
