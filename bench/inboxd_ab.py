@@ -44,7 +44,7 @@ from bench.peer_vs_inboxd import (
     start_inboxd,
     steady_files_per_s,
 )
-from bench.procs import HELPERS, cpu_s
+from bench.procs import CLK_TCK, HELPERS, cpu_s, helpers
 from bench.scenarios import Running
 from support.harness import logger
 
@@ -57,29 +57,14 @@ def machine_idle_s() -> tuple[float, float]:
     """(idle + iowait seconds summed over the cores, all seconds summed) from /proc/stat."""
     with open("/proc/stat") as stat:
         fields = [int(x) for x in stat.readline().split()[1:]]
-    ticks = os.sysconf("SC_CLK_TCK")
-    return (fields[3] + fields[4]) / ticks, sum(fields[:8]) / ticks
-
-
-def _family(pid: int) -> list[int]:
-    """The daemon and its helper processes (decode workers, the commit process)."""
-    pids = [pid]
-    with contextlib.suppress(OSError):
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as kids:
-                pids += [int(child) for child in kids.read().split()]
-    return pids
+    return (fields[3] + fields[4]) / CLK_TCK, sum(fields[:8]) / CLK_TCK
 
 
 def runq_wait_s(pid: int) -> dict[str, float]:
     """Seconds the threads of the daemon, and of each kind of helper, have waited runnable for
     a core (schedstat's second field), live threads only."""
     found: dict[str, float] = {}
-    for member in _family(pid):
-        kind = "daemon"
-        with contextlib.suppress(OSError), open(f"/proc/{member}/cmdline", "rb") as cmdline:
-            args = [a.decode(errors="replace") for a in cmdline.read().split(b"\0")]
-            kind = next((HELPERS[a] for a in args if a in HELPERS), "daemon")
+    for member, kind in [(pid, "daemon"), *helpers(pid)]:
         with contextlib.suppress(OSError):
             for task in os.listdir(f"/proc/{member}/task"):
                 with contextlib.suppress(OSError, ValueError, IndexError):
@@ -92,10 +77,9 @@ def runq_wait_s(pid: int) -> dict[str, float]:
 def renice_workers(pid: int, increment: int) -> None:
     """Every thread of the daemon's decode workers ``increment`` nicer (niceness is per
     thread on Linux)."""
-    for member in _family(pid)[1:]:
-        with open(f"/proc/{member}/cmdline", "rb") as cmdline:
-            if b"inboxd.decode.worker_child" not in cmdline.read():
-                continue
+    for member, kind in helpers(pid):
+        if kind != HELPERS["inboxd.decode.worker_child"]:
+            continue
         for task in os.listdir(f"/proc/{member}/task"):
             tid = int(task)
             os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + increment)

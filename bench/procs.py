@@ -116,21 +116,29 @@ def _stat_cpu_s(path: str) -> float:
 HELPERS = {"inboxd.decode.worker_child": "decode_workers", "inboxd.files.commit_child": "commit"}
 
 
+def helpers(pid: int) -> list[tuple[int, str]]:
+    """The daemon's live child processes, each with its kind (``HELPERS``; "daemon" for any
+    other child)."""
+    found = []
+    for task in _tasks(pid):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as kids:
+            for child in map(int, kids.read().split()):
+                with contextlib.suppress(OSError), open(f"/proc/{child}/cmdline", "rb") as cmd:
+                    args = cmd.read().decode(errors="replace").split("\0")
+                    found.append((child, next((HELPERS[a] for a in args if a in HELPERS),
+                                              "daemon")))
+    return found
+
+
 def cpu_s(pid: int) -> dict[str, float]:
     """User + system CPU seconds of the daemon process (threads that ended included) and of
     its live helper processes, by kind (``HELPERS``)."""
     found = dict.fromkeys(["daemon", *HELPERS.values()], 0.0)
     with contextlib.suppress(OSError, ValueError, IndexError):
         found["daemon"] = _stat_cpu_s(f"/proc/{pid}/stat")
-    for task in _tasks(pid):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as kids:
-            for child in kids.read().split():
-                with contextlib.suppress(OSError, ValueError, IndexError):
-                    with open(f"/proc/{child}/cmdline", "rb") as cmdline:
-                        args = cmdline.read().split(b"\0")
-                    kind = next((HELPERS[a.decode()] for a in args if a.decode() in HELPERS),
-                                "daemon")
-                    found[kind] += _stat_cpu_s(f"/proc/{child}/stat")
+    for child, kind in helpers(pid):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            found[kind] += _stat_cpu_s(f"/proc/{child}/stat")
     return found
 
 
